@@ -1,0 +1,109 @@
+"""Wrapping a model for data parallelism and moving its state in and out of the wrapper.
+
+DDP (the default) replicates the model on every rank and all-reduces (averages) gradients
+during backward; FSDP2 (``torch.distributed.fsdp.fully_shard``) shards parameters, gradients
+and optimizer state across ranks. Both give the same optimizer step; FSDP2 trades extra
+communication for memory.
+
+State dicts go through ``torch.distributed.checkpoint.state_dict`` with full (unsharded) CPU
+tensors, so a checkpoint written under DDP loads under FSDP2 and on one process. With FSDP2
+these helpers are collectives: every rank must call them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def wrap_model(model: nn.Module, *, strategy: str = "ddp", device: torch.device | None = None) -> nn.Module:
+    """Wrap ``model`` for data parallelism; returns it unchanged without a process group.
+
+    ``strategy``: ``"ddp"`` (DistributedDataParallel, ``find_unused_parameters=False``: the
+    retriever's dummy vision pass keeps every parameter in the graph) or ``"fsdp2"``
+    (``fully_shard`` on every decoder/vision block, then on the root).
+    Raises ``ValueError`` for another strategy.
+    """
+    if strategy not in ("ddp", "fsdp2"):
+        raise ValueError(f"strategy must be 'ddp' or 'fsdp2', got {strategy!r}")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return model
+    if strategy == "ddp":
+        device_ids = [device.index] if device is not None and device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=False)
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        # Shard transformer blocks individually (text decoder layers and vision blocks).
+        if type(module).__name__.endswith(("DecoderLayer", "VisionBlock", "Block")) and module is not model:
+            fully_shard(module)
+    fully_shard(model)
+    return model
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP wrapper (FSDP2 modifies the module in place)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Full, unsharded CPU state dicts of the model and optimizer (a collective under FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(unwrap_model(model), optimizer, options=opts)
+
+
+def load_full_state_dicts(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None
+) -> None:
+    """Load full state dicts produced by :func:`full_state_dicts` into a (wrapped) model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, strict=True)
+    if optimizer is None or optim_sd is None:
+        set_model_state_dict(unwrap_model(model), model_sd, options=opts)
+    else:
+        set_state_dict(unwrap_model(model), optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts)
+
+
+def barrier() -> None:
+    """Synchronise all ranks (no-op without a process group). Bounded by the group's timeout."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_max(value: float) -> float:
+    """Max of a Python float over ranks (no-op without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def all_reduce_mean(value: float) -> float:
+    """Mean of a Python float over ranks (no-op without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` as a list indexed by rank (``[obj]`` without a process group).
+
+    Uses ``all_gather_object`` (pickle between the job's own ranks, never from a file)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

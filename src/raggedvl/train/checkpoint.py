@@ -1,0 +1,190 @@
+"""Atomic, verified, code-free training checkpoints.
+
+Layout of one checkpoint (``<run>/checkpoints/step-000050/``)::
+
+    model.safetensors     full (unsharded) model state dict            safetensors
+    optimizer.pt          full optimizer state dict                     torch.save, loaded weights_only
+    rng.pt                per-rank torch / python RNG states            torch.save, loaded weights_only
+    trainer_state.json    step, epoch, sampler and scheduler state, config, run counters
+    MANIFEST.json         size and SHA-256 of every file above, written last
+
+Writing: rank 0 writes into ``step-000050.tmp-<pid>``, fsyncs, writes the manifest, then
+renames the folder into place (``os.rename`` is atomic on POSIX) and only then removes the
+oldest checkpoints beyond ``keep``. A crash at any point leaves the previous checkpoint intact.
+
+Loading: checkpoints are tried newest first; one whose manifest is missing, or whose files
+differ in size or hash, is reported and skipped, so a torn write falls back to the previous
+good checkpoint. Nothing loaded executes code: weights come from safetensors, the rest from
+JSON or ``torch.load(weights_only=True)``; a pickle that carries code is refused with
+:class:`CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json")
+MANIFEST = "MANIFEST.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, torn, corrupt or unsafe to load."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: list[dict[str, Any]]
+    state: dict[str, Any]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    *,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    rng_states: list[dict[str, Any]],
+    trainer_state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write one checkpoint atomically under ``root`` (call on rank 0 only); returns its path.
+
+    ``model_state`` tensors are cloned to contiguous CPU tensors (safetensors refuses shared
+    storage, e.g. tied embeddings). Raises ``ValueError`` if ``keep < 1``.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file({k: v.detach().to("cpu").clone().contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+    torch.save(optimizer_state, tmp / "optimizer.pt")
+    torch.save(rng_states, tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, sort_keys=True), encoding="utf-8")
+    manifest = {}
+    for name in FILES:
+        p = tmp / name
+        with open(p, "rb+") as f:
+            os.fsync(f.fileno())
+        manifest[name] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=2), encoding="utf-8")
+    _fsync_dir(tmp)
+    if final.exists():  # a re-run of the same step replaces its older copy atomically
+        old = root / f"{final.name}.old-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    for stale in list_checkpoints(root)[keep:]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Checkpoint folders under ``root``, newest step first (temporary folders excluded)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and "." not in p.name]
+    return sorted(dirs, key=lambda p: int(p.name.split("-")[1]), reverse=True)
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Raise :class:`CheckpointError` unless every file matches the manifest's size and SHA-256."""
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST}; the write was interrupted before it completed")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))["files"]
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from e
+    for name in FILES:
+        p = path / name
+        want = manifest.get(name)
+        if want is None or not p.is_file():
+            raise CheckpointError(f"{path}: {name} is missing")
+        size = p.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"{p}: {size} bytes, manifest says {want['bytes']} (truncated or overwritten)")
+        if _sha256(p) != want["sha256"]:
+            raise CheckpointError(f"{p}: SHA-256 differs from the manifest (corrupt)")
+
+
+def _safe_torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{path}: refusing to load: the file contains pickled objects other than tensors and plain "
+            f"containers (possibly code). raggedvl only loads weights_only data. Details: {e}"
+        ) from e
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Verify and load one checkpoint folder. Raises :class:`CheckpointError`."""
+    path = Path(path)
+    verify_checkpoint(path)
+    return Checkpoint(
+        path=path,
+        model=load_file(str(path / "model.safetensors")),
+        optimizer=_safe_torch_load(path / "optimizer.pt"),
+        rng=_safe_torch_load(path / "rng.pt"),
+        state=json.loads((path / "trainer_state.json").read_text(encoding="utf-8")),
+    )
+
+
+def load_latest_checkpoint(root: str | Path) -> tuple[Checkpoint | None, list[str]]:
+    """The newest checkpoint under ``root`` that verifies, and a message for each one skipped.
+
+    Returns ``(None, problems)`` when there is no valid checkpoint. A refused (unsafe) file
+    is not skipped silently: :class:`CheckpointError` for unsafe content propagates.
+    """
+    problems: list[str] = []
+    for path in list_checkpoints(root):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        return load_checkpoint(path), problems
+    return None, problems

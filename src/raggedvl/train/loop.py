@@ -1,0 +1,285 @@
+"""The training loop of ``raggedvl train``: one process per device (torchrun), DDP or FSDP2.
+
+Per optimizer step every rank: takes its cost-balanced share of the global batch from the
+sampler (per-rank sample counts may differ), encodes its queries and documents, computes the
+exact cross-rank contrastive loss (documents, and queries where needed, are all-gathered with
+gradient; DESIGN.md section 4) and steps. After DDP's gradient average every parameter holds
+the single-process gradient of the global batch. Rank 0 logs, evaluates and writes
+checkpoints; all ranks run the same number of steps (the sampler guarantees it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from raggedvl.parallel.runtime import DistInfo, init_distributed, shutdown
+from raggedvl.parallel.wrap import (
+    all_gather_objects,
+    all_reduce_mean,
+    barrier,
+    full_state_dicts,
+    load_full_state_dicts,
+    unwrap_model,
+    wrap_model,
+)
+from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
+from raggedvl.train.config import TrainConfig
+from raggedvl.train.evaluate import evaluate_retrieval
+from raggedvl.train.report import MetricsLog, format_metrics_table, plot_run
+from raggedvl.train.rng import capture_rng_state, restore_rng_state
+from raggedvl.train.schedule import warmup_cosine
+from raggedvl.train.setup import build_components
+
+
+@dataclass
+class StepResult:
+    loss: float
+    n_local: int
+    encode_s: float
+    step_s: float
+
+
+def _maybe_inject_fault(rank: int, step: int) -> None:
+    """Testing aid for failure handling: ``RAGGEDVL_FAULT="kill|raise:RANK:STEP"`` makes rank
+    RANK die (SIGKILL) or raise at the start of optimizer step STEP."""
+    spec = os.environ.get("RAGGEDVL_FAULT")
+    if not spec:
+        return
+    kind, fault_rank, fault_step = spec.split(":")
+    if int(fault_rank) == rank and int(fault_step) == step:
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected fault on rank {rank} at step {step} (RAGGEDVL_FAULT={spec})")
+
+
+class Trainer:
+    """Owns the model, optimizer, schedule, sampler and run directory of one training run."""
+
+    def __init__(self, cfg: TrainConfig, info: DistInfo) -> None:
+        self.cfg = cfg
+        self.info = info
+        self.run_dir = Path(cfg.output_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        if info.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfg.save(self.run_dir / "config.json")
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        self.c = build_components(cfg, info)
+        self.model = wrap_model(self.c.model.to(info.device), strategy=cfg.strategy, device=info.device)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.steps_per_epoch = len(self.c.sampler)
+        self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
+        self.scheduler = warmup_cosine(self.optimizer, cfg.warmup_steps, self.total_steps)
+        self.step = 0
+        self.epoch = 0
+        self.autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if info.device.type == "cuda" and cfg.precision in ("auto", "bf16")
+            else contextlib.nullcontext()
+        )
+
+    # ----------------------------------------------------------------- checkpoints
+    def save(self) -> None:
+        model_sd, optim_sd = full_state_dicts(self.model, self.optimizer)
+        rng = all_gather_objects(capture_rng_state())
+        if self.info.is_main:
+            save_checkpoint(
+                self.ckpt_dir,
+                self.step,
+                model_state=model_sd,
+                optimizer_state=optim_sd,
+                rng_states=rng,
+                trainer_state={
+                    "step": self.step,
+                    "epoch": self.epoch,
+                    "world_size": self.info.world_size,
+                    "sampler": self.c.sampler.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "config": self.cfg.to_dict(),
+                },
+                keep=self.cfg.keep_checkpoints,
+            )
+        barrier()
+
+    def resume(self) -> bool:
+        ckpt, problems = load_latest_checkpoint(self.ckpt_dir)
+        for p in problems:
+            self.log(f"warning: skipped checkpoint: {p}")
+        if ckpt is None:
+            if problems:
+                raise CheckpointError(f"--resume: no valid checkpoint in {self.ckpt_dir}: " + "; ".join(problems))
+            self.log(f"--resume: no checkpoint in {self.ckpt_dir}; starting from scratch")
+            return False
+        if ckpt.state["world_size"] != self.info.world_size:
+            raise CheckpointError(
+                f"{ckpt.path} was written by {ckpt.state['world_size']} ranks, this run has {self.info.world_size}; "
+                "exact resume needs the same world size (the sampler's partition depends on it)"
+            )
+        load_full_state_dicts(self.model, self.optimizer, ckpt.model, ckpt.optimizer)
+        self.scheduler.load_state_dict(ckpt.state["scheduler"])
+        self.c.sampler.load_state_dict(ckpt.state["sampler"])
+        restore_rng_state(ckpt.rng[self.info.rank])
+        self.step = ckpt.state["step"]
+        self.epoch = ckpt.state["epoch"]
+        self.log(f"resumed from {ckpt.path} at step {self.step}")
+        return True
+
+    # ----------------------------------------------------------------- steps
+    def log(self, msg: str) -> None:
+        if self.info.is_main:
+            tqdm.write(msg)
+
+    def _batches(self) -> Iterator[list[int]]:
+        """This rank's dataset indices per step, continuing across epochs (and after resume)."""
+        while True:
+            self.c.sampler.set_epoch(self.epoch)
+            for indices in self.c.sampler:
+                yield indices
+            self.epoch += 1
+
+    def train_step(self, indices: list[int]) -> StepResult:
+        t0 = time.perf_counter()
+        batch = self.c.collate([self.c.train_set[i] for i in indices])
+        queries = batch["queries"].to(self.info.device)
+        docs = batch["docs"].to(self.info.device)
+        self.model.train()
+        t1 = time.perf_counter()
+        with self.autocast:
+            q = self.model(**queries)
+            d = self.model(**docs)
+        t2 = time.perf_counter()
+        loss = self.c.loss(q, d)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        # L_r = (W/N) sum of local terms, so the global loss is the mean of L_r over ranks.
+        global_loss = all_reduce_mean(float(loss.detach()))
+        return StepResult(global_loss, len(indices), t2 - t1, time.perf_counter() - t0)
+
+    def evaluate(self, tag: str) -> dict[str, dict[str, float]]:
+        model = unwrap_model(self.model) if self.cfg.strategy == "ddp" else self.model
+        out = {}
+        for name, ds in (("train", self.c.train_eval_set), ("dev", self.c.eval_set)):
+            out[name] = evaluate_retrieval(
+                model, ds, self.c.collate, batch_size=self.cfg.eval_batch_size, device=self.info.device,
+                head=self.cfg.head, autocast=self.autocast,
+            )
+        return out
+
+    # ----------------------------------------------------------------- run
+    def run(self) -> dict[str, Any]:
+        cfg, info = self.cfg, self.info
+        resumed = self.resume() if cfg.resume else False
+        log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resumed else None) if info.is_main else None
+        if info.is_main and not resumed:
+            log.write({"event": "config", **cfg.to_dict(), "world_size": info.world_size})
+        before = None
+        if cfg.eval_before and not resumed:
+            before = self.evaluate("before")
+            if info.is_main:
+                log.write({"event": "eval_before", "step": 0, **{f"{s}/{k}": v for s, m in before.items() for k, v in m.items() if k != "n"}, "raw": before})
+        if info.is_main:
+            self.log(
+                f"training {self.total_steps} steps on {info.world_size} rank(s) ({info.backend}, {info.device.type}), "
+                f"global batch {cfg.global_batch_size}, {len(self.c.train_set)} training pairs"
+            )
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not info.is_main, desc="train", dynamic_ncols=True)
+        batches = self._batches()
+        t_run = time.perf_counter()
+        samples_done = 0
+        while self.step < self.total_steps:
+            indices = next(batches)
+            _maybe_inject_fault(info.rank, self.step)
+            r = self.train_step(indices)
+            self.step += 1
+            per_rank = all_gather_objects((r.n_local, r.encode_s))
+            samples_done += sum(n for n, _ in per_rank)
+            rate = samples_done / max(1e-9, time.perf_counter() - t_run)
+            if info.is_main:
+                bar.update(1)
+                bar.set_postfix(loss=f"{r.loss:.3f}", samples_s=f"{rate:.1f}")
+                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    log.write({
+                        "event": "train", "step": self.step, "epoch": self.epoch, "loss": r.loss,
+                        "lr": self.scheduler.get_last_lr()[0], "global_batch_size": cfg.global_batch_size,
+                        "samples_per_s": rate, "step_s": r.step_s,
+                        "rank_samples": [n for n, _ in per_rank], "rank_encode_s": [e for _, e in per_rank],
+                    })
+            if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps:
+                self.save()
+        bar.close()
+        after = self.evaluate("after") if cfg.eval_after else None
+        summary: dict[str, Any] = {}
+        if info.is_main:
+            summary = self._report(log, before, after)
+        barrier()
+        return summary
+
+    def _report(self, log: MetricsLog, before, after) -> dict[str, Any]:
+        from raggedvl.train.metrics import random_ranker_metrics
+
+        records = log.read()
+        if after is not None:
+            log.write({"event": "eval_after", "step": self.step, "raw": after})
+        if before is None:  # resumed: take the pre-training evaluation from the log
+            before = next((r["raw"] for r in records if r.get("event") == "eval_before"), None)
+        rows: dict[str, dict[str, float]] = {}
+        for split in ("train", "dev"):
+            ref = (after or before or {}).get(split)
+            if ref:
+                rows[f"{split}: random ranker ({ref['n']} docs)"] = random_ranker_metrics(int(ref["n"]))
+            if before:
+                rows[f"{split}: before training"] = before[split]
+            if after:
+                rows[f"{split}: after training"] = after[split]
+        losses = [r["loss"] for r in records if r.get("event") == "train"]
+        first = sum(losses[:5]) / max(1, len(losses[:5]))
+        last = sum(losses[-10:]) / max(1, len(losses[-10:]))
+        table = format_metrics_table(rows)
+        plot = plot_run(records, {k: v for k, v in rows.items() if "dev" in k or "train" in k}, self.run_dir / "report.png")
+        lines = [
+            f"# raggedvl run: {self.run_dir}",
+            "",
+            f"steps {self.step}, global batch {self.cfg.global_batch_size}, world size {self.info.world_size}, "
+            f"ln(global batch) = {math.log(self.cfg.global_batch_size):.3f}",
+            f"training loss: first 5 steps {first:.3f} -> last 10 steps {last:.3f}",
+            "",
+            table,
+            "",
+        ]
+        for split in ("train", "dev"):
+            cos = (after or before or {}).get(split, {}).get("doc_mean_cosine")
+            if cos is not None:
+                warn = "  WARNING: document embeddings have collapsed (> 0.999)" if cos > 0.999 else ""
+                lines.append(f"{split} documents: mean pairwise cosine {cos:.4f}{warn}")
+        (self.run_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        print("\n".join(lines), flush=True)
+        print("run directory:", flush=True)
+        for p in sorted(self.run_dir.rglob("*")):
+            if p.is_file():
+                print(f"  {p.relative_to(self.run_dir)}  ({p.stat().st_size:,} bytes)", flush=True)
+        return {"rows": rows, "loss_first": first, "loss_last": last, "plot": str(plot)}
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run one training job in this process (one rank of a torchrun job, or a single process)."""
+    info = init_distributed(timeout_s=cfg.collective_timeout_s)
+    try:
+        return Trainer(cfg, info).run()
+    finally:
+        shutdown()

@@ -1,1 +1,25 @@
-"""raggedvl.sampling"""
+"""raggedvl.sampling: cost-balanced distributed batch sampler, partitioner, size-based costs,
+cost-model calibration."""
+
+from raggedvl.sampling.calibrate import CalibrationResult, calibrate, fit_cost_model, measure_times, relative_errors
+from raggedvl.sampling.partition import PartitionInfeasible, partition_costs
+from raggedvl.sampling.plan import epoch_permutation, global_batches, plan_epoch
+from raggedvl.sampling.sampler import BalancedDistributedBatchSampler
+from raggedvl.sampling.sizes import ResizeRule, SampleCosts, estimate_costs
+
+__all__ = [
+    "BalancedDistributedBatchSampler",
+    "CalibrationResult",
+    "PartitionInfeasible",
+    "ResizeRule",
+    "SampleCosts",
+    "calibrate",
+    "epoch_permutation",
+    "estimate_costs",
+    "fit_cost_model",
+    "global_batches",
+    "measure_times",
+    "partition_costs",
+    "plan_epoch",
+    "relative_errors",
+]

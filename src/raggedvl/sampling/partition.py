@@ -3,34 +3,194 @@
 Used by the cost-balanced sampler (one global batch -> W ranks) and by ``scatter_batch``
 (one batch -> DataParallel replicas). Pure Python, deterministic, no communication.
 
-Shapes: ``costs`` is a sequence of n non-negative floats; the result is a list of W lists of
-item indices (each list sorted ascending, so samples keep their relative order).
+Shapes: ``costs`` is a sequence of n non-negative floats (any unit: the cost model's); the
+optional ``sizes`` is a sequence of n non-negative numbers in the unit of ``capacity``
+(typically vision patches, a memory proxy). The result is a list of W lists of item indices,
+each sorted ascending, so samples keep their relative order.
+
+Algorithm (chosen by measurement, see ``benchmarks/results/balance.md``): greedy
+longest-processing-time (Graham, 1969, "Bounds on multiprocessing timing anomalies"), then a
+local search that repeatedly lowers the most loaded part by the best single-item move or
+pairwise swap with a less loaded part. LPT alone is within 4/3 of optimal; the refinement closes
+most of the remaining gap at the batch sizes used here (a few items per part).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+from bisect import bisect_left
 from typing import Sequence
 
+_MAX_ROUNDS_PER_ITEM = 4
+# Refinement stops once the largest part is within this relative distance of the lower bound
+# max(mean part cost, largest item): no partition can beat the bound, and chasing the last
+# 1e-4 costs time without changing any step's wall-clock measurably.
+_LOWER_BOUND_RTOL = 1e-4
 
-def partition_costs(costs: Sequence[float], num_parts: int) -> list[list[int]]:
-    """Greedy longest-processing-time partition (Graham, 1969): items in decreasing cost go to
-    the currently cheapest part (ties: lowest part index, then lowest item index).
 
-    Raises ``ValueError`` if ``num_parts < 1`` or a cost is negative or not finite.
+class PartitionInfeasible(ValueError):
+    """Raised when the greedy packer cannot place every item under the per-part ``capacity``."""
+
+
+def _check_values(name: str, values: Sequence[float]) -> list[float]:
+    out = [float(v) for v in values]
+    for i, v in enumerate(out):
+        if not (v >= 0.0) or math.isinf(v):
+            raise ValueError(f"item {i} has {name} {values[i]!r}; {name} must be finite and >= 0")
+    return out
+
+
+def partition_costs(
+    costs: Sequence[float],
+    num_parts: int,
+    *,
+    sizes: Sequence[float] | None = None,
+    capacity: float | None = None,
+    refine: bool = True,
+) -> list[list[int]]:
+    """Split items ``0..n-1`` into ``num_parts`` lists, minimising the largest summed cost.
+
+    Guarantees: every item in exactly one part; when ``n >= num_parts`` every part holds at
+    least one item (a part with no sample is useless to a rank); with ``capacity`` every part's
+    summed ``sizes`` is ``<= capacity``. Deterministic: ties go to the part with fewer items,
+    then the lower part index; equal costs are ordered by item index.
+
+    Raises ``ValueError`` if ``num_parts < 1``, a cost or size is negative or not finite, the
+    lengths of ``costs`` and ``sizes`` differ, ``capacity`` is given without ``sizes``, or one
+    item's size exceeds ``capacity`` (the message names the item). Raises
+    ``PartitionInfeasible`` (a ``ValueError``) when the items together cannot be packed under
+    ``num_parts`` capacities by first-fit in decreasing cost nor in decreasing size order.
     """
     if num_parts < 1:
         raise ValueError(f"num_parts must be >= 1, got {num_parts}")
-    for i, c in enumerate(costs):
-        if not (c >= 0.0) or c == float("inf"):
-            raise ValueError(f"item {i} has cost {c!r}; costs must be finite and >= 0")
-    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
-    heap = [(0.0, p) for p in range(num_parts)]
+    c = _check_values("cost", costs)
+    s = None
+    if capacity is not None:
+        if sizes is None:
+            raise ValueError("capacity was given without sizes; pass sizes= (e.g. patches per item)")
+        s = _check_values("size", sizes)
+        if len(s) != len(c):
+            raise ValueError(f"costs has {len(c)} items but sizes has {len(s)}; give one size per item")
+        for i, v in enumerate(s):
+            if v > capacity:
+                raise ValueError(
+                    f"item {i} has size {v:g} > capacity {capacity:g}: it fits on no part; "
+                    f"raise the capacity or lower the item's resolution (max_pixels)"
+                )
+    order = sorted(range(len(c)), key=lambda i: (-c[i], i))
+    assign = _greedy(c, s, capacity, num_parts, order)
+    if assign is None and s is not None:
+        assign = _greedy(c, s, capacity, num_parts, sorted(range(len(c)), key=lambda i: (-s[i], i)))
+    if assign is None:
+        raise PartitionInfeasible(
+            f"{len(c)} items with total size {sum(s):g} do not fit under {num_parts} parts of "
+            f"capacity {capacity:g}; use more parts, fewer items or a larger capacity"
+        )
     parts: list[list[int]] = [[] for _ in range(num_parts)]
-    for i in order:
-        load, p = heapq.heappop(heap)
+    for i, p in enumerate(assign):
         parts[p].append(i)
-        heapq.heappush(heap, (load + costs[i], p))
+    if refine and num_parts > 1 and len(c) > num_parts:
+        _refine(c, s, capacity, parts)
     for part in parts:
         part.sort()
     return parts
+
+
+def _greedy(
+    c: list[float], s: list[float] | None, capacity: float | None, num_parts: int, order: list[int]
+) -> list[int] | None:
+    """LPT: each item (in ``order``) to the least-loaded part that has room. None if one has none."""
+    heap = [(0.0, 0, p) for p in range(num_parts)]
+    room = [capacity] * num_parts if s is not None else None
+    assign = [0] * len(c)
+    for i in order:
+        skipped = []
+        while heap:
+            load, count, p = heapq.heappop(heap)
+            if room is None or s[i] <= room[p]:
+                break
+            skipped.append((load, count, p))
+        else:
+            return None
+        assign[i] = p
+        if room is not None:
+            room[p] -= s[i]
+        heapq.heappush(heap, (load + c[i], count + 1, p))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    return assign
+
+
+def _refine(c: list[float], s: list[float] | None, capacity: float | None, parts: list[list[int]]) -> None:
+    """Local search, in place: while some move or swap lowers the most loaded part, apply the
+    one that leaves that pair of parts most even. Never empties a part; keeps capacities."""
+    loads = [sum(c[i] for i in part) for part in parts]
+    used = [sum(s[i] for i in part) for part in parts] if s is not None else None
+    bound = max(sum(c) / len(parts), max(c)) * (1.0 + _LOWER_BOUND_RTOL)
+    for part in parts:
+        part.sort(key=lambda i: (c[i], i))
+    for _ in range(_MAX_ROUNDS_PER_ITEM * len(c)):
+        hi = max(range(len(parts)), key=lambda p: (loads[p], -p))
+        if loads[hi] <= bound:
+            return
+        others = sorted((p for p in range(len(parts)) if p != hi), key=lambda p: (loads[p], p))
+        for lo in others:
+            gap = loads[hi] - loads[lo]
+            if gap <= 0.0:
+                break
+            best = _best_exchange(c, s, capacity, used, parts[hi], parts[lo], hi, lo, gap)
+            if best is not None:
+                _apply(c, s, used, loads, parts, hi, lo, *best)
+                break
+        else:
+            return
+
+
+def _best_exchange(c, s, capacity, used, big, small, hi, lo, gap):
+    """Best (a, b) with a from ``big`` and b from ``small`` or None (a move), such that the
+    transferred cost d = c[a] - c[b] satisfies 0 < d < gap, with d closest to gap / 2."""
+    target = gap / 2.0
+    best, best_err = None, gap / 2.0
+    small_costs = [c[j] for j in small]
+    for a in big:
+        if len(big) > 1 and 0.0 < c[a] < gap:
+            err = abs(c[a] - target)
+            if err < best_err and _fits(s, capacity, used, hi, lo, a, None):
+                best, best_err = (a, None), err
+        k = bisect_left(small_costs, c[a] - target)
+        for j in (k - 1, k):
+            if 0 <= j < len(small):
+                b = small[j]
+                d = c[a] - c[b]
+                if 0.0 < d < gap:
+                    err = abs(d - target)
+                    if err < best_err and _fits(s, capacity, used, hi, lo, a, b):
+                        best, best_err = (a, b), err
+    return best
+
+
+def _fits(s, capacity, used, hi, lo, a, b) -> bool:
+    if s is None:
+        return True
+    delta = s[a] - (s[b] if b is not None else 0.0)
+    return used[lo] + delta <= capacity and used[hi] - delta <= capacity
+
+
+def _apply(c, s, used, loads, parts, hi, lo, a, b) -> None:
+    """Move item ``a`` from part ``hi`` to part ``lo`` (and ``b`` back, for a swap)."""
+    parts[hi].remove(a)
+    parts[lo].append(a)
+    d, ds = c[a], (s[a] if s is not None else 0.0)
+    if b is not None:
+        parts[lo].remove(b)
+        parts[hi].append(b)
+        d -= c[b]
+        ds -= s[b] if s is not None else 0.0
+    loads[hi] -= d
+    loads[lo] += d
+    if used is not None:
+        used[hi] -= ds
+        used[lo] += ds
+    parts[hi].sort(key=lambda i: (c[i], i))
+    parts[lo].sort(key=lambda i: (c[i], i))

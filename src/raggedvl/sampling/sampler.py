@@ -1,0 +1,191 @@
+"""Cost-balanced distributed batch sampler: no straggler rank, exact resume, no communication.
+
+Each step draws a global batch of G samples from a seeded permutation of (seed, epoch) and
+partitions it across the W ranks so that the most expensive rank's summed cost is as low as the
+partitioner can make it (``raggedvl.sampling.partition``). Per-rank sample counts differ from
+step to step (the distributed losses gather ragged counts); every rank gets at least one sample
+per step and every rank takes the same number of steps. All ranks compute the same plan from
+the same inputs, so nothing is exchanged. Remainder, homogeneous-step and patch-cap policies:
+``raggedvl.sampling.plan``.
+
+Shapes: N samples; ``costs`` [N] (any non-negative unit, e.g. ``estimate_costs(...).costs``);
+``patches`` [N] vision rows per sample (the memory proxy the cap counts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from raggedvl.sampling.plan import plan_epoch
+
+_STATE_VERSION = 1
+
+
+def _as_array(name: str, values: Sequence[float], n: int | None = None) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be one value per sample (1-D), got shape {arr.shape}")
+    if n is not None and len(arr) != n:
+        raise ValueError(f"{name} has {len(arr)} entries but costs has {n}; give one per sample")
+    bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"sample {i} has {name} {arr[i]!r}; {name} must be finite and >= 0")
+    return arr
+
+
+class BalancedDistributedBatchSampler:
+    """Yields this rank's list of dataset indices for each step (use as ``batch_sampler``).
+
+    Args:
+        costs: [N] per-sample cost, non-negative.
+        global_batch_size: G, samples per step over all ranks (the in-batch negative pool);
+            ``G >= world_size`` so every rank gets a sample.
+        world_size, rank: W and this rank, plain integers (read the environment at the edge).
+        seed: permutation seed; the plan is a pure function of (seed, epoch, costs, options).
+        drop_last: drop the N mod G remainder (default False: keep it, see ``plan``).
+        max_patches_per_rank: optional cap on each rank's summed ``patches`` per step.
+        patches: [N] per-sample patch counts; required with ``max_patches_per_rank``.
+        homogeneous: group samples of similar cost into the same step (``plan`` explains the
+            effect on balance and negatives); ``bucket_steps`` global batches form one pool.
+
+    ``len()`` is the number of steps of the current epoch (constant unless the cap splits a
+    step). After ``load_state_dict`` the next iteration resumes at the saved step; a full
+    iteration resets to the epoch's start, so iterating again repeats the epoch.
+
+    Raises ``ValueError`` (before any work, naming the sample and the fix) for: W < 1, rank not
+    in [0, W), G < W, N < W, N < G with ``drop_last``, a negative or non-finite cost or patch
+    count, a cap without ``patches``, or one sample whose patches exceed the cap.
+    """
+
+    def __init__(
+        self,
+        costs: Sequence[float],
+        global_batch_size: int,
+        world_size: int,
+        rank: int,
+        seed: int = 0,
+        drop_last: bool = False,
+        max_patches_per_rank: float | None = None,
+        patches: Sequence[float] | None = None,
+        homogeneous: bool = False,
+        bucket_steps: int = 32,
+    ) -> None:
+        self.costs = _as_array("cost", costs)
+        n = len(self.costs)
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size}); pass the process's global rank")
+        if global_batch_size < world_size:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} < world_size {world_size}: some rank would get no "
+                f"sample; use a global batch of at least {world_size}"
+            )
+        if n < world_size:
+            raise ValueError(f"only {n} samples for {world_size} ranks; every rank needs at least one per step")
+        if drop_last and n < global_batch_size:
+            raise ValueError(
+                f"{n} samples < global_batch_size {global_batch_size} with drop_last=True leaves no step; "
+                f"use drop_last=False or a smaller global batch"
+            )
+        if bucket_steps < 1:
+            raise ValueError(f"bucket_steps must be >= 1, got {bucket_steps}")
+        self.patches = None
+        if max_patches_per_rank is not None:
+            if patches is None:
+                raise ValueError("max_patches_per_rank needs patches= (one patch count per sample)")
+            self.patches = _as_array("patches", patches, n)
+            over = np.flatnonzero(self.patches > max_patches_per_rank)
+            if len(over):
+                i = int(over[0])
+                raise ValueError(
+                    f"sample {i} has {self.patches[i]:g} patches > max_patches_per_rank {max_patches_per_rank:g} "
+                    f"({len(over)} samples exceed it): no rank can hold it; raise the cap or lower max_pixels"
+                )
+        self.global_batch_size = int(global_batch_size)
+        self.world_size = int(world_size)
+        self.rank = int(rank)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.max_patches_per_rank = max_patches_per_rank
+        self.homogeneous = bool(homogeneous)
+        self.bucket_steps = int(bucket_steps)
+        self.epoch = 0
+        self._start_step = 0
+        self._next_step = 0
+        self._plan: list[list[list[int]]] | None = None
+        self._plan_epoch = -1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's permutation. Setting the epoch a resumed state points at keeps the
+        resume step; any other epoch starts at step 0."""
+        if int(epoch) != self.epoch:
+            self._start_step = 0
+        self.epoch = int(epoch)
+
+    def plan(self) -> list[list[list[int]]]:
+        """The current epoch's steps for all ranks: [S][W] ascending index lists (cached)."""
+        if self._plan_epoch != self.epoch:
+            self._plan = plan_epoch(
+                self.costs, self.global_batch_size, self.world_size, seed=self.seed, epoch=self.epoch,
+                drop_last=self.drop_last, patches=self.patches, max_patches_per_rank=self.max_patches_per_rank,
+                homogeneous=self.homogeneous, bucket_steps=self.bucket_steps,
+            )
+            self._plan_epoch = self.epoch
+        return self._plan
+
+    def __len__(self) -> int:
+        return len(self.plan())
+
+    def __iter__(self) -> Iterator[list[int]]:
+        plan = self.plan()
+        start, self._start_step = self._start_step, 0
+        self._next_step = start
+        for step in range(start, len(plan)):
+            self._next_step = step + 1
+            yield list(plan[step][self.rank])
+
+    def _fingerprint(self) -> dict[str, Any]:
+        digest = hashlib.sha256(self.costs.tobytes())
+        if self.patches is not None:
+            digest.update(self.patches.tobytes())
+        return {
+            "num_samples": len(self.costs),
+            "global_batch_size": self.global_batch_size,
+            "world_size": self.world_size,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+            "max_patches_per_rank": self.max_patches_per_rank,
+            "homogeneous": self.homogeneous,
+            "bucket_steps": self.bucket_steps,
+            "costs_sha256": digest.hexdigest()[:16],
+        }
+
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """Plain JSON-serialisable resume point. ``step`` = steps of this epoch already consumed;
+        by default the number this sampler has yielded. Pass the trainer's own count when a
+        DataLoader prefetches batches ahead of the optimizer step."""
+        done = self._next_step if step is None else int(step)
+        return {"version": _STATE_VERSION, "epoch": self.epoch, "step": done, **self._fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next iteration yields exactly the steps after ``state['step']``.
+
+        Raises ``ValueError`` listing every field that differs from this sampler's settings
+        (a different dataset, G, W, seed or option would silently change the plan)."""
+        mine = self._fingerprint()
+        diff = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in mine.items() if state.get(k) != v]
+        if state.get("version") != _STATE_VERSION:
+            diff.append(f"version: saved {state.get('version')!r}, now {_STATE_VERSION}")
+        if diff:
+            raise ValueError("sampler state does not match this sampler: " + "; ".join(diff))
+        self.epoch = int(state["epoch"])
+        steps = len(self.plan())
+        if not 0 <= int(state["step"]) <= steps:
+            raise ValueError(f"saved step {state['step']} is outside epoch {self.epoch}'s 0..{steps} steps")
+        self._start_step = int(state["step"])
+        self._next_step = self._start_step

@@ -1,0 +1,48 @@
+import math
+
+import pytest
+import torch
+
+from raggedvl.cli import build_parser
+from raggedvl.train.config import TrainConfig, config_from_args
+from raggedvl.train.launch import strip_torchrun_arguments, torchrun_command
+from raggedvl.train.schedule import warmup_cosine
+
+
+def test_yaml_then_flags_override(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("lr: 0.01\nglobal_batch_size: 16\nmax_train_samples: 10\n")
+    args = build_parser().parse_args(["train", "--config", str(cfg_file), "--lr", "0.002", "--max-eval-samples", "none", "--resume", "true"])
+    cfg = config_from_args(args)
+    assert (cfg.lr, cfg.global_batch_size, cfg.max_train_samples, cfg.max_eval_samples, cfg.resume) == (0.002, 16, 10, None, True)
+
+
+def test_invalid_config_is_rejected_with_the_choices():
+    with pytest.raises(ValueError, match="loss='infonce'"):
+        TrainConfig(head="bi_encoder", loss="late_interaction")
+    with pytest.raises(ValueError, match="unknown config keys \\['lrr'\\]"):
+        TrainConfig.from_dict({"lrr": 1})
+
+
+def test_torchrun_command_defaults_and_pass_through():
+    argv = ["--lr", "0.1", "--nproc-per-node", "8", "--nnodes=2", "--rdzv-endpoint", "host:29500"]
+    args = build_parser().parse_args(["train", *argv])
+    cmd = torchrun_command(args, strip_torchrun_arguments(argv))
+    assert "--standalone" not in cmd
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "8" and cmd[cmd.index("--nnodes") + 1] == "2"
+    assert cmd[-4:] == ["raggedvl.cli", "train", "--lr", "0.1"]
+    single = torchrun_command(build_parser().parse_args(["train"]), [])
+    assert "--standalone" in single and single[single.index("--nproc-per-node") + 1] in ("2", str(torch.cuda.device_count()))
+
+
+def test_warmup_cosine_shape():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = warmup_cosine(opt, warmup_steps=4, total_steps=14)
+    lrs = []
+    for _ in range(14):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4 + 5] == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))

@@ -38,7 +38,7 @@ def _eval(args) -> int:
 def _data(args) -> int:
     from raggedvl.data import build_rdocs
 
-    path = build_rdocs(cache_dir=args.cache_dir, limit=args.limit)
+    path = build_rdocs(cache_dir=args.cache_dir, train_limit=args.train_limit, dev_limit=args.dev_limit)
     print(path)
     return 0
 
@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_data = sub.add_parser("data", help="build an embedded dataset")
     p_data.add_argument("name", choices=["rdocs"])
     p_data.add_argument("--cache-dir", default=None)
-    p_data.add_argument("--limit", type=int, default=None, help="build only this many pairs")
+    p_data.add_argument("--train-limit", type=int, default=None, help="build at most this many training pairs")
+    p_data.add_argument("--dev-limit", type=int, default=None, help="build at most this many dev pairs")
     return parser
 
 

@@ -68,8 +68,7 @@ def encode_pairs(
         real = len(idx)
         batch = collate([dataset[i] for i in (idx or [0])])
         with ctx:
-            q = model(**batch["queries"].to(device))
-            d = model(**batch["docs"].to(device))
+            q, d = model(queries=batch["queries"].to(device), docs=batch["docs"].to(device))
         if real:
             qs += _valid_rows(q.embeddings, q.mask)
             ds += _valid_rows(d.embeddings, d.mask)

@@ -156,9 +156,8 @@ class Trainer:
         docs = batch["docs"].to(self.info.device)
         self.model.train()
         t1 = time.perf_counter()
-        with self.autocast:
-            q = self.model(**queries)
-            d = self.model(**docs)
+        with self.autocast:  # one forward call per backward, as DDP expects
+            q, d = self.model(queries=queries, docs=docs)
         t2 = time.perf_counter()
         loss = self.c.loss(q, d)
         self.optimizer.zero_grad(set_to_none=True)

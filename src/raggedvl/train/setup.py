@@ -1,0 +1,116 @@
+"""Build what a training run needs from its config: data, processor, model, sampler, loss.
+
+Every rank calls :func:`build_components` with the same config and gets identical datasets
+and an identical freshly initialised model (the seed is set by the caller); only the sampler
+differs by rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from filelock import FileLock
+
+from raggedvl.data import RetrievalCollator, RetrievalDataset, build_processor, build_rdocs, load_retrieval_dataset
+from raggedvl.data.rdocs import default_cache_root
+from raggedvl.losses import InfoNCELoss, LateInteractionLoss, PairwiseLoss
+from raggedvl.models import EmbeddingOutput, LoraSettings, build_retriever
+from raggedvl.parallel.runtime import DistInfo
+from raggedvl.sampling import BalancedDistributedBatchSampler, ResizeRule, estimate_costs
+from raggedvl.train.config import TrainConfig
+
+
+@dataclass
+class Components:
+    processor: Any
+    train_set: Sequence[dict[str, Any]]
+    eval_set: Sequence[dict[str, Any]]
+    train_eval_set: Sequence[dict[str, Any]]
+    collate: Callable[[list[dict[str, Any]]], dict[str, Any]]
+    model: torch.nn.Module
+    sampler: BalancedDistributedBatchSampler
+    loss: Callable[[EmbeddingOutput, EmbeddingOutput], torch.Tensor]
+
+
+class _Subset:
+    """The first ``n`` items of a dataset (used to score memorisation on training pairs)."""
+
+    def __init__(self, base: Sequence[dict[str, Any]], n: int) -> None:
+        self.base, self.n = base, min(n, len(base))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.base[i]
+
+
+def prepare_data(cfg: TrainConfig) -> None:
+    """Build and cache the embedded dataset (a no-op for other datasets or when cached).
+
+    Safe to call from several processes at once: a file lock serialises the build."""
+    if cfg.dataset != "rdocs":
+        return
+    root = default_cache_root() if cfg.data_cache is None else cfg.data_cache
+    from pathlib import Path
+
+    Path(root).mkdir(parents=True, exist_ok=True)
+    with FileLock(str(Path(root) / "rdocs.lock")):
+        build_rdocs(root, train_limit=cfg.max_train_samples, dev_limit=cfg.max_eval_samples)
+
+
+def load_splits(cfg: TrainConfig) -> tuple[Sequence[dict[str, Any]], Sequence[dict[str, Any]]]:
+    if cfg.dataset == "rdocs":
+        prepare_data(cfg)
+        root = default_cache_root() if cfg.data_cache is None else cfg.data_cache
+        path = build_rdocs(root, train_limit=cfg.max_train_samples, dev_limit=cfg.max_eval_samples)
+        return RetrievalDataset(path, split=cfg.train_split), RetrievalDataset(path, split=cfg.eval_split)
+    train = load_retrieval_dataset(cfg.dataset, split=cfg.train_split, limit=cfg.max_train_samples)
+    dev = load_retrieval_dataset(cfg.dataset, split=cfg.eval_split, limit=cfg.max_eval_samples)
+    return train, dev
+
+
+def make_loss(cfg: TrainConfig) -> Callable[[EmbeddingOutput, EmbeddingOutput], torch.Tensor]:
+    if cfg.loss == "infonce":
+        fn = InfoNCELoss(temperature=cfg.temperature)
+        return lambda q, d: fn(q.embeddings, d.embeddings)
+    cls = LateInteractionLoss if cfg.loss == "late_interaction" else PairwiseLoss
+    kwargs = {"temperature": cfg.temperature} if cfg.loss == "late_interaction" else {}
+    fn = cls(**kwargs)
+    return lambda q, d: fn(q.embeddings, q.mask, d.embeddings, d.mask)
+
+
+def make_sampler(cfg: TrainConfig, train_set, processor, info: DistInfo) -> BalancedDistributedBatchSampler:
+    sizes = train_set.image_sizes()
+    costs = estimate_costs(sizes, text_tokens=32, resize=ResizeRule.from_processor(processor))
+    if cfg.sampler == "equal":  # equal sample counts per rank, for comparison: all costs equal
+        weights = [1.0] * len(sizes)
+    else:
+        weights = costs.costs.tolist()
+    return BalancedDistributedBatchSampler(weights, cfg.global_batch_size, info.world_size, info.rank, seed=cfg.seed)
+
+
+def build_components(cfg: TrainConfig, info: DistInfo) -> Components:
+    processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+    train_set, eval_set = load_splits(cfg)
+    collate = RetrievalCollator(processor, max_length=cfg.max_length)
+    lora = LoraSettings(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout) if cfg.use_lora else None
+    model = build_retriever(
+        cfg.model, processor=processor, head=cfg.head, dim=cfg.dim, pooling=cfg.pooling, lora=lora,
+        attn_implementation=cfg.attn_implementation, gradient_checkpointing=cfg.gradient_checkpointing,
+        seed=cfg.seed,
+    )
+    return Components(
+        processor=processor,
+        train_set=train_set,
+        eval_set=eval_set,
+        train_eval_set=_Subset(train_set, cfg.eval_train_samples),
+        collate=collate,
+        model=model,
+        sampler=make_sampler(cfg, train_set, processor, info),
+        loss=make_loss(cfg),
+    )

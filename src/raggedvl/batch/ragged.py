@@ -1,0 +1,406 @@
+"""``RaggedBatch``: a Qwen2-VL-family model input that splits, selects, concatenates and pads
+exactly, sample by sample (DESIGN.md section 2).
+
+Shape legend: B samples, L tokens per sample, N items (images or videos) of a stream,
+P patch rows (sum of t*h*w over the stream's items), D_p patch_dim.
+
+Storage: per-sample tensors (``input_ids`` [B, L], ``position_ids`` [3|4, B, L], ...), and per
+visual stream the grid [N, 3], the flat patches [P, D_p] (``None`` when N == 0), per-item extras,
+and ``counts`` (items per sample, in order). Item and patch offsets are cumulative sums computed
+once, so ``select`` / ``split`` are a few index ops, never a per-row Python loop.
+
+The mapping view (``keys()``, ``[]``, ``items()``, ``len``) lists exactly what a model expects:
+a stream's keys are absent when the batch has none of its items, so ``model(**batch)`` receives
+``pixel_values=None`` for a text-only batch, never a zero-row tensor. ``RaggedBatch`` is
+deliberately not registered as a ``collections.abc.Mapping``: generic tree utilities (accelerate's
+``recursively_apply``, the HF Trainer's ``_prepare_input``) rebuild Mappings key by key, which
+would drop the ownership; as a leaf with ``.to()`` they move it whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from . import ownership, validation
+from .costs import CostModel
+from .layouts import BatchLayout, TokenIds, get_layout
+from .padded import pad_patches, ranges, unpad_patches
+
+
+@dataclass(frozen=True)
+class _StreamRows:
+    """Rows of one visual stream; offsets derived in ``__post_init__``."""
+
+    grid: torch.Tensor  # [N, 3] int64
+    patches: torch.Tensor | None  # [P, D_p], None iff N == 0
+    extras: dict[str, torch.Tensor]  # per item, dim 0 = N
+    counts: tuple[int, ...]  # items per sample, length B
+    counts_t: torch.Tensor = field(init=False)
+    item_start: torch.Tensor = field(init=False)  # [B]
+    patch_counts: torch.Tensor = field(init=False)  # [N]
+    patch_start: torch.Tensor = field(init=False)  # [N]
+
+    def __post_init__(self) -> None:
+        counts_t = torch.tensor(self.counts, dtype=torch.int64)
+        patch_counts = self.grid.to("cpu", torch.int64).prod(dim=1) if self.grid.numel() else torch.zeros(0, dtype=torch.int64)
+        object.__setattr__(self, "counts_t", counts_t)
+        object.__setattr__(self, "item_start", torch.cumsum(counts_t, 0) - counts_t)
+        object.__setattr__(self, "patch_counts", patch_counts)
+        object.__setattr__(self, "patch_start", torch.cumsum(patch_counts, 0) - patch_counts)
+
+    def map(self, fn) -> "_StreamRows":
+        return _StreamRows(
+            fn(self.grid), None if self.patches is None else fn(self.patches),
+            {k: fn(v) for k, v in self.extras.items()}, self.counts,
+        )
+
+
+def _as_tensor(key: str, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (np.ndarray, list, tuple, int, float)):
+        return torch.as_tensor(np.asarray(value))
+    raise TypeError(f"feature {key!r} must be a tensor, array or list, got {type(value).__name__}")
+
+
+class RaggedBatch:
+    """A batch of B samples with ragged images and videos. Build with ``from_features``.
+
+    Properties: ``layout``, ``layout_name``, ``token_ids``, ``num_samples``, ``image_counts``,
+    ``video_counts`` (lists of int), ``num_images``, ``num_videos``. All operations return new
+    batches; tensors are never modified in place.
+    """
+
+    def __init__(self, layout: BatchLayout, token_ids: TokenIds, sample: dict[str, torch.Tensor],
+                 streams: dict[str, _StreamRows], order: tuple[str, ...]):
+        self._layout = layout
+        self._token_ids = token_ids
+        self._sample = sample
+        self._streams = streams
+        self._order = order
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_features(
+        cls,
+        features: Mapping[str, Any],
+        layout: str | BatchLayout = "qwen2_vl",
+        image_counts: Sequence[int] | None = None,
+        video_counts: Sequence[int] | None = None,
+        *,
+        token_ids: Any = None,
+        validate: bool = True,
+    ) -> "RaggedBatch":
+        """Wrap a processor output (dict or transformers ``BatchFeature``).
+
+        ``image_counts`` / ``video_counts``: items per sample; derived from the placeholder runs
+        in ``input_ids`` when ``None``. ``token_ids``: a ``TokenIds``, processor, tokenizer or
+        model config to read the placeholder ids from (default: public Qwen ids). ``None`` values
+        are ignored. Raises ``ValueError`` for an unknown key or any broken invariant (see
+        ``validate``), ``TypeError`` for a value that is not tensor-like.
+        """
+        if isinstance(features, RaggedBatch):
+            return features
+        lay = get_layout(layout)
+        tids = TokenIds.from_any(token_ids)
+        feats = {k: _as_tensor(k, v) for k, v in features.items() if v is not None}
+        unknown = [k for k in feats if k not in lay.known_keys]
+        if unknown:
+            raise ValueError(
+                f"keys {unknown} are not part of layout {lay.name!r} (known: {sorted(lay.known_keys)}); "
+                "drop them before batching or declare them in a BatchLayout"
+            )
+        sample = {k: v for k, v in feats.items() if k in lay.sample_dims}
+        num_samples = validation.check_sample_tensors(lay, sample)
+        given = {"image": image_counts, "video": video_counts}
+        streams: dict[str, _StreamRows] = {}
+        for s in lay.streams:
+            grid = feats.get(s.grid_key)
+            patches = feats.get(s.patches_key)
+            if (grid is None) != (patches is None):
+                have, miss = (s.grid_key, s.patches_key) if patches is None else (s.patches_key, s.grid_key)
+                raise ValueError(f"{have} is present but {miss} is missing; pass both or neither")
+            grid = torch.zeros(0, 3, dtype=torch.int64) if grid is None else grid
+            tokens, runs, _ = ownership.placeholder_runs(sample["input_ids"], getattr(tids, s.token))
+            counts = given.get(s.name)
+            if counts is None:
+                validation.check_grid(lay, s, grid, [])
+                counts = ownership.item_counts_from_runs(s, runs, grid)
+            counts = tuple(int(c) for c in counts)
+            ok_len = len(counts) == num_samples
+            validation.check_grid(lay, s, grid, counts if ok_len else [])
+            if ok_len and sum(counts) != grid.shape[0]:
+                _raise_misowned(lay, s, tokens.cpu(), grid.cpu(), counts)
+            validation.check_counts(s, counts, num_samples, grid.shape[0])
+            rows = _StreamRows(grid.to(torch.int64), None, {k: feats[k] for k in s.item_keys if k in feats}, counts)
+            validation.check_patches(lay, s, patches, rows.patch_counts)
+            streams[s.name] = _StreamRows(rows.grid, patches if grid.shape[0] else None, rows.extras, counts)
+        batch = cls(lay, tids, sample, streams, tuple(feats))
+        if validate:
+            batch.validate()
+        return batch
+
+    @classmethod
+    def from_padded(cls, features: Mapping[str, Any], layout: str | BatchLayout = "qwen2_vl", **kwargs: Any) -> "RaggedBatch":
+        """Inverse of ``to_padded``: image ``pixel_values`` [N, P_max, D_p] are unpadded with the
+        grid products (a 2-D ``pixel_values`` is taken as already flat). ``kwargs`` go to
+        ``from_features``. Raises ``ValueError`` if the grids need more rows than P_max."""
+        lay = get_layout(layout)
+        feats = dict(features)
+        for s in lay.streams:
+            padded = feats.get(s.patches_key)
+            if padded is not None and padded.dim() == 3:
+                grid = _as_tensor(s.grid_key, feats[s.grid_key]).to(torch.int64)
+                feats[s.patches_key] = unpad_patches(padded, grid.prod(dim=1))
+        return cls.from_features(feats, lay, **kwargs)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def layout(self) -> BatchLayout:
+        return self._layout
+
+    @property
+    def layout_name(self) -> str:
+        return self._layout.name
+
+    @property
+    def token_ids(self) -> TokenIds:
+        return self._token_ids
+
+    @property
+    def num_samples(self) -> int:
+        return self._sample["input_ids"].shape[0]
+
+    @property
+    def image_counts(self) -> list[int]:
+        return list(self._streams["image"].counts)
+
+    @property
+    def video_counts(self) -> list[int]:
+        return list(self._streams["video"].counts) if "video" in self._streams else [0] * self.num_samples
+
+    @property
+    def num_images(self) -> int:
+        return self._streams["image"].grid.shape[0]
+
+    @property
+    def num_videos(self) -> int:
+        return self._streams["video"].grid.shape[0] if "video" in self._streams else 0
+
+    def patch_counts(self, stream: str = "image") -> torch.Tensor:
+        """Patch rows per item of ``stream`` ("image" or "video"), int64 [N] on CPU."""
+        return self._streams[stream].patch_counts
+
+    # ------------------------------------------------------------------ mapping view
+    def keys(self) -> list[str]:
+        """Keys a model receives: stream keys only when the stream has items."""
+        present = set(self._sample)
+        for name, rows in self._streams.items():
+            if rows.patches is not None:
+                s = self._layout.stream(name)
+                present.update((s.patches_key, s.grid_key, *rows.extras))
+        return [k for k in self._order if k in present]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self._sample:
+            return self._sample[key]
+        for name, rows in self._streams.items():
+            s = self._layout.stream(name)
+            if rows.patches is not None:
+                if key == s.patches_key:
+                    return rows.patches
+                if key == s.grid_key:
+                    return rows.grid
+                if key in rows.extras:
+                    return rows.extras[key]
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        return [(k, self[k]) for k in self.keys()]
+
+    def values(self) -> list[torch.Tensor]:
+        return [self[k] for k in self.keys()]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        """The mapping view as a plain dict."""
+        return dict(self.items())
+
+    def __repr__(self) -> str:
+        return (f"RaggedBatch(layout={self.layout_name!r}, num_samples={self.num_samples}, "
+                f"image_counts={self.image_counts}, video_counts={self.video_counts})")
+
+    # ------------------------------------------------------------------ checks and costs
+    def validate(self) -> "RaggedBatch":
+        """Check every invariant of DESIGN.md section 2; returns ``self``.
+
+        Raises ``ValueError`` naming the sample and numbers for: per-sample shape disagreement,
+        counts vs grid rows, non-positive or non-mergeable grids, patch rows vs grid products,
+        placeholder tokens vs t*h*w/merge_size**2 per sample (C09), ``mm_token_type_ids`` vs
+        placeholders, and placeholder runs not opened by ``<|vision_start|>``.
+        """
+        lay, ids = self._layout, self._sample["input_ids"]
+        validation.check_sample_tensors(lay, self._sample)
+        for name, rows in self._streams.items():
+            s = lay.stream(name)
+            validation.check_counts(s, rows.counts, self.num_samples, rows.grid.shape[0])
+            validation.check_grid(lay, s, rows.grid, rows.counts)
+            validation.check_patches(lay, s, rows.patches, rows.patch_counts)
+            validation.check_item_tensors(s, rows.extras, rows.grid.shape[0])
+            token = getattr(self._token_ids, s.token)
+            tokens, _, starts = ownership.placeholder_runs(ids, token)
+            validation.check_placeholders(lay, s, tokens.cpu(), rows.grid.cpu(), rows.counts)
+            validation.check_vision_starts(s, ownership.runs_without_vision_start(ids, starts, self._token_ids.vision_start),
+                                           self._token_ids.vision_start)
+            if "mm_token_type_ids" in self._sample:
+                validation.check_token_types(s, ids == token, self._sample["mm_token_type_ids"])
+        return self
+
+    def sample_costs(self, cost_model: CostModel | None = None) -> torch.Tensor:
+        """Per-sample cost, float64 [B] on CPU (units of ``cost_model``, default ``CostModel()``).
+
+        Images and videos both count through ``CostModel.image_costs`` of their grids; the token
+        count is ``attention_mask.sum(1)`` (or L without a mask).
+        """
+        cm = cost_model or CostModel()
+        mask = self._sample.get("attention_mask")
+        seq = mask.sum(dim=1).cpu() if mask is not None else torch.full((self.num_samples,), self._sample["input_ids"].shape[1])
+        img = self._streams["image"]
+        costs = cm.sample_costs(img.grid.cpu(), list(img.counts), seq)
+        for name, rows in self._streams.items():
+            if name != "image" and rows.grid.numel():
+                owner = torch.repeat_interleave(torch.arange(self.num_samples), rows.counts_t)
+                costs = costs.index_add(0, owner, cm.image_costs(rows.grid.cpu()))
+        return costs
+
+    # ------------------------------------------------------------------ transforms
+    def _with(self, sample: dict[str, torch.Tensor], streams: dict[str, _StreamRows]) -> "RaggedBatch":
+        return RaggedBatch(self._layout, self._token_ids, sample, streams, self._order)
+
+    def to(self, device: Any, non_blocking: bool = False) -> "RaggedBatch":
+        """Move every tensor to ``device`` (same signature as accelerate's ``send_to_device`` expects)."""
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return self._with({k: move(v) for k, v in self._sample.items()},
+                          {n: r.map(move) for n, r in self._streams.items()})
+
+    def select(self, indices: Sequence[int] | torch.Tensor) -> "RaggedBatch":
+        """The samples ``indices`` (any order, repeats allowed) with exactly their tokens, grids,
+        patches and per-item extras, in that order. Raises ``ValueError`` for an out-of-range index."""
+        idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_samples):
+            raise ValueError(f"sample indices {idx.tolist()} out of range for a batch of {self.num_samples} samples")
+        sample = {}
+        for k, v in self._sample.items():
+            sample[k] = v.index_select(self._layout.sample_dims[k], idx.to(v.device))
+        streams = {}
+        for name, rows in self._streams.items():
+            items = ranges(rows.item_start[idx], rows.counts_t[idx])
+            patch_rows = ranges(rows.patch_start[items], rows.patch_counts[items])
+            take = lambda t, i: t.index_select(0, i.to(t.device))  # noqa: E731
+            streams[name] = _StreamRows(
+                take(rows.grid, items),
+                take(rows.patches, patch_rows) if rows.patches is not None and items.numel() else None,
+                {k: take(v, items) for k, v in rows.extras.items()},
+                tuple(rows.counts_t[idx].tolist()),
+            )
+        return self._with(sample, streams)
+
+    def split(self, sizes: Sequence[int]) -> list["RaggedBatch"]:
+        """Consecutive chunks of ``sizes`` samples (views, no copy). Raises ``ValueError`` unless
+        the sizes are non-negative and sum to B."""
+        sizes = [int(s) for s in sizes]
+        if any(s < 0 for s in sizes) or sum(sizes) != self.num_samples:
+            raise ValueError(f"split sizes {sizes} must be >= 0 and sum to the {self.num_samples} samples")
+        bounds = [0, *accumulate(sizes)]
+        item_cum = {n: [0, *accumulate(r.counts)] for n, r in self._streams.items()}
+        patch_cum = {n: [0, *accumulate(r.patch_counts.tolist())] for n, r in self._streams.items()}
+        out = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            sample = {k: v.narrow(self._layout.sample_dims[k], lo, hi - lo) for k, v in self._sample.items()}
+            streams = {}
+            for name, rows in self._streams.items():
+                i0, i1 = item_cum[name][lo], item_cum[name][hi]
+                p0, p1 = patch_cum[name][i0], patch_cum[name][i1]
+                streams[name] = _StreamRows(
+                    rows.grid[i0:i1],
+                    rows.patches[p0:p1] if rows.patches is not None and i1 > i0 else None,
+                    {k: v[i0:i1] for k, v in rows.extras.items()},
+                    rows.counts[lo:hi],
+                )
+            out.append(self._with(sample, streams))
+        return out
+
+    @staticmethod
+    def concat(batches: Sequence["RaggedBatch"], *, pad_token_id: int = 0) -> "RaggedBatch":
+        """Samples of ``batches`` in order. Batches of different L are right-padded to the longest
+        (``input_ids`` with ``pad_token_id``, others with ``layout.pad_values``). Raises
+        ``ValueError`` for an empty list, mixed layouts or token ids, or different per-sample keys."""
+        if not batches:
+            raise ValueError("concat needs at least one batch")
+        first = batches[0]
+        for i, b in enumerate(batches):
+            if b.layout != first.layout or b.token_ids != first.token_ids:
+                raise ValueError(f"batch {i} has layout {b.layout_name!r} / {b.token_ids}, batch 0 has "
+                                 f"{first.layout_name!r} / {first.token_ids}; concat batches of one family")
+            if set(b._sample) != set(first._sample):
+                raise ValueError(f"batch {i} has per-sample keys {sorted(b._sample)}, batch 0 has {sorted(first._sample)}")
+        lay = first.layout
+        length = max(b._sample["input_ids"].shape[-1] for b in batches)
+        sample = {}
+        for k in first._sample:
+            value = pad_token_id if k == "input_ids" else lay.pad_values.get(k, 0)
+            parts = [torch.nn.functional.pad(b._sample[k], (0, length - b._sample[k].shape[-1]), value=value) for b in batches]
+            sample[k] = torch.cat(parts, dim=lay.sample_dims[k])
+        streams = {}
+        for name in first._streams:
+            rows = [b._streams[name] for b in batches]
+            patches = [r.patches for r in rows if r.patches is not None]
+            extras = {k: torch.cat([r.extras[k] for r in rows if k in r.extras]) for r in rows for k in r.extras}
+            streams[name] = _StreamRows(torch.cat([r.grid for r in rows]), torch.cat(patches) if patches else None,
+                                        extras, tuple(c for r in rows for c in r.counts))
+        order = tuple(dict.fromkeys(k for b in batches for k in b._order))
+        return RaggedBatch(lay, first.token_ids, sample, streams, order)
+
+    def to_padded(self) -> dict[str, torch.Tensor]:
+        """The mapping view with image ``pixel_values`` padded to [N, P_max, D_p] (zeros), the layout
+        colpali-engine and transformers' ColQwen2 use; videos stay flat. ``from_padded`` inverts it."""
+        out = self.to_dict()
+        rows = self._streams["image"]
+        if rows.patches is not None:
+            out[self._layout.stream("image").patches_key] = pad_patches(rows.patches, rows.patch_counts.to(rows.patches.device))
+        return out
+
+
+def _raise_misowned(lay: BatchLayout, s, tokens_B: torch.Tensor, grid: torch.Tensor, counts: tuple[int, ...]) -> None:
+    """Name the first sample whose placeholder runs have no matching grid rows (a grid row was
+    dropped or added): walk the grids in order and compare visual tokens per sample."""
+    visual = (grid.to(torch.int64).prod(dim=1) // lay.merge_size**2).tolist()
+    start = 0
+    for b, c in enumerate(counts):
+        mine = visual[start : start + c]
+        if len(mine) < c or sum(mine) != int(tokens_B[b]):
+            raise ValueError(
+                f"sample {b} has {int(tokens_B[b])} {s.name} placeholder tokens in {c} runs but the "
+                f"{s.grid_key} rows left for it give {len(mine)} {s.name}s with {sum(mine)} visual tokens "
+                f"(the batch has {grid.shape[0]} grid rows for {sum(counts)} runs); a grid row was dropped "
+                f"or added: rebuild the batch with the processor"
+            )
+        start += c
+    raise ValueError(f"{s.grid_key} has {grid.shape[0]} rows for {sum(counts)} {s.name} placeholder runs; "
+                     "extra grid rows belong to no sample")

@@ -1,0 +1,146 @@
+"""Invariant checks of a ragged batch (DESIGN.md section 2, case C09).
+
+Every check raises ``ValueError`` naming the sample (or item), the numbers involved and the
+likely fix. Shape legend: B samples, L tokens, N items of one stream (images or videos),
+P patch rows = sum over items of t*h*w, D_p patch_dim.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from itertools import accumulate
+from typing import Mapping, Sequence
+
+import torch
+
+from .layouts import BatchLayout, VisualStream
+
+
+def owner_of(item: int, counts: Sequence[int]) -> int:
+    """Index of the sample that owns item ``item`` given items per sample ``counts``."""
+    return bisect_right(list(accumulate(counts)), item)
+
+
+def check_sample_tensors(layout: BatchLayout, sample: Mapping[str, torch.Tensor]) -> int:
+    """All per-sample tensors agree on B (at their sample dim) and L (their last dim).
+
+    Returns B. Raises ``ValueError`` naming the disagreeing keys and shapes.
+    """
+    if "input_ids" not in sample:
+        raise ValueError(f"a {layout.name} batch needs input_ids [B, L]; got keys {sorted(sample)}")
+    ids = sample["input_ids"]
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, L], got shape {list(ids.shape)}; batch 1-D inputs with [None]")
+    batch, length = ids.shape
+    for key, t in sample.items():
+        dim = layout.sample_dims[key]
+        if t.dim() <= dim or t.shape[dim] != batch or t.shape[-1] != length:
+            raise ValueError(
+                f"{key} has shape {list(t.shape)} but input_ids is [{batch}, {length}]: {key} must have "
+                f"{batch} samples at dim {dim} and {length} tokens in its last dim"
+            )
+    return batch
+
+
+def check_counts(stream: VisualStream, counts: Sequence[int], num_samples: int, num_items: int) -> None:
+    """``counts`` gives one non-negative count per sample and sums to the grid rows."""
+    if len(counts) != num_samples:
+        raise ValueError(
+            f"{stream.name}_counts has {len(counts)} entries for {num_samples} samples; give one count per sample"
+        )
+    for b, c in enumerate(counts):
+        if c < 0:
+            raise ValueError(f"sample {b} has {stream.name} count {c}; counts must be >= 0")
+    if sum(counts) != num_items:
+        raise ValueError(
+            f"{stream.name}_counts {list(counts)} sum to {sum(counts)} but {stream.grid_key} has {num_items} rows; "
+            f"each {stream.name} needs exactly one grid row (was a grid row dropped, or an item's text removed?)"
+        )
+
+
+def check_grid(layout: BatchLayout, stream: VisualStream, grid: torch.Tensor, counts: Sequence[int]) -> None:
+    """Grid rows are positive (t, h, w) with h and w multiples of merge_size."""
+    if grid.dim() != 2 or grid.shape[1] != 3:
+        raise ValueError(f"{stream.grid_key} must be [N, 3] (t, h, w in patches), got shape {list(grid.shape)}")
+    if grid.is_floating_point():
+        raise ValueError(f"{stream.grid_key} must hold integers (patches), got dtype {grid.dtype}")
+    m = layout.merge_size
+    bad = (grid <= 0).any(dim=1) | (grid[:, 1] % m != 0) | (grid[:, 2] % m != 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{stream.name} {i} (sample {owner_of(i, counts)}) has grid {grid[i].tolist()}: t, h, w must be "
+            f"positive and h, w multiples of merge_size {m}; resize the {stream.name} with the processor's smart_resize"
+        )
+
+
+def check_patches(
+    layout: BatchLayout, stream: VisualStream, patches: torch.Tensor | None, patch_counts: torch.Tensor
+) -> None:
+    """Patch rows equal the sum of the grid products; patch_dim matches the layout."""
+    expected = int(patch_counts.sum())
+    rows = 0 if patches is None else patches.shape[0]
+    if patches is not None and (patches.dim() != 2 or patches.shape[1] != layout.patch_dim):
+        raise ValueError(
+            f"{stream.patches_key} must be [P, {layout.patch_dim}] for layout {layout.name}, got "
+            f"{list(patches.shape)}; use the layout of your model family (or a BatchLayout with its patch_dim)"
+        )
+    if rows != expected:
+        raise ValueError(
+            f"{stream.patches_key} has {rows} patch rows but the {stream.grid_key} products sum to {expected} "
+            f"({patch_counts.tolist()}); patches and grids were separated (split by position?)"
+        )
+
+
+def check_item_tensors(stream: VisualStream, extras: Mapping[str, torch.Tensor], num_items: int) -> None:
+    """Per-item extras (e.g. second_per_grid_ts) have one row per item."""
+    for key, t in extras.items():
+        if t.dim() == 0 or t.shape[0] != num_items:
+            raise ValueError(f"{key} has shape {list(t.shape)} but there are {num_items} {stream.name}s; give one row each")
+
+
+def check_placeholders(
+    layout: BatchLayout,
+    stream: VisualStream,
+    tokens_B: torch.Tensor,
+    grid: torch.Tensor,
+    counts: Sequence[int],
+) -> None:
+    """Each sample's placeholder tokens equal sum(t*h*w) / merge_size**2 over its items (C09)."""
+    visual = grid.to(torch.int64).prod(dim=1) // (layout.merge_size**2) if grid.numel() else torch.zeros(0, dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(list(counts), dtype=torch.int64))
+    per_sample = torch.zeros(len(counts), dtype=torch.int64).index_add_(0, owner, visual)
+    mismatch = (per_sample != tokens_B.to(torch.int64)).nonzero()
+    if mismatch.numel():
+        b = int(mismatch[0, 0])
+        start = sum(counts[:b])
+        grids = ", ".join(str(g) for g in grid[start : start + counts[b]].tolist()) or "none"
+        raise ValueError(
+            f"sample {b} has {int(tokens_B[b])} {stream.name} placeholder tokens but its {counts[b]} "
+            f"{stream.name}s give {int(per_sample[b])} visual tokens (grids {grids}); was the text truncated "
+            f"(raise max_length) or a grid row dropped?"
+        )
+
+
+def check_token_types(stream: VisualStream, is_token_BL: torch.Tensor, mm_token_type_ids: torch.Tensor) -> None:
+    """``mm_token_type_ids`` marks exactly the placeholder tokens of this stream with its type id."""
+    marked = mm_token_type_ids == stream.type_id
+    diff = (marked != is_token_BL).nonzero()
+    if diff.numel():
+        b, pos = (int(x) for x in diff[0])
+        raise ValueError(
+            f"sample {b}, token {pos}: mm_token_type_ids marks {int(marked[b].sum())} {stream.name} tokens but "
+            f"input_ids has {int(is_token_BL[b].sum())}; rebuild mm_token_type_ids with the processor "
+            f"(value {stream.type_id} exactly at {stream.name} placeholders)"
+        )
+
+
+def check_vision_starts(stream: VisualStream, bad: list[tuple[int, int]], vision_start_id: int) -> None:
+    """Every placeholder run is opened by ``<|vision_start|>``."""
+    if bad:
+        b, pos = bad[0]
+        raise ValueError(
+            f"sample {b}: the {stream.name} placeholder run at token {pos} is not preceded by <|vision_start|> "
+            f"(id {vision_start_id}); was the text truncated from the left, or are the token ids wrong "
+            f"(pass token_ids=processor)?"
+        )

@@ -1,1 +1,20 @@
-"""raggedvl.parallel"""
+"""raggedvl.parallel: the only package that imports torch.distributed.
+
+Process-group setup (``init_distributed``, ``get_rank``, ``get_world_size``), autograd-aware
+ragged all-gathers for cross-rank losses, and the single-process DataParallel / accelerate
+transports of ragged batches.
+"""
+
+from raggedvl.parallel.distributed import (
+    DEFAULT_TIMEOUT_S,
+    DistInfo,
+    PaddedGather,
+    VariableGather,
+    all_gather_padded,
+    all_gather_variable,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_distributed,
+    shutdown,
+)

@@ -1,0 +1,82 @@
+"""Pure contrastive-loss math: targets from gathered counts, per-query terms, global scaling.
+
+Shape legend: rank r holds n_r queries, each with one positive document and k hard negatives
+(query-major: negatives ``i*k .. i*k+k-1`` belong to query i); N = sum_r n_r, M = sum_r m_r
+hard negatives over all ranks. Candidate columns, identical on every rank:
+``[0, N)`` the positives of all ranks in rank order, ``[N, N+M)`` the hard negatives of all
+ranks in rank order. Query i of rank r has global index offset_r + i, where offset_r is the
+exclusive cumulative sum of the gathered counts, and its positive is column offset_r + i.
+Hard negatives never change labels, so any k and any per-rank batch sizes keep them aligned.
+
+Nothing here communicates: the functions take the counts and rank explicitly, so every rank of
+any world size can be simulated in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def exclusive_offsets(counts: Sequence[int]) -> list[int]:
+    """``[0, c0, c0+c1, ...]``: where each rank's rows start in a rank-ordered gather."""
+    out, total = [], 0
+    for c in counts:
+        if c < 0:
+            raise ValueError(f"counts must be >= 0, got {list(counts)}")
+        out.append(total)
+        total += c
+    return out
+
+
+def positive_labels(counts: Sequence[int], rank: int, device=None) -> torch.Tensor:
+    """Candidate column of each local query's positive: ``offset_rank + arange(n_rank)`` (int64).
+
+    ``counts`` are the per-rank query counts (one positive per query). Raises ``ValueError`` for
+    a rank outside ``[0, len(counts))``.
+    """
+    if not 0 <= rank < len(counts):
+        raise ValueError(f"rank {rank} is outside [0, {len(counts)}) for counts {list(counts)}")
+    start = exclusive_offsets(counts)[rank]
+    return torch.arange(start, start + counts[rank], device=device, dtype=torch.long)
+
+
+def cross_entropy_terms(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-row InfoNCE terms ``[n]``: ``-log softmax(logits [n, C])[i, labels[i]]``.
+
+    (van den Oord et al., "Representation Learning with Contrastive Predictive Coding", 2018.)
+    """
+    return F.cross_entropy(logits, labels, reduction="none")
+
+
+def pairwise_terms(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-row pairwise terms ``[n]``: ``softplus(max_{c != label} scores[i, c] - scores[i, label])``.
+
+    The hardest negative of each query is the best-scoring candidate other than its own positive
+    (ColPali's ``ColbertPairwiseCELoss``, Faysse et al. 2024). Raises ``ValueError`` when there is
+    no negative (fewer than 2 candidates; the candidate count is global, so every rank raises).
+    """
+    n_cand = scores.shape[1]
+    if n_cand < 2:
+        raise ValueError(
+            f"pairwise loss needs at least 2 candidates per query, got {n_cand}; use a global "
+            "batch of at least 2 pairs or pass hard negatives"
+        )
+    positive = scores.gather(1, labels[:, None]).squeeze(1)
+    own = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, labels[:, None], True)
+    hardest = scores.masked_fill(own, float("-inf")).amax(dim=1)
+    return F.softplus(hardest - positive)
+
+
+def global_mean_share(terms: torch.Tensor, world_size: int, global_count: int) -> torch.Tensor:
+    """This rank's share ``L_r = (W / N) * sum(terms)`` of the global mean (DESIGN.md section 4).
+
+    Summed over ranks, ``sum_r L_r = W * L`` with ``L = (1/N) * sum of all N terms``; DDP's
+    gradient average then divides by W, so every parameter receives exactly dL/dtheta, also when
+    ranks hold different numbers of queries. Raises ``ValueError`` when ``global_count`` < 1.
+    """
+    if global_count < 1:
+        raise ValueError(f"the global batch is empty (N={global_count}); nothing to average")
+    return terms.sum() * (world_size / global_count)

@@ -1,0 +1,257 @@
+"""Contrastive losses as ``nn.Module`` s that exchange embeddings across ranks, then call the math.
+
+Shape legend: rank r holds n_r query/document pairs and m_r = n_r * k hard negatives
+(query-major); N = sum_r n_r; D embedding dim; Lq/Ld token vectors per query/document.
+
+Each loss returns this rank's share ``L_r = (W / N) * sum of its n_r per-query terms``
+(:func:`raggedvl.losses.functional.global_mean_share`). With DDP (gradients averaged over W)
+every parameter then gets exactly the gradient of the single-process mean loss on the
+concatenated global batch. ``L_r`` itself is not the global loss: for logging, all-reduce
+``L_r`` and divide by W. Without a process group, at world size 1 or with
+``gather_across_ranks=False`` (W = 1, N = n) the value is the plain single-process mean.
+
+Collectives per forward (all through :mod:`raggedvl.parallel.gather`, each a header exchange
+plus a data all_gather; backward adds one all_reduce per gathered tensor): the positives, the
+hard negatives (always, as an empty tensor on a rank without any, so ranks never disagree on
+the number of collectives) and, for symmetric InfoNCE, the queries. Every rank must call the
+loss and backpropagate through it. Input errors raise before any collective.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from raggedvl.losses.functional import (
+    cross_entropy_terms,
+    global_mean_share,
+    pairwise_terms,
+    positive_labels,
+)
+from raggedvl.losses.scoring import (
+    DEFAULT_BLOCK_ELEMENTS,
+    check_late_interaction_inputs,
+    late_interaction_scores,
+)
+from raggedvl.parallel.gather import all_gather_padded, all_gather_variable
+from raggedvl.parallel.runtime import get_rank, get_world_size
+
+
+def _negatives_per_query(n: int, neg_rows: int) -> int:
+    if (n == 0 and neg_rows) or (n and neg_rows % n):
+        raise ValueError(
+            f"neg_emb has {neg_rows} rows for {n} queries; pass k hard negatives per query, "
+            "query-major ([n * k, ...], negatives i*k..i*k+k-1 belong to query i)"
+        )
+    return neg_rows // n if n else 0
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (logits are divided by it), got {temperature}")
+
+
+class _CrossRankLoss(nn.Module):
+    def __init__(self, gather_across_ranks: bool, group) -> None:
+        super().__init__()
+        self.gather_across_ranks = gather_across_ranks
+        self.group = group
+
+    def _world(self) -> tuple[int, int]:
+        if not self.gather_across_ranks:
+            return 0, 1
+        return get_rank(self.group), get_world_size(self.group)
+
+
+class InfoNCELoss(_CrossRankLoss):
+    """Bi-encoder InfoNCE over all positives and hard negatives of the global batch.
+
+    ``forward(query_emb [n, D], doc_emb [n, D], neg_emb=None [n*k, D] query-major) -> L_r``.
+    ``logits(i, c) = <q_i, cand_c> * s`` where ``s = 1 / temperature`` (a temperature divides)
+    or, with ``learnable_scale=True``, ``s = exp(log_logit_scale)`` clamped to
+    ``max_logit_scale`` (a logit scale multiplies; CLIP, Radford et al. 2021, initialised at
+    1/temperature, log-parameterised; its gradient is 0 while clamped). The scale parameter must
+    be averaged over ranks like any other: keep this module inside the DDP-wrapped model.
+
+    Candidates of each query: the N positives of the global batch, then the M hard negatives of
+    the global batch; cross-entropy against its own positive (InfoNCE, van den Oord et al. 2018).
+    ``symmetric=True`` averages in the document-to-query term over the positives,
+    ``0.5 * (l_q2d(i) + l_d2q(i))``, where document i is scored against the N queries of the
+    global batch (hard negatives have no term of their own). Rank r computes the rows of its own
+    n_r documents, so the queries are gathered too and the sum over ranks is W times the
+    single-process loss. Gradient flows to every rank's embeddings through the gathers.
+
+    Raises ``ValueError`` for mismatched shapes, a non-positive temperature or an initial scale
+    above ``max_logit_scale``; ``TypeError`` for mismatched dtypes.
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.02,
+        symmetric: bool = False,
+        *,
+        learnable_scale: bool = False,
+        max_logit_scale: float = 100.0,
+        gather_across_ranks: bool = True,
+        group=None,
+    ) -> None:
+        super().__init__(gather_across_ranks, group)
+        _check_temperature(temperature)
+        self.temperature = temperature
+        self.symmetric = symmetric
+        self.max_logit_scale = max_logit_scale
+        if learnable_scale:
+            if 1.0 / temperature > max_logit_scale:
+                raise ValueError(
+                    f"initial logit scale 1/temperature = {1.0 / temperature:g} exceeds "
+                    f"max_logit_scale = {max_logit_scale:g}; raise max_logit_scale or temperature"
+                )
+            self.log_logit_scale = nn.Parameter(torch.tensor(math.log(1.0 / temperature)))
+        else:
+            self.log_logit_scale = None
+
+    def logit_scale(self) -> torch.Tensor | float:
+        """The factor that multiplies the dot products (a 0-dim tensor when learnable)."""
+        if self.log_logit_scale is None:
+            return 1.0 / self.temperature
+        return self.log_logit_scale.clamp(max=math.log(self.max_logit_scale)).exp()
+
+    def forward(self, query_emb, doc_emb, neg_emb=None):
+        if query_emb.dim() != 2 or tuple(query_emb.shape) != tuple(doc_emb.shape):
+            raise ValueError(
+                f"InfoNCELoss needs query_emb and doc_emb of the same shape [n, D]; got "
+                f"{list(query_emb.shape)} and {list(doc_emb.shape)}"
+            )
+        if neg_emb is None:
+            neg_emb = doc_emb.new_zeros((0, doc_emb.shape[1]))
+        if neg_emb.dim() != 2 or neg_emb.shape[1] != doc_emb.shape[1]:
+            raise ValueError(f"neg_emb must be [n*k, D={doc_emb.shape[1]}], got {list(neg_emb.shape)}")
+        if not query_emb.dtype == doc_emb.dtype == neg_emb.dtype:
+            raise TypeError(
+                f"dtypes differ: query {query_emb.dtype}, doc {doc_emb.dtype}, neg {neg_emb.dtype}"
+            )
+        _negatives_per_query(query_emb.shape[0], neg_emb.shape[0])
+        rank, world = self._world()
+        docs = all_gather_variable(doc_emb, group=self.group, tag="positives") if world > 1 else None
+        all_docs = docs.values if docs else doc_emb
+        counts = docs.counts if docs else [doc_emb.shape[0]]
+        all_negs = (
+            all_gather_variable(neg_emb, group=self.group, tag="negatives").values
+            if world > 1 else neg_emb
+        )
+        all_queries = query_emb
+        if self.symmetric and world > 1:
+            all_queries = all_gather_variable(query_emb, group=self.group, tag="queries").values
+        scale = self.logit_scale()
+        labels = positive_labels(counts, rank, device=query_emb.device)
+        logits = query_emb @ torch.cat([all_docs, all_negs]).T * scale
+        terms = cross_entropy_terms(logits, labels)
+        if self.symmetric:
+            terms = 0.5 * (terms + cross_entropy_terms(doc_emb @ all_queries.T * scale, labels))
+        return global_mean_share(terms, world, sum(counts))
+
+
+class _MultiVectorLoss(_CrossRankLoss):
+    def __init__(self, normalize_by_query_length, gather_across_ranks, group, block_elements):
+        super().__init__(gather_across_ranks, group)
+        self.normalize_by_query_length = normalize_by_query_length
+        self.block_elements = block_elements
+
+    def _terms(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, query_emb, query_mask, doc_emb, doc_mask, neg_emb=None, neg_mask=None):
+        n, dim = query_emb.shape[0], query_emb.shape[-1]
+        if doc_emb.dim() != 3 or doc_emb.shape[0] != n:
+            raise ValueError(
+                f"{type(self).__name__} needs doc_emb [n={n}, Ld, D] with one positive per query; "
+                f"got {list(doc_emb.shape)}"
+            )
+        if (neg_emb is None) != (neg_mask is None):
+            raise ValueError("pass neg_emb and neg_mask together (or neither)")
+        if neg_emb is None:
+            neg_emb, neg_mask = doc_emb.new_zeros((0, 0, dim)), doc_mask.new_zeros((0, 0))
+        _negatives_per_query(n, neg_emb.shape[0])
+        # local checks of every tensor before any collective (raises ValueError/TypeError)
+        check_late_interaction_inputs(query_emb, query_mask, doc_emb, doc_mask)
+        check_late_interaction_inputs(query_emb, query_mask, neg_emb, neg_mask)
+        rank, world = self._world()
+        counts = [n]
+        if world > 1:
+            docs = all_gather_padded(doc_emb, doc_mask, group=self.group, tag="positives")
+            negs = all_gather_padded(neg_emb, neg_mask, group=self.group, tag="negatives")
+            doc_emb, doc_mask, counts = docs.values, docs.mask, docs.counts
+            neg_emb, neg_mask = negs.values, negs.mask
+        scores = torch.cat(
+            [
+                late_interaction_scores(query_emb, query_mask, doc_emb, doc_mask,
+                                        block_elements=self.block_elements),
+                late_interaction_scores(query_emb, query_mask, neg_emb, neg_mask,
+                                        block_elements=self.block_elements),
+            ],
+            dim=1,
+        )
+        if self.normalize_by_query_length:
+            scores = scores / query_mask.sum(dim=1, keepdim=True).clamp(min=1).to(scores.dtype)
+        labels = positive_labels(counts, rank, device=query_emb.device)
+        return global_mean_share(self._terms(scores, labels), world, sum(counts))
+
+
+class LateInteractionLoss(_MultiVectorLoss):
+    """ColBERT-style late-interaction InfoNCE over all positives and hard negatives of the global batch.
+
+    ``forward(query_emb [n, Lq, D], query_mask [n, Lq], doc_emb [n, Ld, D], doc_mask [n, Ld],
+    neg_emb=None [n*k, Ld', D], neg_mask=None [n*k, Ld']) -> L_r``. Masks are bool, True = real
+    token. ``score(i, j)`` is MaxSim (:func:`raggedvl.losses.late_interaction_scores`), divided
+    by query i's valid-token count when ``normalize_by_query_length`` (a query without valid
+    tokens scores 0 everywhere, giving the term log(number of candidates) and no gradient);
+    logits = score / temperature (a temperature divides); cross-entropy against the query's own
+    positive among the N positives then M hard negatives of the global batch.
+
+    Documents and negatives are gathered with :func:`raggedvl.parallel.all_gather_padded`:
+    padded to the global maximum token count, with pads masked to -inf inside MaxSim.
+    Raises ``ValueError``/``TypeError`` (before any collective) for mismatched shapes, non-bool
+    masks, a document without valid tokens or a non-positive temperature.
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.02,
+        normalize_by_query_length: bool = True,
+        *,
+        gather_across_ranks: bool = True,
+        group=None,
+        block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+    ) -> None:
+        super().__init__(normalize_by_query_length, gather_across_ranks, group, block_elements)
+        _check_temperature(temperature)
+        self.temperature = temperature
+
+    def _terms(self, scores, labels):
+        return cross_entropy_terms(scores / self.temperature, labels)
+
+
+class PairwiseLoss(_MultiVectorLoss):
+    """ColPali pairwise loss: ``softplus(hardest negative score - positive score)`` per query.
+
+    Same arguments, candidates, gathers and masking as :class:`LateInteractionLoss`; the hardest
+    negative is the best-scoring candidate other than the query's own positive (in-batch
+    positives of other queries and all hard negatives of the global batch). No temperature;
+    scores are unnormalised MaxSim sums by default, as in ColPali (Faysse et al. 2024).
+    Raises ``ValueError`` when the global batch offers no negative (one pair, no hard negative).
+    """
+
+    def __init__(
+        self,
+        normalize_by_query_length: bool = False,
+        *,
+        gather_across_ranks: bool = True,
+        group=None,
+        block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+    ) -> None:
+        super().__init__(normalize_by_query_length, gather_across_ranks, group, block_elements)
+
+    def _terms(self, scores, labels):
+        return pairwise_terms(scores, labels)

@@ -396,9 +396,9 @@ def _raise_misowned(lay: BatchLayout, s, tokens_B: torch.Tensor, grid: torch.Ten
         mine = visual[start : start + c]
         if len(mine) < c or sum(mine) != int(tokens_B[b]):
             raise ValueError(
-                f"sample {b} has {int(tokens_B[b])} {s.name} placeholder tokens in {c} runs but the "
+                f"sample {b} has {int(tokens_B[b])} {s.name} placeholder tokens for {c} {s.name}s but the "
                 f"{s.grid_key} rows left for it give {len(mine)} {s.name}s with {sum(mine)} visual tokens "
-                f"(the batch has {grid.shape[0]} grid rows for {sum(counts)} runs); a grid row was dropped "
+                f"(the batch has {grid.shape[0]} grid rows for {sum(counts)} {s.name}s); a grid row was dropped "
                 f"or added: rebuild the batch with the processor"
             )
         start += c

@@ -33,7 +33,7 @@ def _as_array(name: str, values: Sequence[float], n: int | None = None) -> np.nd
     bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
     if len(bad):
         i = int(bad[0])
-        raise ValueError(f"sample {i} has {name} {arr[i]!r}; {name} must be finite and >= 0")
+        raise ValueError(f"sample {i} has {name} {float(arr[i])!r}; {name} must be finite and >= 0")
     return arr
 
 

@@ -1,0 +1,34 @@
+"""Tiny random Qwen2-VL / Qwen2.5-VL models built from configs (no downloads), for exactness tests.
+
+2 text layers of width 64, a 2-block vision tower of width 32; patch 14 and merge 2 as in the
+real models (patch_dim 1176). Token ids match ``synth.SMALL_IDS``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel, Qwen2VLConfig, Qwen2VLModel
+
+from .synth import SMALL_IDS, VISION_END
+
+TEXT = dict(vocab_size=64, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "mrope_section": [2, 3, 3]})
+IDS = dict(image_token_id=SMALL_IDS.image, video_token_id=SMALL_IDS.video,
+           vision_start_token_id=SMALL_IDS.vision_start, vision_end_token_id=VISION_END)
+
+
+def tiny_model(family: str = "qwen2_vl", seed: int = 0) -> torch.nn.Module:
+    """A float32 eval-mode tiny model of ``family`` ("qwen2_vl" or "qwen2_5_vl"), eager attention."""
+    torch.manual_seed(seed)
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
+        cfg = Qwen2VLConfig(text_config=dict(TEXT), vision_config=vision, **IDS)
+        cls = Qwen2VLModel
+    else:
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=2,
+                      window_size=56, fullatt_block_indexes=[1])
+        cfg = Qwen2_5_VLConfig(text_config=dict(TEXT), vision_config=vision, **IDS)
+        cls = Qwen2_5_VLModel
+    cfg._attn_implementation = "eager"
+    return cls(cfg).float().eval()

@@ -18,3 +18,4 @@ from raggedvl.parallel.distributed import (
     is_distributed,
     shutdown,
 )
+from raggedvl.parallel.dataparallel import RaggedDataParallel, ScatteredBatch, gather_outputs, scatter_batch  # noqa: E402

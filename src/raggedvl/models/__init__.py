@@ -1,1 +1,30 @@
-"""raggedvl.models"""
+"""raggedvl.models: ColQwen-style and bi-encoder retrievers over Qwen-VL backbones."""
+
+from .build import build_retriever, load_backbone, resolve_attn_implementation
+from .dummy_vision import dummy_vision_inputs, dummy_vision_term, missing_modalities
+from .families import FAMILIES, Family, TinySizes, family_of, special_token_ids, tiny_backbone_config
+from .heads import EmbeddingOutput, RetrievalHead, pool_hidden
+from .lora import LoraSettings, apply_lora
+from .retriever import Retriever, RetrieverConfig
+
+__all__ = [
+    "FAMILIES",
+    "EmbeddingOutput",
+    "Family",
+    "LoraSettings",
+    "RetrievalHead",
+    "Retriever",
+    "RetrieverConfig",
+    "TinySizes",
+    "apply_lora",
+    "build_retriever",
+    "dummy_vision_inputs",
+    "dummy_vision_term",
+    "family_of",
+    "load_backbone",
+    "missing_modalities",
+    "pool_hidden",
+    "resolve_attn_implementation",
+    "special_token_ids",
+    "tiny_backbone_config",
+]

@@ -1,0 +1,65 @@
+"""LoRA adapters on the backbone's language model, through peft.
+
+Default targets follow ColQwen2 (colpali-engine): the language model's attention and MLP
+projections (q, k, v, o, gate, up, down); the vision tower stays frozen. The retrieval head is
+not part of the backbone and stays fully trainable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA hyper-parameters (Hu et al. 2021): ``W + (alpha / r) * B A``, dropout on the input.
+
+    ``target_modules``: projection names matched inside ``language_model`` only (a regex is
+    built so that the vision tower's layers of the same name are never wrapped).
+    """
+
+    r: int = 32
+    alpha: int = 32
+    dropout: float = 0.1
+    target_modules: tuple[str, ...] = field(default=DEFAULT_TARGETS)
+
+    def __post_init__(self) -> None:
+        if self.r <= 0 or self.alpha <= 0:
+            raise ValueError(f"LoraSettings: r and alpha must be positive, got r={self.r}, alpha={self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoraSettings: dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("LoraSettings: target_modules is empty; name at least one projection")
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "target_modules": list(self.target_modules)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LoraSettings:
+        return cls(**{**data, "target_modules": tuple(data["target_modules"])})
+
+
+def apply_lora(backbone: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Wrap ``backbone`` in a peft ``PeftModel``: LoRA on the language model's projections.
+
+    Every base weight is frozen; only the LoRA A/B matrices are trainable. Raises
+    ``ValueError`` when no module of the language model matches ``settings.target_modules``.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    names = "|".join(settings.target_modules)
+    pattern = rf".*language_model\..*\.({names})"
+    matched = [n for n, _ in backbone.named_modules() if n.startswith("language_model.") and n.rsplit(".", 1)[-1] in settings.target_modules]
+    if not matched:
+        raise ValueError(
+            f"LoRA target_modules {list(settings.target_modules)} match no module of the language model; "
+            f"its projections are named like {sorted({n.rsplit('.', 1)[-1] for n, m in backbone.named_modules() if isinstance(m, nn.Linear)})}"
+        )
+    config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                        target_modules=pattern, bias="none")
+    return get_peft_model(backbone, config)

@@ -1,0 +1,237 @@
+"""The retriever module: a Qwen-VL backbone, a retrieval head and the dummy vision pass.
+
+Shape legend: B samples, L tokens per sample (padded), H backbone hidden size, D embedding dim,
+P patch rows (``pixel_values``), I images.
+
+``Retriever.forward(**batch)`` takes the backbone's inputs (``input_ids`` [B, L],
+``attention_mask`` [B, L], ``mm_token_type_ids`` [B, L], ``pixel_values`` [P, patch_dim],
+``image_grid_thw`` [I, 3], videos alike) and returns :class:`EmbeddingOutput`.
+``Retriever.forward(queries=q, docs=d)`` encodes both in ONE forward call and returns
+``(q_out, d_out)``: under DDP call the wrapped module this way (``ddp(queries=q, docs=d)``), so
+DDP sees one forward per backward (two forwards per backward need ``static_graph`` and break
+with gradient checkpointing); :meth:`Retriever.encode_pair` is the same call on an unwrapped
+module.
+
+The state dict is a plain ``nn.Module`` state dict (``backbone.*`` and ``head.*``);
+``save_pretrained(dir)`` writes it as ``model.safetensors`` beside a ``config.json`` holding
+the head settings and the backbone config, and ``Retriever.from_pretrained(dir)`` rebuilds the
+module offline from those two files (no code is executed from the directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .dummy_vision import MODALITY_KEYS, dummy_vision_term, missing_modalities
+from .families import FAMILIES, family_of
+from .heads import EmbeddingOutput, RetrievalHead
+from .lora import LoraSettings, apply_lora
+
+MODEL_INPUTS = frozenset({
+    "input_ids", "attention_mask", "mm_token_type_ids", "position_ids", "pixel_values", "image_grid_thw",
+    "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+})
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class RetrieverConfig:
+    """Head and wrapper settings saved in ``config.json``.
+
+    ``expected_modalities``: the vision inputs any rank may see ("image", "video"); a batch
+    lacking one of them runs a dummy tower pass for it (``raggedvl.models.dummy_vision``).
+    ``source``: where the backbone came from ("tiny", a hub id or a directory), informational.
+    """
+
+    head: str = "late_interaction"
+    dim: int = 128
+    pooling: str = "last"
+    eps: float = 1e-6
+    expected_modalities: tuple[str, ...] = ("image",)
+    lora: LoraSettings | None = None
+    source: str = "tiny"
+
+    def __post_init__(self) -> None:
+        self.expected_modalities = tuple(self.expected_modalities)
+        bad = [m for m in self.expected_modalities if m not in MODALITY_KEYS]
+        if bad:
+            raise ValueError(f"expected_modalities {bad} unknown; use a subset of {sorted(MODALITY_KEYS)}")
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["expected_modalities"] = list(self.expected_modalities)
+        data["lora"] = self.lora.to_dict() if self.lora else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RetrieverConfig:
+        lora = LoraSettings.from_dict(data["lora"]) if data.get("lora") else None
+        return cls(**{**data, "lora": lora})
+
+
+class Retriever(nn.Module):
+    """ColQwen-style (late interaction) or bi-encoder retriever over a Qwen-VL base model.
+
+    ``backbone`` is a transformers ``Qwen2VLModel`` / ``Qwen2_5_VLModel`` / ``Qwen3VLModel``
+    (optionally wrapped by peft; apply LoRA through ``config.lora`` at construction).
+    Gradient: flows to the head, the trainable backbone parameters and, through the dummy pass,
+    zeros to vision parameters unused by a text-only batch. Issues no collective.
+    """
+
+    def __init__(self, backbone: nn.Module, config: RetrieverConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or RetrieverConfig()
+        self.family = family_of(backbone.config)
+        if self.config.lora is not None:
+            backbone = apply_lora(backbone, self.config.lora)
+        self.backbone = backbone
+        hidden = self.base_model.config.text_config.hidden_size
+        self.head = RetrievalHead(hidden, self.config.dim, self.config.head, self.config.pooling, self.config.eps)
+
+    @property
+    def base_model(self) -> nn.Module:
+        """The transformers base model (inside the peft wrapper when LoRA is on)."""
+        getter = getattr(self.backbone, "get_base_model", None)
+        return getter() if callable(getter) and hasattr(self.backbone, "peft_config") else self.backbone
+
+    def set_gradient_checkpointing(self, enabled: bool = True) -> None:
+        """Toggle activation checkpointing (non-reentrant) in the language model and vision tower."""
+        if enabled:
+            self.base_model.activation_checkpointing_enable({"use_reentrant": False})
+        elif self.base_model.is_activation_checkpointing:
+            self.base_model.activation_checkpointing_disable()
+
+    def forward(self, queries: Any = None, docs: Any = None, **batch: Any):
+        if queries is not None or docs is not None:
+            if queries is None or docs is None or batch:
+                raise TypeError(
+                    "Retriever.forward takes either the model inputs (**batch) or both queries= and docs= "
+                    f"(got queries={'set' if queries is not None else None}, docs={'set' if docs is not None else None}, "
+                    f"other keys {sorted(batch)})"
+                )
+            return self._encode(dict(queries.items())), self._encode(dict(docs.items()))
+        return self._encode(batch)
+
+    def encode_pair(self, queries: Any, docs: Any) -> tuple[EmbeddingOutput, EmbeddingOutput]:
+        """Encode a query batch and a document batch in one ``forward`` call (see module docstring)."""
+        return self(queries=queries, docs=docs)
+
+    def _encode(self, batch: dict) -> EmbeddingOutput:
+        unknown = sorted(set(batch) - MODEL_INPUTS)
+        if unknown:
+            raise TypeError(f"Retriever got inputs {unknown} it does not use; accepted: {sorted(MODEL_INPUTS)}")
+        for key in ("input_ids", "attention_mask"):
+            if batch.get(key) is None:
+                raise ValueError(f"Retriever needs {key!r} [B, L]; got keys {sorted(batch)}")
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if ids.dim() != 2 or tuple(ids.shape) != tuple(mask.shape):
+            raise ValueError(
+                f"input_ids {tuple(ids.shape)} and attention_mask {tuple(mask.shape)} must both be [B, L]"
+            )
+        for modality, pixels_key in MODALITY_KEYS.items():
+            grid_key = "image_grid_thw" if modality == "image" else "video_grid_thw"
+            if (batch.get(pixels_key) is None) != (batch.get(grid_key) is None):
+                raise ValueError(f"{pixels_key} and {grid_key} must be given together (batch has only one)")
+        inputs = {k: v for k, v in batch.items() if v is not None}
+        for modality in missing_modalities(inputs, MODALITY_KEYS):  # zero-row pixel tensors carry no image
+            inputs.pop(MODALITY_KEYS[modality], None)
+            inputs.pop("image_grid_thw" if modality == "image" else "video_grid_thw", None)
+        hidden_BLH = self.backbone(**inputs, use_cache=False).last_hidden_state
+        dummy = dummy_vision_term(self.base_model.visual, len(missing_modalities(inputs, self.config.expected_modalities)))
+        if dummy is not None:
+            hidden_BLH = hidden_BLH + dummy.to(hidden_BLH.dtype)
+        return self.head(hidden_BLH, mask)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` (the full state dict) into ``directory``.
+
+        Each file is written to a temporary name and renamed, so a crash leaves no torn file.
+        """
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "format": "raggedvl-retriever",
+            "format_version": FORMAT_VERSION,
+            "family": self.family.name,
+            "retriever": self.config.to_dict(),
+            "backbone_config": self.base_model.config.to_dict(),
+        }
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        _atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+        _atomic_write(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(meta, indent=2, sort_keys=True)))
+        return out
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, *, attn_implementation: str | None = None,
+                        torch_dtype: torch.dtype | None = None) -> Retriever:
+        """Rebuild a retriever saved by :meth:`save_pretrained` (offline, safetensors only).
+
+        Raises ``ValueError`` when the directory is not a raggedvl retriever or when the weights
+        do not match the architecture (listing missing / unexpected keys).
+        """
+        from .build import resolve_attn_implementation
+
+        path = Path(directory)
+        meta = read_retriever_meta(path)
+        family = FAMILIES[meta["family"]]
+        backbone_config = family.config_class.from_dict(meta["backbone_config"])
+        backbone = family.model_class._from_config(
+            backbone_config, attn_implementation=resolve_attn_implementation(attn_implementation)
+        )
+        model = cls(backbone, RetrieverConfig.from_dict(meta["retriever"]))
+        state = load_file(str(path / WEIGHTS_NAME))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"{path / WEIGHTS_NAME} does not match the architecture in {path / CONFIG_NAME}: "
+                f"{len(missing)} missing keys (e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})"
+            )
+        if torch_dtype is not None:
+            model.backbone.to(torch_dtype)  # the head stays float32 (heads.RetrievalHead)
+        return model
+
+
+def read_retriever_meta(directory: Path) -> dict:
+    """Parsed ``config.json`` of a saved retriever; ``ValueError`` if it is not one."""
+    cfg = directory / CONFIG_NAME
+    if not cfg.is_file() or not (directory / WEIGHTS_NAME).is_file():
+        raise ValueError(f"{directory} is not a saved raggedvl retriever (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+    meta = json.loads(cfg.read_text())
+    if meta.get("format") != "raggedvl-retriever":
+        raise ValueError(f"{cfg} is not a raggedvl retriever config (format={meta.get('format')!r})")
+    if meta.get("format_version") != FORMAT_VERSION or meta.get("family") not in FAMILIES:
+        raise ValueError(
+            f"{cfg}: unsupported format_version {meta.get('format_version')} / family {meta.get('family')!r}"
+        )
+    return meta
+
+
+def is_saved_retriever(directory: str | os.PathLike) -> bool:
+    """True when ``directory`` holds a ``config.json`` written by :meth:`Retriever.save_pretrained`."""
+    cfg = Path(directory) / CONFIG_NAME
+    try:
+        return cfg.is_file() and json.loads(cfg.read_text()).get("format") == "raggedvl-retriever"
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def _atomic_write(target: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -1,0 +1,180 @@
+"""Tier 3: real gloo processes (W = 2 and W = 3), DDP-wrapped encoders, unequal per-rank batches.
+
+Every rank builds the same seeded global batch, encodes its own slice with a DDP-wrapped
+float64 encoder and backpropagates its loss share L_r. The single-process reference encodes the
+concatenated global batch with an identical unwrapped copy and evaluates the naive loss of
+``tests/losses/reference.py``. Claims: sum_r L_r / W equals the reference loss and every
+parameter gradient after DDP's average equals the reference gradient, within 1e-10.
+Cases C05 (one different pair per rank) and C06 (700 vs 300 document vectors).
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from raggedvl.losses import InfoNCELoss, LateInteractionLoss, PairwiseLoss
+from tests.dist.harness import run_distributed
+from tests.losses import reference as ref
+
+f64 = torch.float64
+FEAT, DIM = 5, 4
+TOL = 1e-10
+
+
+def _mlp(out_dim=DIM):
+    return nn.Sequential(nn.Linear(FEAT, 6), nn.Tanh(), nn.Linear(6, out_dim)).double()
+
+
+class _Pipeline(nn.Module):
+    """Query and document encoders plus the loss, so DDP also averages a learnable scale."""
+
+    def __init__(self, loss: nn.Module):
+        super().__init__()
+        self.q_enc, self.d_enc, self.loss = _mlp(), _mlp(), loss
+
+    def embed(self, qf, df, nf, masks=None):
+        q, d = self.q_enc(qf), self.d_enc(df)
+        n = self.d_enc(nf) if nf is not None else None
+        if masks is None:
+            return q, d, n
+        qm, dm, nm = masks
+        q, d = q * qm[..., None], d * dm[..., None]
+        if n is not None:
+            n = n * nm[..., None]
+        return q, qm, d, dm, n, nm
+
+    def forward(self, qf, df, nf, masks=None):
+        if masks is None:
+            return self.loss(*self.embed(qf, df, nf))
+        return self.loss(*self.embed(qf, df, nf, masks))
+
+
+def _rank_data(cfg, rank_seed, n, doc_len, neg_len):
+    g = torch.Generator().manual_seed(rank_seed)
+    multi = cfg["loss"] != "infonce"
+    q_shape, d_shape, n_shape = ((n, 3), (n, doc_len), (n * cfg["k"], neg_len)) if multi else (
+        (n,), (n,), (n * cfg["k"],))
+    feats = [torch.randn(*s, FEAT, generator=g, dtype=f64) for s in (q_shape, d_shape, n_shape)]
+    if not multi:
+        return feats, None
+    masks = [torch.rand(*s, generator=g) > 0.25 for s in (q_shape, d_shape, n_shape)]
+    for m in masks[1:]:
+        if m.shape[1]:
+            m[:, rank_seed % m.shape[1]] = True  # every document keeps a real vector
+    return feats, masks
+
+
+def _make_loss(cfg, gather):
+    kind = cfg["loss"]
+    if kind == "infonce":
+        return InfoNCELoss(0.2, symmetric=cfg.get("symmetric", False),
+                           learnable_scale=cfg.get("learnable", False), gather_across_ranks=gather)
+    if kind == "late":
+        return LateInteractionLoss(0.3, gather_across_ranks=gather, block_elements=257)
+    return PairwiseLoss(gather_across_ranks=gather)
+
+
+def _reference_loss(model, cfg, global_feats, global_masks):
+    if cfg["loss"] == "infonce":
+        q, d, n = model.embed(*global_feats)
+        n = n if cfg["k"] else None
+        return ref.info_nce(q, d, n, scale=model.loss.logit_scale(), symmetric=cfg.get("symmetric", False))
+    q, qm, d, dm, n, nm = model.embed(*global_feats, global_masks)
+    n, nm = (n, nm) if cfg["k"] else (None, None)
+    if cfg["loss"] == "late":
+        return ref.late_interaction(q, qm, d, dm, n, nm, temperature=0.3)
+    return ref.pairwise(q, qm, d, dm, n, nm)
+
+
+def _global_batch(cfg, world):
+    """Per-rank data of every rank (identical on all ranks), then the concatenation."""
+    per_rank = [
+        _rank_data(cfg, 1000 * cfg["seed"] + r, cfg["counts"][r], cfg["doc_len"][r], cfg["neg_len"][r])
+        for r in range(world)
+    ]
+    if cfg["loss"] == "infonce":
+        return per_rank, [torch.cat([p[0][i] for p in per_rank]) for i in range(3)], None
+    feats, masks = [], []
+    for i in range(3):
+        f, m = ref.pad_tokens([p[0][i] for p in per_rank], [p[1][i] for p in per_rank])
+        feats.append(f)
+        masks.append(m)
+    return per_rank, feats, masks
+
+
+def _check(rank, world, cfg):
+    torch.manual_seed(cfg["seed"])
+    model = _Pipeline(_make_loss(cfg, gather=True)).double()
+    reference = copy.deepcopy(model)
+    reference.loss = _make_loss(cfg, gather=False).double()
+    reference.loss.load_state_dict(model.loss.state_dict())
+    per_rank, global_feats, global_masks = _global_batch(cfg, world)
+    feats, masks = per_rank[rank]
+    if not cfg["k"]:
+        feats = [feats[0], feats[1], None]
+        masks = None if masks is None else [masks[0], masks[1], None]
+    ddp = DistributedDataParallel(model)
+    local = ddp(*feats) if masks is None else ddp(*feats, masks)
+    local.backward()
+    expected = _reference_loss(reference, cfg, global_feats, global_masks)
+    expected.backward()
+    grad_err = max(
+        (p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), reference.parameters())
+    )
+    return cfg["name"], local.item(), expected.item(), grad_err
+
+
+def _run_all(rank, world, configs):
+    return [_check(rank, world, cfg) for cfg in configs]
+
+
+def _cfg(name, loss, counts, k, doc_len=None, neg_len=None, **extra):
+    world = len(counts)
+    return dict(name=name, loss=loss, counts=counts, k=k, seed=len(name) * 7 + sum(counts) + k,
+                doc_len=doc_len or [0] * world, neg_len=neg_len or [0] * world, **extra)
+
+
+W2 = [
+    _cfg("C05 infonce one pair per rank", "infonce", [1, 1], 0),
+    _cfg("infonce symmetric learnable negs", "infonce", [2, 1], 2, symmetric=True, learnable=True),
+    _cfg("infonce empty rank", "infonce", [2, 0], 1),
+    _cfg("C06 late interaction 700 vs 300", "late", [2, 1], 0, doc_len=[700, 300]),
+    _cfg("late interaction negs", "late", [1, 2], 2, doc_len=[5, 9], neg_len=[4, 7]),
+    _cfg("pairwise negs", "pairwise", [2, 1], 1, doc_len=[6, 3], neg_len=[2, 5]),
+]
+W3 = [
+    _cfg("infonce negs", "infonce", [3, 1, 2], 2),
+    _cfg("infonce symmetric", "infonce", [3, 1, 2], 0, symmetric=True),
+    _cfg("infonce symmetric learnable negs", "infonce", [3, 1, 2], 1, symmetric=True, learnable=True),
+    _cfg("late interaction", "late", [3, 1, 2], 0, doc_len=[6, 11, 3]),
+    _cfg("late interaction negs", "late", [3, 1, 2], 2, doc_len=[6, 11, 3], neg_len=[3, 8, 1]),
+    _cfg("pairwise", "pairwise", [3, 1, 2], 0, doc_len=[4, 2, 7]),
+    _cfg("pairwise negs", "pairwise", [3, 1, 2], 2, doc_len=[4, 2, 7], neg_len=[5, 5, 2]),
+]
+
+
+def _assert_exact(results, world):
+    by_name = {}
+    for rank_results in results:
+        for name, local, expected, grad_err in rank_results:
+            by_name.setdefault(name, []).append((local, expected, grad_err))
+    assert len(by_name) == len(results[0])
+    for name, rows in by_name.items():
+        shares = [r[0] for r in rows]
+        expected = rows[0][1]
+        assert abs(sum(shares) / world - expected) < TOL, (name, shares, expected)
+        assert all(abs(r[1] - expected) < 1e-12 for r in rows), name
+        assert max(r[2] for r in rows) < TOL, (name, [r[2] for r in rows])
+
+
+@pytest.mark.dist
+def test_losses_match_single_process_on_two_ranks():
+    _assert_exact(run_distributed(_run_all, 2, W2), 2)
+
+
+@pytest.mark.dist
+def test_losses_match_single_process_on_three_unequal_ranks_with_hard_negatives():
+    _assert_exact(run_distributed(_run_all, 3, W3), 3)

@@ -1,1 +1,45 @@
-"""raggedvl.data"""
+"""raggedvl.data: the embedded rdocs dataset, retrieval datasets and loaders, processors, collator,
+image hardening."""
+
+from .collator import DOC_TEMPLATE, IMAGE_BLOCK, QUERY_AUGMENTATION, QUERY_TEMPLATE, RetrievalCollator
+from .dataset import RetrievalDataset, load_retrieval_dataset
+from .images import BadImageError, ImageLimits, check_resize, fit_image, load_image, prepare_image, resized_size
+from .processing import (
+    QWEN2_VL_SPECIAL_TOKENS,
+    TINY_MAX_PIXELS,
+    TINY_MIN_PIXELS,
+    Qwen2VLImageTextProcessor,
+    build_processor,
+    build_tiny_tokenizer,
+    set_pixel_limits,
+)
+from .rdocs import DEFAULT_JOB_DEV_PAIRS, DEFAULT_JOB_TRAIN_PAIRS, build_rdocs, default_cache_root, verify_manuals
+
+__all__ = [
+    "BadImageError",
+    "DEFAULT_JOB_DEV_PAIRS",
+    "DEFAULT_JOB_TRAIN_PAIRS",
+    "DOC_TEMPLATE",
+    "IMAGE_BLOCK",
+    "ImageLimits",
+    "QUERY_AUGMENTATION",
+    "QUERY_TEMPLATE",
+    "QWEN2_VL_SPECIAL_TOKENS",
+    "Qwen2VLImageTextProcessor",
+    "RetrievalCollator",
+    "RetrievalDataset",
+    "TINY_MAX_PIXELS",
+    "TINY_MIN_PIXELS",
+    "build_processor",
+    "build_rdocs",
+    "build_tiny_tokenizer",
+    "check_resize",
+    "default_cache_root",
+    "fit_image",
+    "load_image",
+    "load_retrieval_dataset",
+    "prepare_image",
+    "resized_size",
+    "set_pixel_limits",
+    "verify_manuals",
+]

@@ -7,7 +7,7 @@ Output directory (``rdocs-<version>-<subset>``)::
                      (0-based), pages (pages shown), view ("full"|"crop"|"spread"), dpi,
                      width, height (pixels), source ("outline"|"help_title")
     images/<id>.png  8-bit greyscale PNG, written with fixed settings and no metadata
-    build_info.json  version, limits, counts per split and view, SHA-256 of the manifest
+    build_info.json  version, counts per split and view, SHA-256 of the manifest
 
 The output is byte-identical run to run (PNG encoder settings are fixed, nothing depends on
 time or the machine). The build renders into a temporary sibling directory and renames it
@@ -18,6 +18,7 @@ Measured speed on one core: see benchmarks/results/rdocs_build.md.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -31,7 +32,7 @@ from pathlib import Path
 import pypdfium2 as pdfium
 from PIL import Image
 
-from raggedvl.data.rdocs_pairs import MANUALS, RDOCS_VERSION, PairPlan, plan_pairs, select_subset
+from raggedvl.data.rdocs_pairs import DEV_FRACTION, MANUALS, RDOCS_VERSION, PairPlan, plan_pairs, select_subset
 
 DEFAULT_JOB_TRAIN_PAIRS = 320
 DEFAULT_JOB_DEV_PAIRS = 96
@@ -75,6 +76,13 @@ def open_manuals(directory: Path | None = None) -> dict[str, pdfium.PdfDocument]
     return {name: pdfium.PdfDocument(str(directory / name)) for name in MANUALS}
 
 
+@functools.lru_cache(maxsize=1)
+def all_pairs() -> tuple[PairPlan, ...]:
+    """Every pair of the full dataset (``plan_pairs`` over the verified manuals), computed once
+    per process (about 2 s: reading ~1,400 help-page titles)."""
+    return tuple(plan_pairs(open_manuals()))
+
+
 def _render_page(doc: pdfium.PdfDocument, index: int, dpi: int, crop_pt: tuple[float, float] | None = None) -> Image.Image:
     page = doc[index]
     crop = (0, 0, 0, 0)
@@ -100,6 +108,17 @@ def png_bytes(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", compress_level=_PNG_COMPRESS_LEVEL, optimize=False)
     return buffer.getvalue()
+
+
+def _resolve_limits(limit: int | None, train_limit: int | None, dev_limit: int | None) -> tuple[int | None, int | None]:
+    if limit is None:
+        return train_limit, dev_limit
+    if train_limit is not None or dev_limit is not None:
+        raise ValueError("pass either limit or train_limit/dev_limit, not both")
+    if not isinstance(limit, int) or limit < 2:
+        raise ValueError(f"limit must be an integer >= 2 (one train and one dev pair), got {limit!r}")
+    dev = max(1, round(limit * DEV_FRACTION))
+    return limit - dev, dev
 
 
 def _subset_tag(train_limit: int | None, dev_limit: int | None) -> str:
@@ -140,6 +159,7 @@ def _write_dataset(target: Path, plans: list[PairPlan], manuals: dict[str, pdfiu
 def build_rdocs(
     cache_dir: str | os.PathLike | None = None,
     *,
+    limit: int | None = None,
     train_limit: int | None = None,
     dev_limit: int | None = None,
     force: bool = False,
@@ -150,6 +170,8 @@ def build_rdocs(
     Args:
         cache_dir: root directory of the cache (default ``default_cache_root()``); the dataset
             lives in ``<cache_dir>/rdocs-<version>-<subset>``.
+        limit: at most this many pairs in all, split like the full set (``dev = round(limit *
+            0.2)``, at least 1); cannot be combined with ``train_limit`` / ``dev_limit``.
         train_limit, dev_limit: keep at most this many train / dev pairs (chosen by a stable
             hash rank, so smaller subsets are contained in larger ones and each pair's image is
             identical to the full build's). None keeps all (about 1,320 train + 330 dev).
@@ -160,12 +182,13 @@ def build_rdocs(
     Raises:
         ValueError: a vendored PDF fails its SHA-256 check, or a limit is not a positive int.
     """
+    train_limit, dev_limit = _resolve_limits(limit, train_limit, dev_limit)
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     final = root / f"rdocs-{RDOCS_VERSION}-{_subset_tag(train_limit, dev_limit)}"
     if (final / "manifest.jsonl").is_file() and not force:
         return final
     manuals = open_manuals()
-    plans = select_subset(plan_pairs(manuals), train_limit, dev_limit)
+    plans = select_subset(list(all_pairs()), train_limit, dev_limit)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     try:
@@ -183,7 +206,8 @@ def build_rdocs(
     return final
 
 
-def count_pairs(train_limit: int | None = None, dev_limit: int | None = None) -> dict[str, int]:
+def count_pairs(limit: int | None = None, train_limit: int | None = None, dev_limit: int | None = None) -> dict[str, int]:
     """Pairs per split that ``build_rdocs`` would write with these limits (no rendering)."""
-    plans = select_subset(plan_pairs(open_manuals()), train_limit, dev_limit)
+    train_limit, dev_limit = _resolve_limits(limit, train_limit, dev_limit)
+    plans = select_subset(list(all_pairs()), train_limit, dev_limit)
     return dict(sorted(Counter(p.split for p in plans).items()))

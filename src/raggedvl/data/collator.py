@@ -1,0 +1,165 @@
+"""``RetrievalCollator``: (query, page image) examples -> ragged query and document batches.
+
+Templates (ColQwen2 style, illuin-tech/colpali's ColQwen2Processor): a document is an
+instruction around exactly one ``<|vision_start|><|image_pad|><|vision_end|>`` block, which the
+processor expands to ``t*h*w / merge_size**2`` ``<|image_pad|>`` tokens; a query is
+``"Query: {query}"`` followed by ``QUERY_AUGMENTATION`` (ten ``<|endoftext|>`` tokens that give
+late interaction extra query vectors). Both are plain strings, configurable.
+
+Each image is resized here to exactly the size the processor's own rule (``smart_resize``)
+would choose, with PIL's ``reducing_gap`` (3x faster on page scans); the processor then leaves
+the size unchanged, with the PIL or the torchvision backend. No image is padded: ``pixel_values`` stays one flat [sum t*h*w, patch_dim] tensor owned per
+sample through ``RaggedBatch``. Text is padded on the right to the batch's longest row.
+
+Truncation (case C09): queries are text only and are truncated to ``max_length`` tokens.
+Documents are never truncated, because a cut would fall inside an image's placeholder run:
+a document longer than ``max_length`` raises ValueError naming the example, its length, its
+visual tokens and the fix (raise ``max_length`` or lower ``max_pixels``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from PIL import Image
+
+from raggedvl.batch import RaggedBatch, TokenIds
+from raggedvl.data.images import BadImageError, BadImagePolicy, ImageLimits, check_resize, fit_image, load_image
+
+IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+DOC_TEMPLATE = "<|im_start|>user\n" + IMAGE_BLOCK + "Describe the image.<|im_end|><|endoftext|>"
+QUERY_AUGMENTATION = "<|endoftext|>" * 10
+QUERY_TEMPLATE = "Query: {query}" + QUERY_AUGMENTATION
+
+
+def layout_for(processor) -> str:
+    """RaggedBatch layout name for a processor: qwen2_vl, qwen2_5_vl or qwen3_vl."""
+    name = type(processor).__name__.lower()
+    if "qwen3" in name:
+        return "qwen3_vl"
+    if "qwen2_5" in name:
+        return "qwen2_5_vl"
+    return "qwen2_vl"
+
+
+def token_ids_for(processor) -> TokenIds:
+    """Placeholder token ids as the processor's own tokenizer assigns them."""
+    tokenizer = processor.tokenizer
+    return TokenIds(
+        vision_start=int(tokenizer.convert_tokens_to_ids("<|vision_start|>")),
+        image=int(processor.image_token_id),
+        video=int(getattr(processor, "video_token_id", tokenizer.convert_tokens_to_ids("<|video_pad|>"))),
+    )
+
+
+class RetrievalCollator:
+    """Collate retrieval examples into ``{"queries", "docs", "ids", "skipped"}``.
+
+    Args:
+        processor: a Qwen2-VL-family processor (``build_processor``).
+        max_length: token cap per sample, or None. Queries are truncated to it; a longer
+            document raises (see module docstring).
+        query_template: contains ``{query}``, no image placeholder.
+        doc_template: contains ``IMAGE_BLOCK`` exactly once.
+        on_bad_image: "error" raises ``BadImageError`` naming the example; "skip" drops the
+            example and reports it in ``"skipped"``.
+        layout: RaggedBatch layout name; default from the processor class.
+
+    Output: ``queries`` (text-only RaggedBatch, B rows), ``docs`` (RaggedBatch, B rows, one image
+    each), ``ids`` (B example ids, in order), ``skipped`` (list of ``{"id", "reason"}``).
+
+    Raises:
+        ValueError: an example without ``query``/``image``, an empty query, a document longer
+            than ``max_length``, or a batch where every example was skipped.
+    """
+
+    def __init__(
+        self,
+        processor,
+        max_length: int | None = None,
+        *,
+        query_template: str = QUERY_TEMPLATE,
+        doc_template: str = DOC_TEMPLATE,
+        on_bad_image: BadImagePolicy = "error",
+        layout: str | None = None,
+    ) -> None:
+        if "{query}" not in query_template or "<|image_pad|>" in query_template:
+            raise ValueError(f"query_template must contain '{{query}}' and no image placeholder, got {query_template!r}")
+        if doc_template.count(IMAGE_BLOCK) != 1 or doc_template.count("<|image_pad|>") != 1:
+            raise ValueError(f"doc_template must contain {IMAGE_BLOCK!r} exactly once, got {doc_template!r}")
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"max_length must be >= 1 or None, got {max_length}")
+        if on_bad_image not in ("error", "skip"):
+            raise ValueError(f"on_bad_image must be 'error' or 'skip', got {on_bad_image!r}")
+        self.processor = processor
+        self.max_length = max_length
+        self.query_template = query_template
+        self.doc_template = doc_template
+        self.on_bad_image = on_bad_image
+        self.layout = layout or layout_for(processor)
+        self.token_ids = token_ids_for(processor)
+        self.limits = ImageLimits.from_processor(processor)
+
+    def _prepare(self, examples: Sequence[dict[str, Any]]):
+        kept, images, skipped = [], [], []
+        for position, example in enumerate(examples):
+            ident = str(example.get("id", position))
+            missing = [k for k in ("query", "image") if k not in example]
+            if missing:
+                raise ValueError(f"example {position} (id {ident!r}) lacks {missing}; keys present: {sorted(example)}")
+            query = example["query"]
+            if not isinstance(query, str) or not query.strip():
+                raise ValueError(f"example {position} (id {ident!r}) has an empty or non-string query {query!r}")
+            try:
+                image = example["image"]
+                if image is None:
+                    raise BadImageError(example.get("image_error", f"example {ident!r} has no image"))
+                if not isinstance(image, Image.Image) or image.mode != "RGB":
+                    image = load_image(image, max_source_pixels=self.limits.max_source_pixels, name=f"image of example {ident!r}")
+                image = fit_image(image, self.limits)
+                size = check_resize(image.width, image.height, self.limits, name=f"image of example {ident!r}")
+                if size != image.size:  # same target as the processor's rule, reached faster
+                    image = image.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0)
+            except BadImageError as exc:
+                if self.on_bad_image == "error":
+                    raise
+                skipped.append({"id": ident, "reason": str(exc)})
+                continue
+            kept.append((ident, query))
+            images.append(image)
+        if not kept:
+            raise ValueError(f"every example of this batch was rejected: {skipped}")
+        return kept, images, skipped
+
+    def _check_doc_lengths(self, ids: list[str], features) -> None:
+        if self.max_length is None:
+            return
+        lengths = features["attention_mask"].sum(dim=1).tolist()
+        visual = (features["input_ids"] == self.token_ids.image).sum(dim=1).tolist()
+        for ident, length, n_visual in zip(ids, lengths, visual):
+            if length > self.max_length:
+                raise ValueError(
+                    f"document of example {ident!r} has {length} tokens ({n_visual} image placeholder tokens "
+                    f"+ {length - n_visual} text tokens), above max_length={self.max_length}; truncating would "
+                    "cut through the image placeholders. Raise max_length or lower max_pixels"
+                )
+
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        kept, images, skipped = self._prepare(examples)
+        ids = [ident for ident, _ in kept]
+        query_kwargs = {"truncation": True, "max_length": self.max_length} if self.max_length else {}
+        query_features = self.processor(
+            text=[self.query_template.format(query=q) for _, q in kept],
+            padding="longest", return_tensors="pt", **query_kwargs,
+        )
+        doc_features = self.processor(
+            text=[self.doc_template] * len(kept), images=images, padding="longest", return_tensors="pt",
+        )
+        self._check_doc_lengths(ids, doc_features)
+        ones = [1] * len(kept)
+        return {
+            "queries": RaggedBatch.from_features(query_features, layout=self.layout, image_counts=[0] * len(kept), token_ids=self.token_ids),
+            "docs": RaggedBatch.from_features(doc_features, layout=self.layout, image_counts=ones, token_ids=self.token_ids),
+            "ids": ids,
+            "skipped": skipped,
+        }

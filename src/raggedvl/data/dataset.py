@@ -1,0 +1,251 @@
+"""Retrieval datasets: (query, document image) pairs from an rdocs manifest or HF ``datasets``.
+
+Items are dicts ``{"query": str, "image": PIL.Image (RGB, decoded on access), "id": str, ...}``
+plus metadata (rdocs: split, pdf, page, pages, view, dpi, width, height, source). Query i's
+relevant document is item i's image.
+
+Bad input policy:
+- a missing ``query`` / ``image`` column (or manifest key): ValueError at construction, naming
+  the columns present and the ``query_column=`` / ``image_column=`` fix;
+- an empty or non-string query: ValueError at construction naming the row and id;
+- an unreadable, corrupt or oversized image (see ``raggedvl.data.images``): with
+  ``on_bad_image="error"`` a ``BadImageError`` naming the row and id when the item is read;
+  with ``"skip"`` the item comes back with ``image=None`` and ``image_error`` set, and
+  ``RetrievalCollator`` drops it and lists it under ``"skipped"`` in its output (counted in the
+  run summary, never silent).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from raggedvl.data.images import BadImageError, BadImagePolicy, load_image
+
+_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+
+
+def _check_policy(on_bad_image: str) -> None:
+    if on_bad_image not in ("error", "skip"):
+        raise ValueError(f"on_bad_image must be 'error' or 'skip', got {on_bad_image!r}")
+
+
+def _limit_order(ids: list[str], limit: int | None) -> list[int]:
+    """Row positions to keep: all, or the ``limit`` rows whose id hashes lowest (a stable
+    sample: smaller limits give subsets of larger ones), in their original order."""
+    if limit is None:
+        return list(range(len(ids)))
+    if not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
+    ranked = sorted(range(len(ids)), key=lambda i: (hashlib.sha256(ids[i].encode()).digest(), i))
+    return sorted(ranked[:limit])
+
+
+def _check_queries(queries: list[Any], ids: list[str], where: str) -> None:
+    for row, (query, ident) in enumerate(zip(queries, ids)):
+        if not isinstance(query, str) or not query.strip():
+            raise ValueError(
+                f"{where}: row {row} (id {ident!r}) has an empty or non-string query {query!r}; "
+                "remove the row or fill in its query"
+            )
+
+
+class RetrievalDataset(Sequence):
+    """A split of (query, document image) pairs with lazy image decoding.
+
+    Build with ``from_manifest`` (rdocs directory) or ``from_hf`` (a ``datasets.Dataset``), or
+    through ``load_retrieval_dataset``. ``split`` names the split held.
+    """
+
+    def __init__(
+        self,
+        records: list[dict[str, Any]],
+        image_sources: list[Any],
+        split: str,
+        *,
+        sizes: list[tuple[int, int] | None] | None = None,
+        on_bad_image: BadImagePolicy = "error",
+        max_source_pixels: int = 64_000_000,
+        where: str = "dataset",
+    ) -> None:
+        _check_policy(on_bad_image)
+        if len(records) != len(image_sources):
+            raise ValueError(f"{len(records)} records but {len(image_sources)} image sources")
+        _check_queries([r.get("query") for r in records], [r.get("id", "") for r in records], where)
+        self.records = records
+        self.image_sources = image_sources
+        self.split = split
+        self.on_bad_image = on_bad_image
+        self.max_source_pixels = max_source_pixels
+        self.where = where
+        self._sizes = sizes
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_manifest(cls, directory: str | os.PathLike, split: str | None = "train", *, limit: int | None = None, **kwargs) -> "RetrievalDataset":
+        """Rows of ``<directory>/manifest.jsonl`` whose ``split`` matches (None: all rows).
+
+        Raises ValueError for a missing manifest, a row without ``query``/``image``/``id``, or a
+        split with no rows (naming the splits present).
+        """
+        root = Path(directory)
+        manifest = root / "manifest.jsonl" if root.is_dir() else root
+        if not manifest.is_file():
+            raise ValueError(f"{manifest} not found; build the dataset with raggedvl.data.build_rdocs() first")
+        rows = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+        for number, row in enumerate(rows):
+            missing = [k for k in ("query", "image", "id") if k not in row]
+            if missing:
+                raise ValueError(f"{manifest}: row {number} lacks {missing} (keys present: {sorted(row)})")
+        chosen = [r for r in rows if split is None or r.get("split") == split]
+        if not chosen:
+            raise ValueError(f"{manifest} has no rows in split {split!r}; splits present: {sorted({r.get('split') for r in rows})}")
+        keep = _limit_order([r["id"] for r in chosen], limit)
+        chosen = [chosen[i] for i in keep]
+        sizes = [(r["width"], r["height"]) if "width" in r and "height" in r else None for r in chosen]
+        sources = [manifest.parent / r["image"] for r in chosen]
+        records = [{k: v for k, v in r.items() if k != "image"} for r in chosen]
+        return cls(records, sources, split or "all", sizes=None if None in sizes else sizes, where=str(manifest), **kwargs)
+
+    @classmethod
+    def from_hf(
+        cls,
+        dataset,
+        split: str = "train",
+        *,
+        query_column: str = "query",
+        image_column: str = "image",
+        id_column: str | None = None,
+        limit: int | None = None,
+        base_dir: str | os.PathLike | None = None,
+        **kwargs,
+    ) -> "RetrievalDataset":
+        """Wrap a ``datasets.Dataset`` with a query column and an image column (the datasets
+        ``Image`` feature, or strings holding paths relative to ``base_dir``).
+
+        Images are read undecoded (``Image(decode=False)``) and decoded by this package's
+        hardened loader. Ids come from ``id_column`` or are ``"<split>-<row>"``.
+        """
+        import datasets
+
+        columns = list(dataset.column_names)
+        for label, column in (("query_column", query_column), ("image_column", image_column)):
+            if column not in columns:
+                raise ValueError(f"dataset has no column {column!r} (columns: {columns}); pass {label}= naming the right one")
+        if id_column is not None and id_column not in columns:
+            raise ValueError(f"dataset has no id column {id_column!r} (columns: {columns})")
+        if isinstance(dataset.features[image_column], datasets.Image):
+            dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
+        queries = dataset[query_column]
+        ids = [str(v) for v in dataset[id_column]] if id_column else [f"{split}-{i}" for i in range(len(queries))]
+        keep = _limit_order(ids, limit)
+        subset = dataset.select(keep) if limit is not None else dataset
+        images = subset[image_column]
+        if base_dir is not None:
+            images = [str(Path(base_dir) / v) if isinstance(v, str) else v for v in images]
+        records = [{"query": queries[i], "id": ids[i], "row": i} for i in keep]
+        return cls(records, images, split, where=f"dataset split {split!r}", **kwargs)
+
+    # ------------------------------------------------------------------ access
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if isinstance(index, slice):
+            raise TypeError("RetrievalDataset does not support slices; index one row at a time")
+        record = dict(self.records[index])
+        name = f"{self.where} row {record.get('row', index)} (id {record['id']!r})"
+        try:
+            record["image"] = load_image(self.image_sources[index], max_source_pixels=self.max_source_pixels, name=name)
+        except BadImageError as exc:
+            if self.on_bad_image == "error":
+                raise
+            record["image"], record["image_error"] = None, str(exc)
+        return record
+
+    def ids(self) -> list[str]:
+        return [r["id"] for r in self.records]
+
+    def image_sizes(self) -> list[tuple[int, int] | None]:
+        """(width, height) of each document image in pixels, without decoding pixels (from the
+        manifest, else from each file's header, cached). An unreadable image gives None under
+        ``on_bad_image="skip"`` and raises BadImageError under "error"."""
+        if self._sizes is None:
+            self._sizes = [self._header_size(i) for i in range(len(self))]
+        return list(self._sizes)
+
+    def _header_size(self, index: int) -> tuple[int, int] | None:
+        source = self.image_sources[index]
+        try:
+            if isinstance(source, dict):
+                source = io.BytesIO(source["bytes"]) if source.get("bytes") is not None else source.get("path")
+            with Image.open(source) as image:
+                return image.size
+        except (OSError, ValueError, TypeError) as exc:
+            if self.on_bad_image == "skip":
+                return None
+            raise BadImageError(f"{self.where} row {index} (id {self.records[index]['id']!r}): cannot read the image header ({exc})") from exc
+
+
+def _looks_like_image_folder(path: Path) -> bool:
+    return path.is_dir() and any(p.suffix.lower() in _IMAGE_SUFFIXES for p in path.rglob("*"))
+
+
+def load_retrieval_dataset(
+    name_or_path: str | os.PathLike,
+    split: str = "train",
+    *,
+    limit: int | None = None,
+    query_column: str = "query",
+    image_column: str = "image",
+    id_column: str | None = None,
+    on_bad_image: BadImagePolicy = "error",
+    cache_dir: str | os.PathLike | None = None,
+    **load_kwargs,
+) -> RetrievalDataset:
+    """Load a split of a retrieval dataset with ``query`` and ``image`` columns.
+
+    ``name_or_path`` may be:
+    - ``"rdocs"``: the embedded dataset (full build, cached; see ``build_rdocs`` for subsets),
+      or a directory holding an rdocs ``manifest.jsonl``;
+    - a local ``.parquet`` file, or a directory of them (read with ``datasets``' parquet builder);
+    - a local image folder with a ``metadata.jsonl``/``metadata.csv`` (``file_name`` + query
+      column), read with ``datasets``' imagefolder builder;
+    - a hub dataset id (``vidore/colpali_train_set``) through ``datasets.load_dataset``.
+    ``limit`` keeps a stable hash sample of that many rows. Extra ``load_kwargs`` go to
+    ``datasets.load_dataset``.
+    """
+    common = {"on_bad_image": on_bad_image}
+    path = Path(name_or_path)
+    if str(name_or_path) == "rdocs":
+        from raggedvl.data.rdocs import build_rdocs
+
+        return RetrievalDataset.from_manifest(build_rdocs(cache_dir), split, limit=limit, **common)
+    if (path / "manifest.jsonl").is_file():
+        return RetrievalDataset.from_manifest(path, split, limit=limit, **common)
+
+    import datasets
+
+    if path.is_file() and path.suffix == ".parquet" or path.is_dir() and any(path.glob("*.parquet")):
+        files = [str(path)] if path.is_file() else sorted(str(p) for p in path.glob("*.parquet"))
+        hf = datasets.load_dataset("parquet", data_files={split: files}, split=split, **load_kwargs)
+        base = path.parent if path.is_file() else path
+    elif _looks_like_image_folder(path):
+        hf = datasets.load_dataset("imagefolder", data_dir=str(path), split=split, **load_kwargs)
+        base = path
+    elif path.exists():
+        raise ValueError(f"{path} is neither an rdocs directory, parquet file(s) nor an image folder")
+    else:
+        hf = datasets.load_dataset(str(name_or_path), split=split, **load_kwargs)
+        base = None
+    return RetrievalDataset.from_hf(
+        hf, split, query_column=query_column, image_column=image_column, id_column=id_column,
+        limit=limit, base_dir=base, **common,
+    )

@@ -19,3 +19,4 @@ from raggedvl.parallel.distributed import (
     shutdown,
 )
 from raggedvl.parallel.dataparallel import RaggedDataParallel, ScatteredBatch, gather_outputs, scatter_batch  # noqa: E402
+from raggedvl.parallel.dispatch import RaggedDispatchSlicer, prepare_ragged_data_loader  # noqa: E402

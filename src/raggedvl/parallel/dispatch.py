@@ -1,0 +1,95 @@
+"""Whole-sample slicing for accelerate's ``dispatch_batches=True`` (DESIGN.md section 3.2, case C03).
+
+With ``dispatch_batches=True`` (accelerate's default for an ``IterableDataset``), process 0 reads
+``num_processes`` batches, concatenates every tensor along dim 0, broadcasts the result, and each
+process keeps ``slice(rank * b, (rank + 1) * b)`` of *every* tensor, b = samples per process.
+For a Qwen2-VL batch that cuts ``pixel_values`` (patch rows) and ``image_grid_thw`` (image rows)
+by position: patches are separated from their grids and from their samples' placeholder tokens.
+
+``RaggedDispatchSlicer`` is a drop-in ``slice_fn_for_dispatch``: it receives that full,
+broadcast batch and the sample slice, rebuilds a ``RaggedBatch`` (ownership from the
+placeholder tokens, all invariants checked) and keeps exactly the samples in the slice, with
+their patches, grids and per-item tensors. Concatenating whole Qwen batches along dim 0 keeps
+them consistent (samples, images and patch rows stay in the same order), so only the slice
+needed fixing. No collective is issued here; accelerate's broadcast happens before the slice.
+
+Supported batch structures: a feature dict / ``BatchFeature`` (has ``input_ids``), or dicts,
+lists and tuples nesting them together with per-sample tensors or per-sample lists (e.g. string
+ids). A ``RaggedBatch`` object itself cannot pass through accelerate's dispatcher (its
+``concatenate`` and ``find_batch_size`` accept tensors only); collate to feature dicts instead.
+Sequences must share one padded length across the concatenated batches (pad to a fixed
+``max_length``), else accelerate's ``concatenate`` raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from raggedvl.batch import RaggedBatch
+
+
+class RaggedDispatchSlicer:
+    """``slice_fn(batch, tensor_slice, process_index=None, num_processes=None)`` keeping whole
+    samples of ragged Qwen-family feature dicts.
+
+    ``tensor_slice``: the slice of *samples* accelerate computed for this process. Feature dicts
+    are returned as the same mapping type (dict or ``BatchFeature``) holding the selected
+    samples' tensors; per-sample lists and tensors are sliced by position.
+
+    Raises ``ValueError`` if the full batch breaks a ragged invariant (e.g. per-sample tensors
+    concatenated along the wrong dim) or the slice exceeds the batch's samples (accelerate
+    measured the batch size on a non-sample tensor: put ``input_ids`` first).
+    """
+
+    def __init__(self, layout: str = "qwen2_vl", token_ids: Any = None):
+        self.layout = layout
+        self.token_ids = token_ids
+
+    def __call__(self, data: Any, tensor_slice: slice, process_index: int | None = None,
+                 num_processes: int | None = None) -> Any:
+        return self._slice(data, tensor_slice)
+
+    def _select(self, batch: RaggedBatch, tensor_slice: slice) -> RaggedBatch:
+        stop = tensor_slice.stop
+        if stop is not None and stop > batch.num_samples:
+            raise ValueError(
+                f"accelerate asked for samples {tensor_slice.start}:{stop} of a batch of {batch.num_samples} "
+                "samples; it measured the batch size on a non-sample tensor: put input_ids first in the batch dict"
+            )
+        return batch.select(list(range(batch.num_samples))[tensor_slice])
+
+    def _slice(self, data: Any, tensor_slice: slice) -> Any:
+        if isinstance(data, RaggedBatch):
+            return self._select(data, tensor_slice)
+        if isinstance(data, Mapping):
+            if "input_ids" in data:
+                batch = RaggedBatch.from_features(data, self.layout, token_ids=self.token_ids)
+                return type(data)(self._select(batch, tensor_slice).to_dict())
+            return type(data)({k: self._slice(v, tensor_slice) for k, v in data.items()})
+        if isinstance(data, torch.Tensor):
+            return data[tensor_slice]
+        if isinstance(data, (list, tuple)):
+            if all(isinstance(x, (torch.Tensor, Mapping, list, tuple, RaggedBatch)) for x in data) and data:
+                parts = [self._slice(x, tensor_slice) for x in data]
+                return type(data)(*parts) if hasattr(data, "_fields") else type(data)(parts)
+            return data[tensor_slice]  # per-sample metadata such as string ids
+        return data
+
+
+def prepare_ragged_data_loader(dataloader: Any, accelerator: Any = None, *, layout: str = "qwen2_vl",
+                               token_ids: Any = None, **kwargs: Any) -> Any:
+    """Prepare ``dataloader`` for accelerate with whole-sample dispatch slicing.
+
+    With ``accelerator`` given, calls ``accelerator.prepare_data_loader(dataloader,
+    slice_fn_for_dispatch=RaggedDispatchSlicer(...))``; otherwise
+    ``accelerate.data_loader.prepare_data_loader(dataloader, slice_fn_for_dispatch=..., **kwargs)``
+    (pass ``dispatch_batches=True``, ``put_on_device=True`` etc. there).
+    """
+    slicer = RaggedDispatchSlicer(layout, token_ids)
+    if accelerator is not None:
+        return accelerator.prepare_data_loader(dataloader, slice_fn_for_dispatch=slicer, **kwargs)
+    from accelerate.data_loader import prepare_data_loader
+
+    return prepare_data_loader(dataloader, slice_fn_for_dispatch=slicer, **kwargs)

@@ -82,7 +82,8 @@ class _MaxSim(torch.autograd.Function):
         grad_d = torch.zeros_like(d_CLD) if want_d else None
         # weight of query token l of query i in score (i, j): grad(i, j) if the token is real
         weight_QLC = grad_QC[:, None, :] * qmask_QL[:, :, None].to(grad_QC.dtype)
-        q_blk, d_blk = _block_sizes(n_q, n_d, l_q * dim, ctx.budget)
+        # gathered rows [Q_blk, Lq, C_blk, D] are memory-bound: smaller blocks cost no speed
+        q_blk, d_blk = _block_sizes(n_q, n_d, l_q * dim, max(1, ctx.budget // 4))
         d_flat = d_CLD.reshape(-1, dim)
         grad_d_flat = grad_d.view(-1, dim) if want_d else None
         for d0, d1 in _blocks(n_d, d_blk):
@@ -93,6 +94,7 @@ class _MaxSim(torch.autograd.Function):
                 if want_q:
                     picked = d_flat.index_select(0, rows).view(q1 - q0, l_q, d1 - d0, dim)
                     grad_q[q0:q1] += (w.unsqueeze(-2) @ picked).squeeze(-2)
+                    del picked
                 if want_d:
                     src = w[..., None] * q_QLD[q0:q1, :, None, :]
                     grad_d_flat.index_add_(0, rows, src.reshape(-1, dim))

@@ -41,7 +41,7 @@ def _save(image: Image.Image, path, **kwargs):
 
 @pytest.mark.parametrize(
     "size",
-    [(1, 1), (5, 3), (27, 27), (31, 639), (639, 31), (15, 690), (100, 2000), (20, 3900), (10, 5000), (3, 9000), (2000, 2), (4000, 3000)],
+    [(1, 1), (5, 3), (27, 27), (31, 639), (639, 31), (15, 690), (100, 2000), (20, 3900), (10, 5000), (3, 9000), (2000, 2), (2000, 1500)],
 )
 def test_geometry_always_gives_a_valid_grid(tmp_path, size):
     rng = np.random.default_rng(sum(size))

@@ -89,3 +89,32 @@ def test_document_without_valid_tokens_is_rejected_by_index():
 def test_bad_inputs_raise_readable_errors(change, error, match):
     with pytest.raises(error, match=match):
         late_interaction_scores(*change(*_inputs(7)))
+
+
+def test_bfloat16_embeddings_score_in_float32():
+    q, qm, d, dm = _inputs(8)
+    qb, db = q.detach().bfloat16().requires_grad_(True), d.detach().bfloat16().requires_grad_(True)
+    scores = late_interaction_scores(qb, qm, db, dm, block_elements=29)
+    assert scores.dtype == torch.float32
+    gq, gd = torch.autograd.grad(scores.sum(), (qb, db))
+    assert gq.dtype == gd.dtype == torch.bfloat16
+    q64, d64 = qb.detach().double().requires_grad_(True), db.detach().double().requires_grad_(True)
+    expected = maxsim(q64, qm, d64, dm)
+    rq, rd = torch.autograd.grad(expected.sum(), (q64, d64))
+    torch.testing.assert_close(scores.double(), expected.detach(), rtol=0, atol=5e-2)
+    torch.testing.assert_close(gq.double(), rq, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gd.double(), rd, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_scores_and_gradients_match_cpu_reference():
+    q, qm, d, dm = _inputs(9, n_q=12, l_q=16, n_d=20, l_d=300, dim=32)
+    cuda = [t.detach().cuda().requires_grad_(t.requires_grad) for t in (q, qm, d, dm)]
+    scores = late_interaction_scores(*cuda, block_elements=5000)
+    gq, gd = torch.autograd.grad(scores.sum(), (cuda[0], cuda[2]))
+    expected = maxsim(q, qm, d, dm)
+    rq, rd = torch.autograd.grad(expected.sum(), (q, d))
+    torch.testing.assert_close(scores.cpu(), expected.detach(), rtol=0, atol=1e-10)
+    torch.testing.assert_close(gq.cpu(), rq, rtol=0, atol=1e-10)
+    torch.testing.assert_close(gd.cpu(), rd, rtol=0, atol=1e-10)

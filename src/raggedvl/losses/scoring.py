@@ -40,10 +40,15 @@ def _block_sizes(n_q: int, n_d: int, per_pair: int, budget: int) -> tuple[int, i
     return q_blk, d_blk
 
 
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """Scores of 16-bit embeddings are summed (and returned) in float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _maxsim_forward(q_QLD, qmask_QL, d_CLD, dmask_CL, budget, keep_argmax):
     n_q, l_q, dim = q_QLD.shape
     n_d, l_d, _ = d_CLD.shape
-    scores_QC = q_QLD.new_zeros((n_q, n_d))
+    scores_QC = q_QLD.new_zeros((n_q, n_d), dtype=_accumulator(q_QLD.dtype))
     idx_dtype = torch.int16 if l_d <= torch.iinfo(torch.int16).max else torch.int32
     argmax_QLC = q_QLD.new_empty((n_q, l_q, n_d), dtype=idx_dtype) if keep_argmax else None
     q_blk, d_blk = _block_sizes(n_q, n_d, l_q * l_d, budget)
@@ -57,7 +62,7 @@ def _maxsim_forward(q_QLD, qmask_QL, d_CLD, dmask_CL, budget, keep_argmax):
             best, where = sim.max(dim=-1)
             del sim
             best.masked_fill_(qpad, 0.0)
-            scores_QC[q0:q1, d0:d1] = best.sum(dim=1)
+            scores_QC[q0:q1, d0:d1] = best.sum(dim=1, dtype=scores_QC.dtype)
             if keep_argmax:
                 argmax_QLC[q0:q1, :, d0:d1] = where
     return scores_QC, argmax_QLC
@@ -78,8 +83,9 @@ class _MaxSim(torch.autograd.Function):
         want_q, _, want_d = ctx.needs_input_grad[:3]
         n_q, l_q, dim = q_QLD.shape
         n_d, l_d, _ = d_CLD.shape
-        grad_q = torch.zeros_like(q_QLD) if want_q else None
-        grad_d = torch.zeros_like(d_CLD) if want_d else None
+        acc = grad_QC.dtype  # float32 or wider: 16-bit inputs accumulate their gradients in it
+        grad_q = torch.zeros_like(q_QLD, dtype=acc) if want_q else None
+        grad_d = torch.zeros_like(d_CLD, dtype=acc) if want_d else None
         # weight of query token l of query i in score (i, j): grad(i, j) if the token is real
         weight_QLC = grad_QC[:, None, :] * qmask_QL[:, :, None].to(grad_QC.dtype)
         # gathered rows [Q_blk, Lq, C_blk, D] are memory-bound: smaller blocks cost no speed
@@ -92,12 +98,16 @@ class _MaxSim(torch.autograd.Function):
                 rows = (argmax_QLC[q0:q1, :, d0:d1].long() + base).reshape(-1)
                 w = weight_QLC[q0:q1, :, d0:d1]
                 if want_q:
-                    picked = d_flat.index_select(0, rows).view(q1 - q0, l_q, d1 - d0, dim)
+                    picked = d_flat.index_select(0, rows).view(q1 - q0, l_q, d1 - d0, dim).to(acc)
                     grad_q[q0:q1] += (w.unsqueeze(-2) @ picked).squeeze(-2)
                     del picked
                 if want_d:
-                    src = w[..., None] * q_QLD[q0:q1, :, None, :]
+                    src = w[..., None] * q_QLD[q0:q1, :, None, :].to(acc)
                     grad_d_flat.index_add_(0, rows, src.reshape(-1, dim))
+        if want_q:
+            grad_q = grad_q.to(q_QLD.dtype)
+        if want_d:
+            grad_d = grad_d.to(d_CLD.dtype)
         return grad_q, None, grad_d, None, None
 
 
@@ -144,7 +154,8 @@ def late_interaction_scores(
     query with no valid token scores 0. Pure function (no communication). Differentiable in
     ``query_emb`` and ``doc_emb`` through a custom autograd function whose memory stays
     O(block_elements + n_q*Lq*n_d) (see the module docstring); ties in a max send the gradient
-    to one of the tied tokens.
+    to one of the tied tokens. Scores are float32 for float16/bfloat16 embeddings (the sums over
+    query tokens and the gradients accumulate in float32), else in the embeddings' dtype.
 
     Raises ``ValueError`` for mismatched shapes or a document with no valid token, ``TypeError``
     for non-bool masks or mismatched dtypes.

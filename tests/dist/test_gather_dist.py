@@ -7,6 +7,7 @@ that one rank never joins must fail within the group's timeout.
 """
 
 import os
+import socket
 import time
 from datetime import timedelta
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raggedvl.parallel import all_gather_padded, all_gather_variable, init_distributed
+from raggedvl.parallel import all_gather_padded, all_gather_variable, init_distributed, shutdown
 from tests.dist.harness import run_distributed
 
 f64 = torch.float64
@@ -111,9 +112,33 @@ def _timeout_check(rank, world):
     return message, time.monotonic() - start
 
 
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env_init_check(rank, world, backend=None):
+    """Leave the harness's group, then join a fresh one the torchrun way (env://)."""
+    port = [_free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.destroy_process_group()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]))
+    info = init_distributed(timeout_s=30, backend=backend)
+    x = torch.full((rank + 1, 2), float(rank), device=info.device, requires_grad=True)
+    out = all_gather_variable(x)
+    out.values.sum().backward()  # every rank's copy sends 1 back: the owner's gradient is W
+    result = (info.backend, info.device.type, info.world_size, info.rank == rank,
+              out.values.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]],
+              bool((x.grad == world).all()))
+    shutdown()
+    return result
+
+
 def _all_checks(rank, world):
     return {**_variable_checks(rank, world), **_padded_checks(rank, world),
-            **_agreement_checks(rank, world), "timeout": _timeout_check(rank, world)}
+            **_agreement_checks(rank, world), "timeout": _timeout_check(rank, world),
+            "env init": _env_init_check(rank, world, backend="gloo")}
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +165,19 @@ def test_shape_disagreement_raises_on_every_rank_listing_every_shape(results):
         assert "rank 0: float32 [1, 4]; rank 1: float64 [1, 4]" in r["dtype error"]
         assert "rank 0: float32 [1, 2, 3]; rank 1: float32 [1, 2, 3, 3]" in r["ndim error"]
         assert "different tags" in r["tag error"]
+
+
+@pytest.mark.dist
+def test_init_distributed_joins_a_gloo_group_from_torchrun_environment(results):
+    assert [r["env init"] for r in results] == [("gloo", "cpu", 2, True, True, True)] * 2
+
+
+@pytest.mark.dist
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL between processes needs 2 GPUs")
+def test_init_distributed_picks_nccl_and_gathers_on_gpus():
+    results = run_distributed(_env_init_check, 2)
+    assert results == [("nccl", "cuda", 2, True, True, True)] * 2
 
 
 @pytest.mark.dist

@@ -44,7 +44,9 @@ class TokenIds:
         """Read the ids from a ``TokenIds``, a processor, a tokenizer or a model config.
 
         Looks for ``vision_start_token_id``, ``image_token_id`` and ``video_token_id`` on
-        ``source`` and on ``source.tokenizer`` / ``source.config``; a missing id keeps the public
+        ``source`` and on ``source.tokenizer`` / ``source.config``, then asks the tokenizer for
+        ``<|vision_start|>``, ``<|image_pad|>``, ``<|video_pad|>`` (transformers 5.x's
+        ``Qwen2VLProcessor`` has no ``vision_start_token_id``); a missing id keeps the public
         Qwen default. ``None`` gives the defaults.
         """
         if source is None:
@@ -52,18 +54,23 @@ class TokenIds:
         if isinstance(source, TokenIds):
             return source
         candidates = [source, getattr(source, "tokenizer", None), getattr(source, "config", None)]
+        tokenizer = next((c for c in candidates if hasattr(c, "convert_tokens_to_ids")), None)
 
-        def lookup(attr: str, default: int) -> int:
+        def lookup(attr: str, token: str, default: int) -> int:
             for obj in candidates:
                 value = getattr(obj, attr, None) if obj is not None else None
                 if isinstance(value, int):
                     return value
+            if tokenizer is not None:
+                value = tokenizer.convert_tokens_to_ids(token)
+                if isinstance(value, int) and tokenizer.convert_ids_to_tokens(value) == token:
+                    return value
             return default
 
         return cls(
-            vision_start=lookup("vision_start_token_id", QWEN_VISION_START_ID),
-            image=lookup("image_token_id", QWEN_IMAGE_PAD_ID),
-            video=lookup("video_token_id", QWEN_VIDEO_PAD_ID),
+            vision_start=lookup("vision_start_token_id", "<|vision_start|>", QWEN_VISION_START_ID),
+            image=lookup("image_token_id", "<|image_pad|>", QWEN_IMAGE_PAD_ID),
+            video=lookup("video_token_id", "<|video_pad|>", QWEN_VIDEO_PAD_ID),
         )
 
 

@@ -135,7 +135,7 @@ class RaggedBatch:
             ok_len = len(counts) == num_samples
             validation.check_grid(lay, s, grid, counts if ok_len else [])
             if ok_len and sum(counts) != grid.shape[0]:
-                _raise_misowned(lay, s, tokens.cpu(), grid.cpu(), counts)
+                validation.check_ownership(lay, s, tokens.cpu(), grid.cpu(), counts)
             validation.check_counts(s, counts, num_samples, grid.shape[0])
             rows = _StreamRows(grid.to(torch.int64), None, {k: feats[k] for k in s.item_keys if k in feats}, counts)
             validation.check_patches(lay, s, patches, rows.patch_counts)
@@ -386,21 +386,3 @@ class RaggedBatch:
             out[self._layout.stream("image").patches_key] = pad_patches(rows.patches, rows.patch_counts.to(rows.patches.device))
         return out
 
-
-def _raise_misowned(lay: BatchLayout, s, tokens_B: torch.Tensor, grid: torch.Tensor, counts: tuple[int, ...]) -> None:
-    """Name the first sample whose placeholder runs have no matching grid rows (a grid row was
-    dropped or added): walk the grids in order and compare visual tokens per sample."""
-    visual = (grid.to(torch.int64).prod(dim=1) // lay.merge_size**2).tolist()
-    start = 0
-    for b, c in enumerate(counts):
-        mine = visual[start : start + c]
-        if len(mine) < c or sum(mine) != int(tokens_B[b]):
-            raise ValueError(
-                f"sample {b} has {int(tokens_B[b])} {s.name} placeholder tokens for {c} {s.name}s but the "
-                f"{s.grid_key} rows left for it give {len(mine)} {s.name}s with {sum(mine)} visual tokens "
-                f"(the batch has {grid.shape[0]} grid rows for {sum(counts)} {s.name}s); a grid row was dropped "
-                f"or added: rebuild the batch with the processor"
-            )
-        start += c
-    raise ValueError(f"{s.grid_key} has {grid.shape[0]} rows for {sum(counts)} {s.name} placeholder runs; "
-                     "extra grid rows belong to no sample")

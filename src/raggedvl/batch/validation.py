@@ -144,3 +144,23 @@ def check_vision_starts(stream: VisualStream, bad: list[tuple[int, int]], vision
             f"(id {vision_start_id}); was the text truncated from the left, or are the token ids wrong "
             f"(pass token_ids=processor)?"
         )
+
+
+def check_ownership(lay: BatchLayout, s: VisualStream, tokens_B: torch.Tensor, grid: torch.Tensor,
+                    counts: Sequence[int]) -> None:
+    """When ``counts`` and the grid rows disagree in total, name the first sample whose placeholder
+    tokens have no matching grid rows (a grid row was dropped or added), walking the grids in order."""
+    visual = (grid.to(torch.int64).prod(dim=1) // lay.merge_size**2).tolist()
+    start = 0
+    for b, c in enumerate(counts):
+        mine = visual[start : start + c]
+        if len(mine) < c or sum(mine) != int(tokens_B[b]):
+            raise ValueError(
+                f"sample {b} has {int(tokens_B[b])} {s.name} placeholder tokens for {c} {s.name}s but the "
+                f"{s.grid_key} rows left for it give {len(mine)} {s.name}s with {sum(mine)} visual tokens "
+                f"(the batch has {grid.shape[0]} grid rows for {sum(counts)} {s.name}s); a grid row was dropped "
+                f"or added: rebuild the batch with the processor"
+            )
+        start += c
+    raise ValueError(f"{s.grid_key} has {grid.shape[0]} rows for {sum(counts)} {s.name} placeholder runs; "
+                     "extra grid rows belong to no sample")

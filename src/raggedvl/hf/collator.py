@@ -1,0 +1,117 @@
+"""Data collators for the HF Trainer: ragged batches in wire form, for retrieval and for SFT.
+
+Shape legend: B samples, L tokens per sample, N images, P patch rows.
+
+Both collators return tensors only (wire form, :mod:`raggedvl.hf.wire`), so the batch survives
+every path the Trainer and accelerate take: per-process loading, ``dispatch_batches``
+(concatenate, broadcast, slice), ``send_to_device``. :class:`raggedvl.hf.RaggedTrainer` turns
+the wire form back into :class:`~raggedvl.batch.RaggedBatch` es before the forward pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from raggedvl.batch import RaggedBatch
+
+from .wire import pack
+
+IGNORE_INDEX = -100
+
+
+class RetrievalWireCollator:
+    """Wrap a retrieval collator (e.g. ``raggedvl.data.RetrievalCollator``) whose output holds
+    ``queries`` and ``docs`` :class:`RaggedBatch` es; returns ``{"queries": wire, "docs": wire}``.
+
+    Other entries (``ids``: strings) are dropped: accelerate cannot broadcast them and the
+    Trainer does not use them. Raises ``TypeError`` when ``queries`` / ``docs`` are missing or
+    not ragged batches.
+    """
+
+    def __init__(self, collate: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
+        self.collate = collate
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
+        out = self.collate(examples)
+        for key in ("queries", "docs"):
+            if not isinstance(out.get(key), RaggedBatch):
+                raise TypeError(
+                    f"the wrapped collator must return RaggedBatch under {key!r}, got {type(out.get(key)).__name__}"
+                )
+        return {"queries": pack(out["queries"]), "docs": pack(out["docs"])}
+
+
+def _chat_text(n_images: int, prompt: str, answer: str) -> tuple[str, str]:
+    images = "<|vision_start|><|image_pad|><|vision_end|>" * n_images
+    head = f"<|im_start|>user\n{images}{prompt}<|im_end|>\n<|im_start|>assistant\n"
+    return head, f"{answer}<|im_end|>"
+
+
+class SFTCollator:
+    """Supervised fine-tuning batches for a Qwen2-VL-family ``*ForConditionalGeneration``.
+
+    Each example is ``{"images": [PIL.Image, ...] (0 or more), "prompt": str, "answer": str}``,
+    rendered in the Qwen chat format (images first in the user turn). ``labels`` [B, L] equal
+    ``input_ids`` on the answer tokens (and its closing ``<|im_end|>``) and are ``-100`` on the
+    prompt, the image placeholders and the padding, so the model's causal-LM loss (which shifts
+    labels itself) trains only on the answer. Returns the wire form of the
+    :class:`RaggedBatch` (``input_ids``, ``attention_mask``, ``mm_token_type_ids``, ``labels``,
+    ``pixel_values`` [P, 1176], ``image_grid_thw`` [N, 3]). ``layout``: default from the processor.
+
+    Raises ``ValueError`` naming the sample when it is longer than ``max_length`` tokens (never
+    truncates: cutting placeholders would misalign images, case C09) or when the tokenizer merged
+    the answer's first token with the prompt; ``TypeError`` for a malformed example.
+    """
+
+    def __init__(self, processor: Any, *, max_length: int | None = None, layout: str | None = None) -> None:
+        from raggedvl.data.collator import layout_for, token_ids_for
+
+        self.processor = processor
+        self.max_length = max_length
+        self.layout = layout or layout_for(processor)
+        self.token_ids = token_ids_for(processor)
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+
+    def _check(self, i: int, ex: dict[str, Any]) -> tuple[list[Any], str, str]:
+        images = ex.get("images") or []
+        if not isinstance(ex.get("prompt"), str) or not isinstance(ex.get("answer"), str):
+            raise TypeError(f"SFT example {i} needs str 'prompt' and 'answer' (and a list 'images'); got keys {sorted(ex)}")
+        if not isinstance(images, (list, tuple)):
+            raise TypeError(f"SFT example {i}: 'images' must be a list of PIL images, got {type(images).__name__}")
+        return list(images), ex["prompt"], ex["answer"]
+
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        texts, answers, images = [], [], []
+        for i, ex in enumerate(examples):
+            imgs, prompt, answer = self._check(i, ex)
+            head, tail = _chat_text(len(imgs), prompt, answer)
+            texts.append(head + tail)
+            answers.append(self.tokenizer(tail, add_special_tokens=False)["input_ids"])
+            images.extend(imgs)
+        kwargs: dict[str, Any] = {"text": texts, "padding": True, "return_tensors": "pt", "return_mm_token_type_ids": True}
+        if images:
+            kwargs["images"] = images
+        feats = dict(self.processor(**kwargs))
+        ids_BL, mask_BL = feats["input_ids"], feats["attention_mask"].bool()
+        labels_BL = torch.full_like(ids_BL, IGNORE_INDEX)
+        for b, answer_ids in enumerate(answers):
+            valid = ids_BL[b][mask_BL[b]]
+            if self.max_length is not None and valid.numel() > self.max_length:
+                raise ValueError(
+                    f"SFT example {b} has {valid.numel()} tokens (image placeholders included) but max_length is "
+                    f"{self.max_length}; raise max_length or lower the processor's max_pixels (never truncated: a cut "
+                    "through image placeholders misaligns the images)"
+                )
+            n = len(answer_ids)
+            if valid[valid.numel() - n:].tolist() != list(answer_ids):
+                raise ValueError(
+                    f"SFT example {b}: the answer's {n} tokens are not the last tokens of the rendered chat "
+                    "(the tokenizer merged them with the prompt); end the prompt with whitespace"
+                )
+            pos = mask_BL[b].nonzero().flatten()[valid.numel() - n:]
+            labels_BL[b, pos] = ids_BL[b, pos]
+        feats["labels"] = labels_BL
+        batch = RaggedBatch.from_features(feats, self.layout, token_ids=self.token_ids)
+        return pack(batch)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from raggedvl.batch import RaggedBatch
-from raggedvl.parallel import RaggedDataParallel, gather_outputs, scatter_batch
+from raggedvl.parallel import RaggedDataParallel, ScatteredBatch, gather_outputs, scatter_batch
 from tests.batch.synth import SMALL_IDS, make_features
 from tests.batch.tiny_models import tiny_model
 
@@ -153,3 +153,16 @@ def test_ragged_data_parallel_on_gpus(models):
                     image_outputs=type(got.image_outputs)(last_hidden_state=got.image_outputs.last_hidden_state.cpu(),
                                                           pooler_output=tuple(p.cpu() for p in got.image_outputs.pooler_output)))
     assert_outputs_match(got, want, batch, atol=1e-4)
+
+
+def test_gather_when_sample_and_patch_counts_coincide():
+    # 8 samples; samples 0 and 5 own one [1,2,2] image (4 patch rows): every shard has 4 samples and 4 rows
+    samples = [{"images": [(1, 2, 2)]} if i in (0, 5) else {"text": 2} for i in range(8)]
+    batch = RaggedBatch.from_features(make_features(samples), token_ids=SMALL_IDS)
+    parts = [[0, 3, 4, 7], [1, 2, 5, 6]]
+    sc = ScatteredBatch([batch.select(p) for p in parts], parts, batch)
+    outs = [{"emb": s["input_ids"][:, :3], "vision_hidden": s["pixel_values"]} for s in sc.shards]
+    assert all(s.num_samples == int(s.patch_counts().sum()) == 4 for s in sc.shards)
+    got = gather_outputs(outs, sc)
+    assert torch.equal(got["emb"], batch["input_ids"][:, :3])
+    assert torch.equal(got["vision_hidden"], batch["pixel_values"])

@@ -371,7 +371,12 @@ class RaggedBatch:
         for name in first._streams:
             rows = [b._streams[name] for b in batches]
             patches = [r.patches for r in rows if r.patches is not None]
-            extras = {k: torch.cat([r.extras[k] for r in rows if k in r.extras]) for r in rows for k in r.extras}
+            keys = dict.fromkeys(k for r in rows for k in r.extras)
+            for i, r in enumerate(rows):
+                missing = [k for k in keys if k not in r.extras and r.grid.shape[0]]
+                if missing:
+                    raise ValueError(f"batch {i} has {name}s but no {missing}; every batch with {name}s needs them")
+            extras = {k: torch.cat([r.extras[k] for r in rows if k in r.extras]) for k in keys}
             streams[name] = _StreamRows(torch.cat([r.grid for r in rows]), torch.cat(patches) if patches else None,
                                         extras, tuple(c for r in rows for c in r.counts))
         order = tuple(dict.fromkeys(k for b in batches for k in b._order))

@@ -79,13 +79,20 @@ def scatter_batch(
     return ScatteredBatch(shards, parts, batch)
 
 
+_VISUAL_WORDS = ("image", "video", "patch", "pixel", "vision", "visual")
+
+
 def _kind(path: str, values: list[torch.Tensor], scattered: ScatteredBatch) -> tuple[str, str]:
+    """("sample" | "patch", stream) of a tensor output, from its dim-0 size on every replica; when
+    both fit, a path naming visual content (e.g. ``image_outputs.last_hidden_state``) means patch."""
     stream = "video" if "video" in path else "image"
     sizes = [v.shape[0] for v in values]
-    if sizes == [len(i) for i in scattered.indices]:
-        return "sample", stream
-    if sizes == [int(s.patch_counts(stream).sum()) for s in scattered.shards]:
-        return "patch", stream
+    fits = {"sample": sizes == [len(i) for i in scattered.indices],
+            "patch": sizes == [int(s.patch_counts(stream).sum()) for s in scattered.shards]}
+    order = ("patch", "sample") if any(w in path.lower() for w in _VISUAL_WORDS) else ("sample", "patch")
+    for kind in order:
+        if fits[kind]:
+            return kind, stream
     raise ValueError(
         f"cannot gather output {path!r}: its dim-0 sizes per replica {sizes} match neither the samples "
         f"{[len(i) for i in scattered.indices]} nor the {stream} patch rows; return per-sample tensors"
@@ -147,7 +154,8 @@ def gather_outputs(outputs: Sequence[Any], scattered: ScatteredBatch, output_dev
     """Merge per-replica outputs back into the original order on ``output_device``.
 
     Tensors with dim 0 == B_r are per sample (reordered to B rows); tensors with dim 0 == P_r are
-    per patch (reordered to the source's patch rows); tuples/lists with one tensor per image
+    per patch (reordered to the source's patch rows; when both fit, an output whose path names
+    image/video/patch/pixel/vision content is taken as per patch); tuples/lists with one tensor per image
     (per video, when the output's path contains "video") are per item and may differ in length
     between replicas; 0-dim tensors are stacked to [R] (as ``nn.DataParallel`` does). Mappings,
     ``ModelOutput``s, dataclasses and tuples are walked recursively. Gradients flow through

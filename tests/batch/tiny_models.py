@@ -1,13 +1,14 @@
-"""Tiny random Qwen2-VL / Qwen2.5-VL models built from configs (no downloads), for exactness tests.
+"""Tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL models built from configs (no downloads), for
+exactness tests.
 
-2 text layers of width 64, a 2-block vision tower of width 32; patch 14 and merge 2 as in the
-real models (patch_dim 1176). Token ids match ``synth.SMALL_IDS``.
+2 text layers of width 64, a 2-block vision tower of width 32; patch and merge sizes as in the
+real models (patch_dim 1176, Qwen3-VL 1536). Token ids match ``synth.SMALL_IDS``.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel, Qwen2VLConfig, Qwen2VLModel
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel, Qwen2VLConfig, Qwen2VLModel, Qwen3VLConfig, Qwen3VLModel
 
 from .synth import SMALL_IDS, VISION_END
 
@@ -19,16 +20,22 @@ IDS = dict(image_token_id=SMALL_IDS.image, video_token_id=SMALL_IDS.video,
 
 
 def tiny_model(family: str = "qwen2_vl", seed: int = 0) -> torch.nn.Module:
-    """A float32 eval-mode tiny model of ``family`` ("qwen2_vl" or "qwen2_5_vl"), eager attention."""
+    """A float32 eval-mode tiny model of ``family`` ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"), eager attention."""
     torch.manual_seed(seed)
     if family == "qwen2_vl":
         vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
         cfg = Qwen2VLConfig(text_config=dict(TEXT), vision_config=vision, **IDS)
         cls = Qwen2VLModel
-    else:
+    elif family == "qwen2_5_vl":
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=2,
                       window_size=56, fullatt_block_indexes=[1])
         cfg = Qwen2_5_VLConfig(text_config=dict(TEXT), vision_config=vision, **IDS)
         cls = Qwen2_5_VLModel
+    else:
+        text = dict(TEXT, head_dim=16, rope_parameters={**TEXT["rope_parameters"], "mrope_interleaved": True})
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0])
+        cfg = Qwen3VLConfig(text_config=text, vision_config=vision, **IDS)
+        cls = Qwen3VLModel
     cfg._attn_implementation = "eager"
     return cls(cfg).float().eval()

@@ -18,7 +18,7 @@ from tests.batch.synth import SMALL_IDS, make_features
 from tests.batch.tiny_models import tiny_model
 
 G448, G224 = (1, 32, 32), (1, 16, 16)
-FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,10 @@ def assert_outputs_match(got, want, batch: RaggedBatch, atol=1e-5):
         for g, w in zip(got.image_outputs.pooler_output, want.image_outputs.pooler_output):
             torch.testing.assert_close(g, w, atol=atol, rtol=0)
         torch.testing.assert_close(got.image_outputs.last_hidden_state, want.image_outputs.last_hidden_state, atol=atol, rtol=0)
+    if batch.num_videos:
+        assert len(got.video_outputs.pooler_output) == batch.num_videos
+        for g, w in zip(got.video_outputs.pooler_output, want.video_outputs.pooler_output):
+            torch.testing.assert_close(g, w, atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -66,8 +70,8 @@ def test_c01_two_replicas_get_whole_samples_and_match_unsplit_forward(models, fa
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mixed_batch_three_replicas_restores_sample_and_image_order(models, family):
-    samples = [{"images": [(1, 8, 8), (1, 4, 6)]}, {"text": 7}, {"images": [(1, 12, 8)], "text": 2},
+def test_mixed_batch_three_replicas_restores_sample_image_and_video_order(models, family):
+    samples = [{"images": [(1, 8, 8), (1, 4, 6)]}, {"text": 7}, {"images": [(1, 12, 8)], "videos": [(2, 4, 4)]},
                {"text": 3}, {"images": [(1, 2, 2), (1, 4, 4), (1, 6, 2)]}]
     batch = RaggedBatch.from_features(make_features(samples, family), family, token_ids=SMALL_IDS)
     costs = torch.tensor([5.0, 1.0, 4.0, 1.0, 3.0], dtype=torch.float64)

@@ -34,6 +34,11 @@ class ScatteredBatch:
     shards: list[RaggedBatch]
     indices: list[list[int]]
     source: RaggedBatch
+    partial: bool = False  # only some shards (gathering visual outputs absent on text-only shards)
+
+    def subset(self, keep: Sequence[int]) -> "ScatteredBatch":
+        """The shards ``keep`` only; per-sample outputs cannot be gathered from a subset."""
+        return ScatteredBatch([self.shards[r] for r in keep], [self.indices[r] for r in keep], self.source, True)
 
     def item_index(self, stream: str) -> list[torch.Tensor]:
         """Per shard, the original batch index of each of its items of ``stream`` ([N_r] int64)."""
@@ -87,7 +92,7 @@ def _kind(path: str, values: list[torch.Tensor], scattered: ScatteredBatch) -> t
     both fit, a path naming visual content (e.g. ``image_outputs.last_hidden_state``) means patch."""
     stream = "video" if "video" in path else "image"
     sizes = [v.shape[0] for v in values]
-    fits = {"sample": sizes == [len(i) for i in scattered.indices],
+    fits = {"sample": not scattered.partial and sizes == [len(i) for i in scattered.indices],
             "patch": sizes == [int(s.patch_counts(stream).sum()) for s in scattered.shards]}
     order = ("patch", "sample") if any(w in path.lower() for w in _VISUAL_WORDS) else ("sample", "patch")
     for kind in order:
@@ -100,11 +105,16 @@ def _kind(path: str, values: list[torch.Tensor], scattered: ScatteredBatch) -> t
 
 
 def _gather(values: list[Any], scattered: ScatteredBatch, device: Any, path: str) -> Any:
-    first = values[0]
-    if first is None:
-        if any(v is not None for v in values):
-            raise ValueError(f"output {path!r} is None on some replicas only; cannot gather it")
+    present = [r for r, v in enumerate(values) if v is not None]
+    if not present:
         return None
+    if len(present) < len(values):  # e.g. video_outputs: None on shards without videos
+        stream = "video" if "video" in path else "image"
+        absent = [r for r in range(len(values)) if r not in present]
+        if any(scattered.shards[r].num_videos if stream == "video" else scattered.shards[r].num_images for r in absent):
+            raise ValueError(f"output {path!r} is None on replicas {absent}, which hold {stream}s; cannot gather it")
+        return _gather([values[r] for r in present], scattered.subset(present), device, path)
+    first = values[0]
     if isinstance(first, torch.Tensor):
         values = [v.to(device) for v in values]
         if first.dim() == 0:
@@ -116,7 +126,8 @@ def _gather(values: list[Any], scattered: ScatteredBatch, device: Any, path: str
         inverse[order] = torch.arange(order.numel())
         return torch.cat(values).index_select(0, inverse.to(device))
     if isinstance(first, Mapping):
-        gathered = {k: _gather([v[k] for v in values], scattered, device, f"{path}.{k}") for k in first.keys()}
+        keys = dict.fromkeys(k for v in values for k in v.keys())  # a ModelOutput lists only non-None keys
+        gathered = {k: _gather([v.get(k) for v in values], scattered, device, f"{path}.{k}") for k in keys}
         return type(first)(**gathered) if hasattr(first, "to_tuple") else type(first)(gathered)
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         return dataclasses.replace(first, **{
@@ -157,7 +168,9 @@ def gather_outputs(outputs: Sequence[Any], scattered: ScatteredBatch, output_dev
     per patch (reordered to the source's patch rows; when both fit, an output whose path names
     image/video/patch/pixel/vision content is taken as per patch); tuples/lists with one tensor per image
     (per video, when the output's path contains "video") are per item and may differ in length
-    between replicas; 0-dim tensors are stacked to [R] (as ``nn.DataParallel`` does). Mappings,
+    between replicas; 0-dim tensors are stacked to [R] (as ``nn.DataParallel`` does). A visual
+    output that is ``None`` (or missing) on replicas without images / videos is gathered from the
+    others. Mappings,
     ``ModelOutput``s, dataclasses and tuples are walked recursively. Gradients flow through
     (``.to`` / ``cat`` / ``index_select`` are differentiable). Raises ``ValueError`` /
     ``TypeError`` naming an output that fits none of these kinds.

@@ -70,11 +70,16 @@ def fit_cost_model(
     return CostModel.from_coefficients((best_w / scale).tolist())
 
 
-def measure_times(run: Callable[[Any], Any], items: Sequence[Any], *, repeats: int = 3, warmup: int = 1) -> np.ndarray:
-    """[N] median wall-clock seconds of ``run(item)`` over ``repeats`` calls, after ``warmup``
-    untimed calls on the first item (allocator and kernel warm-up)."""
+def measure_times(
+    run: Callable[[Any], Any], items: Sequence[Any], *, repeats: int = 3, warmup: int = 1, reduce: str = "median"
+) -> np.ndarray:
+    """[N] wall-clock seconds of ``run(item)``: the median (or, with ``reduce="min"``, the
+    minimum: the best estimate of uncontended time on a shared machine) over ``repeats`` calls,
+    after ``warmup`` untimed calls on the first item (allocator and kernel warm-up)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if reduce not in ("median", "min"):
+        raise ValueError(f"reduce must be 'median' or 'min', got {reduce!r}")
     for _ in range(warmup if items else 0):
         run(items[0])
     out = np.empty(len(items))
@@ -84,7 +89,7 @@ def measure_times(run: Callable[[Any], Any], items: Sequence[Any], *, repeats: i
             start = time.perf_counter()
             run(item)
             samples.append(time.perf_counter() - start)
-        out[i] = float(np.median(samples))
+        out[i] = float(np.median(samples) if reduce == "median" else np.min(samples))
     return out
 
 
@@ -115,6 +120,7 @@ def calibrate(
     fit: Sequence[str] = FEATURES,
     repeats: int = 3,
     warmup: int = 1,
+    reduce: str = "median",
 ) -> CalibrationResult:
     """Time ``run(item)`` for each item, fit the cost model, report held-out accuracy.
 
@@ -126,7 +132,7 @@ def calibrate(
         raise ValueError(f"{len(items)} items but features has {f.shape[0]} rows; give one row per item")
     if len(items) < 2 * len(fit):
         raise ValueError(f"calibration needs >= {2 * len(fit)} items (half are held out), got {len(items)}")
-    measured = measure_times(run, items, repeats=repeats, warmup=warmup)
+    measured = measure_times(run, items, repeats=repeats, warmup=warmup, reduce=reduce)
     model = fit_cost_model(f[0::2], measured[0::2], fit=fit)
     predicted = f @ model.coefficients.numpy()
     errors = relative_errors(predicted, measured)

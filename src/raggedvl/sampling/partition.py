@@ -10,8 +10,8 @@ each sorted ascending, so samples keep their relative order.
 
 Algorithm (chosen by measurement, see ``benchmarks/results/balance.md``): greedy
 longest-processing-time (Graham, 1969, "Bounds on multiprocessing timing anomalies"), then a
-local search that repeatedly lowers the most loaded part by the best single-item move or
-pairwise swap with a less loaded part. LPT alone is within 4/3 of optimal; the refinement closes
+vectorised local search (``raggedvl.sampling.refine``) of single-item moves and pairwise swaps
+that lower the most loaded parts. LPT alone is within 4/3 of optimal; the refinement closes
 most of the remaining gap at the batch sizes used here (a few items per part).
 """
 
@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from bisect import bisect_left
 from typing import Sequence
 
-_MAX_ROUNDS_PER_ITEM = 4
-# Refinement stops once the largest part is within this relative distance of the lower bound
-# max(mean part cost, largest item): no partition can beat the bound, and chasing the last
-# 1e-4 costs time without changing any step's wall-clock measurably.
-_LOWER_BOUND_RTOL = 1e-4
+import numpy as np
+
+from raggedvl.sampling.refine import refine_partition
 
 
 class PartitionInfeasible(ValueError):
@@ -87,13 +84,12 @@ def partition_costs(
             f"{len(c)} items with total size {sum(s):g} do not fit under {num_parts} parts of "
             f"capacity {capacity:g}; use more parts, fewer items or a larger capacity"
         )
+    if refine and num_parts > 1 and len(c) > num_parts:
+        sizes_arr = None if s is None else np.asarray(s, dtype=np.float64)
+        assign = refine_partition(np.asarray(c, dtype=np.float64), sizes_arr, capacity, np.asarray(assign), num_parts).tolist()
     parts: list[list[int]] = [[] for _ in range(num_parts)]
     for i, p in enumerate(assign):
         parts[p].append(i)
-    if refine and num_parts > 1 and len(c) > num_parts:
-        _refine(c, s, capacity, parts)
-    for part in parts:
-        part.sort()
     return parts
 
 
@@ -120,77 +116,3 @@ def _greedy(
         for entry in skipped:
             heapq.heappush(heap, entry)
     return assign
-
-
-def _refine(c: list[float], s: list[float] | None, capacity: float | None, parts: list[list[int]]) -> None:
-    """Local search, in place: while some move or swap lowers the most loaded part, apply the
-    one that leaves that pair of parts most even. Never empties a part; keeps capacities."""
-    loads = [sum(c[i] for i in part) for part in parts]
-    used = [sum(s[i] for i in part) for part in parts] if s is not None else None
-    bound = max(sum(c) / len(parts), max(c)) * (1.0 + _LOWER_BOUND_RTOL)
-    for part in parts:
-        part.sort(key=lambda i: (c[i], i))
-    for _ in range(_MAX_ROUNDS_PER_ITEM * len(c)):
-        hi = max(range(len(parts)), key=lambda p: (loads[p], -p))
-        if loads[hi] <= bound:
-            return
-        others = sorted((p for p in range(len(parts)) if p != hi), key=lambda p: (loads[p], p))
-        for lo in others:
-            gap = loads[hi] - loads[lo]
-            if gap <= 0.0:
-                break
-            best = _best_exchange(c, s, capacity, used, parts[hi], parts[lo], hi, lo, gap)
-            if best is not None:
-                _apply(c, s, used, loads, parts, hi, lo, *best)
-                break
-        else:
-            return
-
-
-def _best_exchange(c, s, capacity, used, big, small, hi, lo, gap):
-    """Best (a, b) with a from ``big`` and b from ``small`` or None (a move), such that the
-    transferred cost d = c[a] - c[b] satisfies 0 < d < gap, with d closest to gap / 2."""
-    target = gap / 2.0
-    best, best_err = None, gap / 2.0
-    small_costs = [c[j] for j in small]
-    for a in big:
-        if len(big) > 1 and 0.0 < c[a] < gap:
-            err = abs(c[a] - target)
-            if err < best_err and _fits(s, capacity, used, hi, lo, a, None):
-                best, best_err = (a, None), err
-        k = bisect_left(small_costs, c[a] - target)
-        for j in (k - 1, k):
-            if 0 <= j < len(small):
-                b = small[j]
-                d = c[a] - c[b]
-                if 0.0 < d < gap:
-                    err = abs(d - target)
-                    if err < best_err and _fits(s, capacity, used, hi, lo, a, b):
-                        best, best_err = (a, b), err
-    return best
-
-
-def _fits(s, capacity, used, hi, lo, a, b) -> bool:
-    if s is None:
-        return True
-    delta = s[a] - (s[b] if b is not None else 0.0)
-    return used[lo] + delta <= capacity and used[hi] - delta <= capacity
-
-
-def _apply(c, s, used, loads, parts, hi, lo, a, b) -> None:
-    """Move item ``a`` from part ``hi`` to part ``lo`` (and ``b`` back, for a swap)."""
-    parts[hi].remove(a)
-    parts[lo].append(a)
-    d, ds = c[a], (s[a] if s is not None else 0.0)
-    if b is not None:
-        parts[lo].remove(b)
-        parts[hi].append(b)
-        d -= c[b]
-        ds -= s[b] if s is not None else 0.0
-    loads[hi] -= d
-    loads[lo] += d
-    if used is not None:
-        used[hi] -= ds
-        used[lo] += ds
-    parts[hi].sort(key=lambda i: (c[i], i))
-    parts[lo].sort(key=lambda i: (c[i], i))

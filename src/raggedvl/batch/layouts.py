@@ -17,7 +17,7 @@ transformers' ``Qwen2VLConfig``); tiny test models and custom tokenizers pass th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -151,13 +151,13 @@ LAYOUTS: Mapping[str, BatchLayout] = MappingProxyType(
         # Qwen2.5-VL adds per-video second_per_grid_ts (seconds per temporal grid step).
         "qwen2_5_vl": BatchLayout(
             "qwen2_5_vl",
-            (_IMAGE, VisualStream(**{**_VIDEO.__dict__, "item_keys": ("second_per_grid_ts",)})),
+            (_IMAGE, replace(_VIDEO, item_keys=("second_per_grid_ts",))),
             patch_dim=1176,
         ),
         # Qwen3-VL: patch 16 -> 1536; a video is one placeholder run per temporal step.
         "qwen3_vl": BatchLayout(
             "qwen3_vl",
-            (_IMAGE, VisualStream(**{**_VIDEO.__dict__, "run_per_frame": True})),
+            (_IMAGE, replace(_VIDEO, run_per_frame=True)),
             patch_dim=1536,
         ),
     }

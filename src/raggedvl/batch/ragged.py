@@ -69,7 +69,8 @@ def _as_tensor(key: str, value: Any) -> torch.Tensor:
 
 
 class RaggedBatch:
-    """A batch of B samples with ragged images and videos. Build with ``from_features``.
+    """A batch of B samples with ragged images and videos. Build with ``from_features`` (the
+    constructor takes already-checked parts and is used by the operations below).
 
     Properties: ``layout``, ``layout_name``, ``token_ids``, ``num_samples``, ``image_counts``,
     ``video_counts`` (lists of int), ``num_images``, ``num_videos``. All operations return new
@@ -104,9 +105,11 @@ class RaggedBatch:
         are ignored. Raises ``ValueError`` for an unknown key or any broken invariant (see
         ``validate``), ``TypeError`` for a value that is not tensor-like.
         """
-        if isinstance(features, RaggedBatch):
-            return features
         lay = get_layout(layout)
+        if isinstance(features, RaggedBatch):
+            if features.layout != lay:
+                raise ValueError(f"batch has layout {features.layout_name!r}, asked for {lay.name!r}")
+            return features
         tids = TokenIds.from_any(token_ids)
         feats = {k: _as_tensor(k, v) for k, v in features.items() if v is not None}
         unknown = [k for k in feats if k not in lay.known_keys]

@@ -2,11 +2,13 @@
 
 ``RaggedTrainer`` (retrieval with exact cross-rank contrastive losses, or SFT with the model's
 causal-LM loss) in all three launch modes; ``RetrievalWireCollator`` / ``SFTCollator`` produce
-wire-form batches (``raggedvl.hf.wire``) that accelerate can dispatch by whole samples.
+wire-form batches (``raggedvl.hf.wire``) that accelerate can dispatch by whole samples;
+``apply_generation_lora`` puts peft LoRA on a generative model's language model.
 """
 
 from .collator import IGNORE_INDEX, RetrievalWireCollator, SFTCollator
 from .dispatch import install_ragged_dispatch, ragged_slice_fn
+from .lora import apply_generation_lora
 from .trainer import RaggedTrainer, default_retrieval_loss, retrieval_loss_value
 from .wire import is_wire, pack, slice_samples, unpack
 
@@ -15,6 +17,7 @@ __all__ = [
     "RaggedTrainer",
     "RetrievalWireCollator",
     "SFTCollator",
+    "apply_generation_lora",
     "default_retrieval_loss",
     "install_ragged_dispatch",
     "is_wire",

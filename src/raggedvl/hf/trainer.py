@@ -122,12 +122,15 @@ class RaggedTrainer(Trainer):
 
     # ------------------------------------------------------------------ batches
     def decode_batch(self, data: Any) -> Any:
-        """Rebuild every wire-form dict in ``data`` (nested dicts / lists) as a validated
-        :class:`RaggedBatch` on ``args.device``; other values pass through."""
+        """Rebuild every wire-form dict and every plain feature dict (has ``input_ids``) in
+        ``data`` (nested dicts / lists) as a validated :class:`RaggedBatch` on ``args.device``;
+        other values pass through. Raises ``ValueError`` naming the broken invariant."""
         if isinstance(data, RaggedBatch):
             return data.to(self.args.device)
         if is_wire(data):
             return unpack(data, self.layout, token_ids=self.token_ids, pad_token_id=self.pad_token_id).to(self.args.device)
+        if isinstance(data, Mapping) and "input_ids" in data:
+            return RaggedBatch.from_features(data, self.layout, token_ids=self.token_ids).to(self.args.device)
         if isinstance(data, Mapping):
             return {k: self.decode_batch(v) for k, v in data.items()}
         if isinstance(data, (list, tuple)):
@@ -159,10 +162,10 @@ class RaggedTrainer(Trainer):
         return dataset
 
     def get_train_dataloader(self):
-        return install_ragged_dispatch(super().get_train_dataloader(), self.layout)
+        return install_ragged_dispatch(super().get_train_dataloader(), self.layout, self.token_ids)
 
     def get_eval_dataloader(self, eval_dataset=None):
-        return install_ragged_dispatch(super().get_eval_dataloader(eval_dataset), self.layout)
+        return install_ragged_dispatch(super().get_eval_dataloader(eval_dataset), self.layout, self.token_ids)
 
     # ------------------------------------------------------------------ model wrapping
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:

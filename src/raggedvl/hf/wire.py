@@ -109,9 +109,9 @@ def unpack(wire: Mapping[str, torch.Tensor], layout: str | BatchLayout = "qwen2_
 
     Each sample is padded to the longest sample of the wire batch on the side it was padded on
     (``input_ids`` with ``pad_token_id``, other keys with ``layout.pad_values``). ``token_ids``:
-    anything ``RaggedBatch.from_features`` accepts. Raises ``ValueError`` (from
-    ``RaggedBatch.from_features``) when the rows do not form a valid batch, e.g. a slice that cut
-    a sample's patches away from its grid.
+    anything ``RaggedBatch.from_features`` accepts. Raises ``ValueError`` when the token rows do
+    not add up to ``ragged_num_tokens`` or (from ``RaggedBatch.from_features``) when the rows do
+    not form a valid batch, e.g. a slice by position that cut patches away from their grids.
     """
     lay = get_layout(layout)
     n_B = wire[NUM_TOKENS]
@@ -121,9 +121,16 @@ def unpack(wire: Mapping[str, torch.Tensor], layout: str | BatchLayout = "qwen2_
     for s in lay.streams:
         stream_keys.update((counts_key(s.name), s.grid_key, s.patches_key, *s.item_keys))
     feats: dict[str, torch.Tensor] = {}
+    total = int(n_B.sum())
     for k, flat in wire.items():
         if k in stream_keys:
             continue
+        if flat.shape[:1] != (total,):
+            raise ValueError(
+                f"wire batch: {k!r} has {flat.shape[0] if flat.dim() else 0} token rows but ragged_num_tokens "
+                f"{n_B.tolist()} sum to {total}; the batch was cut by position (slice it with "
+                "raggedvl.hf.ragged_slice_fn, not accelerate's slice_tensors)"
+            )
         pad = pad_token_id if k == "input_ids" else lay.pad_values.get(k, 0)
         full = torch.full(tuple(mask_BL.shape), pad, dtype=flat.dtype, device=flat.device)
         full[mask_BL] = flat

@@ -5,10 +5,12 @@ from .dummy_vision import dummy_vision_inputs, dummy_vision_term, missing_modali
 from .families import FAMILIES, Family, TinySizes, family_of, special_token_ids, tiny_backbone_config
 from .heads import EmbeddingOutput, RetrievalHead, pool_hidden
 from .lora import LoraSettings, apply_lora
+from .recipe import TINY_TRAINING_DEFAULTS, TrainingRecipe
 from .retriever import Retriever, RetrieverConfig
 
 __all__ = [
     "FAMILIES",
+    "TINY_TRAINING_DEFAULTS",
     "EmbeddingOutput",
     "Family",
     "LoraSettings",
@@ -16,6 +18,7 @@ __all__ = [
     "Retriever",
     "RetrieverConfig",
     "TinySizes",
+    "TrainingRecipe",
     "apply_lora",
     "build_retriever",
     "dummy_vision_inputs",

@@ -1,6 +1,6 @@
 """Ragged scatter vs the pad-every-image workaround, per batch, on two image-size mixes.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/transport.py [--batches 8] [--batch-size 8] [--replicas 2]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/transport.py [--batches 8] [--batch-size 8] [--replicas 2] [--rdocs]
 
 Both paths start from per-image patch tensors [P_i, 1176] (what the image processor yields;
 image decoding and resizing are not timed) and end with each replica holding model-ready inputs:
@@ -17,7 +17,9 @@ over all patch rows shipped. Grids come from transformers' ``smart_resize`` (fac
 max_pixels 1,003,520, the ColQwen2 default). Image sizes are synthesised (seeded):
 document pages = US letter / A4 at 60-150 dpi as full pages (60 %), section crops from heading
 to heading (aspect 0.7-7.5, 25 %) and two-page spreads (15 %); natural images = icons, phone
-photos, multi-megapixel photos, screenshots and extreme panoramas / tall strips.
+photos, multi-megapixel photos, screenshots and extreme panoramas / tall strips. ``--rdocs`` adds
+a third mix drawn from the embedded rdocs dataset's page views (``raggedvl.data.build_rdocs``
+with the default job's subset, built once and cached; sizes read from its manifest).
 """
 
 from __future__ import annotations
@@ -65,6 +67,16 @@ def natural_size(rng: random.Random) -> tuple[int, int]:
     if kind < 0.85:
         return rng.choice([(1080, 1920), (900, 1440), (1600, 2560)])  # screenshots
     return rng.choice([(300, 3000), (2000, 200), (256, 4096)])  # panoramas, tall strips
+
+
+def rdocs_size_fn():
+    """Size sampler over the embedded dataset's document views (width, height from the manifest)."""
+    from raggedvl.data import RetrievalDataset, build_rdocs
+    from raggedvl.data.rdocs import DEFAULT_JOB_DEV_PAIRS, DEFAULT_JOB_TRAIN_PAIRS
+
+    root = build_rdocs(train_limit=DEFAULT_JOB_TRAIN_PAIRS, dev_limit=DEFAULT_JOB_DEV_PAIRS)
+    sizes = [s for s in RetrievalDataset.from_manifest(root, split=None).image_sizes() if s is not None]
+    return lambda rng: tuple(reversed(rng.choice(sizes))), len(sizes)
 
 
 def grid_of(h: int, w: int) -> tuple[int, int, int]:
@@ -136,7 +148,12 @@ def main(argv=None) -> None:
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--rdocs", action="store_true", help="add the embedded rdocs dataset's pages as a third mix")
     args = p.parse_args(argv)
+    mixes = [("document pages", doc_size), ("natural images", natural_size)]
+    if args.rdocs:
+        fn, n = rdocs_size_fn()
+        mixes.append((f"rdocs ({n} pages)", fn))
     torch.set_num_threads(1)
     print(f"machine: {platform.machine()} {platform.processor() or ''} | {os.cpu_count()} CPUs | "
           f"torch {torch.__version__} | threads 1 | {args.batches} batches x {args.batch_size} samples -> "
@@ -144,7 +161,7 @@ def main(argv=None) -> None:
     header = f"| mix | method | MB moved / batch | padding rows | ms / batch (collate+split+unpad) | bytes ratio padded/ragged | time ratio padded/ragged |"
     print(header)
     print("|" + "---|" * 7)
-    for name, fn in (("document pages", doc_size), ("natural images", natural_size)):
+    for name, fn in mixes:
         st = run_mix(name, fn, args)
         r, d = st["ragged"], st["padded"]
         for method, s in (("ragged (raggedvl)", r), ("pad every image", d)):

@@ -13,14 +13,14 @@ from raggedvl.train.metrics import METRICS
 class MetricsLog:
     """Append-only JSON-lines log (one object per line, flushed per write).
 
-    On resume the file is truncated to the records of steps < ``resume_step`` so that a
+    On resume the file keeps the records of steps <= ``resume_step`` (the checkpoint's) so that a
     resumed run's log has each step exactly once."""
 
     def __init__(self, path: str | Path, resume_step: int | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            kept = [r for r in self.read() if r.get("step", -1) < resume_step or r.get("event") == "eval_before"]
+            kept = [r for r in self.read() if r.get("step", -1) <= resume_step and r.get("event") != "eval_after"]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         elif resume_step is None:
             self.path.write_text("", encoding="utf-8")

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 from filelock import FileLock
 
-from raggedvl.data import RetrievalCollator, RetrievalDataset, build_processor, build_rdocs, load_retrieval_dataset
+from raggedvl.data import RetrievalCollator, build_processor, build_rdocs, load_retrieval_dataset
 from raggedvl.data.rdocs import default_cache_root
 from raggedvl.losses import InfoNCELoss, LateInteractionLoss, PairwiseLoss
 from raggedvl.models import EmbeddingOutput, LoraSettings, build_retriever
@@ -68,9 +68,12 @@ def load_splits(cfg: TrainConfig) -> tuple[Sequence[dict[str, Any]], Sequence[di
         prepare_data(cfg)
         root = default_cache_root() if cfg.data_cache is None else cfg.data_cache
         path = build_rdocs(root, train_limit=cfg.max_train_samples, dev_limit=cfg.max_eval_samples)
-        return RetrievalDataset(path, split=cfg.train_split), RetrievalDataset(path, split=cfg.eval_split)
-    train = load_retrieval_dataset(cfg.dataset, split=cfg.train_split, limit=cfg.max_train_samples)
-    dev = load_retrieval_dataset(cfg.dataset, split=cfg.eval_split, limit=cfg.max_eval_samples)
+        return (
+            load_retrieval_dataset(path, split=cfg.train_split, on_bad_image=cfg.on_bad_image),
+            load_retrieval_dataset(path, split=cfg.eval_split, on_bad_image=cfg.on_bad_image),
+        )
+    train = load_retrieval_dataset(cfg.dataset, split=cfg.train_split, limit=cfg.max_train_samples, on_bad_image=cfg.on_bad_image)
+    dev = load_retrieval_dataset(cfg.dataset, split=cfg.eval_split, limit=cfg.max_eval_samples, on_bad_image=cfg.on_bad_image)
     return train, dev
 
 
@@ -95,9 +98,9 @@ def make_sampler(cfg: TrainConfig, train_set, processor, info: DistInfo) -> Bala
 
 
 def build_components(cfg: TrainConfig, info: DistInfo) -> Components:
-    processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+    processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, cache_dir=cfg.data_cache)
     train_set, eval_set = load_splits(cfg)
-    collate = RetrievalCollator(processor, max_length=cfg.max_length)
+    collate = RetrievalCollator(processor, max_length=cfg.max_length, on_bad_image=cfg.on_bad_image)
     lora = LoraSettings(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout) if cfg.use_lora else None
     model = build_retriever(
         cfg.model, processor=processor, head=cfg.head, dim=cfg.dim, pooling=cfg.pooling, lora=lora,

@@ -2,7 +2,7 @@
 
 Without the fix accelerate slices every tensor by position: each process gets 2 patch rows and
 2 grid rows, so patches are cut from their grids (shown below, the corruption is asserted).
-With ``RaggedDispatchSlicer`` every process receives whole samples whose tokens, grids and patch
+With ``prepare_ragged_data_loader`` (``RaggedDispatchSlicer``) every process receives whole samples whose tokens, grids and patch
 rows agree, and together the processes see exactly the samples a single process would.
 """
 
@@ -40,19 +40,16 @@ def _c03(rank: int, world_size: int) -> dict:
     from torch.utils.data import DataLoader
 
     from raggedvl.batch import RaggedBatch
-    from raggedvl.parallel import RaggedDispatchSlicer
+    from raggedvl.parallel import prepare_ragged_data_loader
 
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # one machine: accelerate needs no MASTER_ADDR
     state = PartialState(cpu=True)  # joins the harness's gloo group as MULTI_CPU
     assert state.num_processes == world_size and state.process_index == rank
 
-    def loader(slice_fn):
-        dl = DataLoader(list(range(8)), batch_size=2, collate_fn=collate)
-        return prepare_data_loader(dl, device=torch.device("cpu"), dispatch_batches=True, put_on_device=True,
-                                   slice_fn_for_dispatch=slice_fn)
-
     broken = []
-    for batch in loader(None):  # accelerate's default slice_tensors
+    plain_loader = prepare_data_loader(DataLoader(list(range(8)), batch_size=2, collate_fn=collate),
+                                       device=torch.device("cpu"), dispatch_batches=True, put_on_device=True)
+    for batch in plain_loader:  # accelerate's default slice_tensors
         entry = {"patch_rows": batch["pixel_values"].shape[0], "grid_products": int(batch["image_grid_thw"].prod(dim=1).sum())
                  if "image_grid_thw" in batch else 0}
         try:
@@ -63,7 +60,10 @@ def _c03(rank: int, world_size: int) -> dict:
         broken.append(entry)
 
     fixed = []
-    for batch in loader(RaggedDispatchSlicer("qwen2_vl", SMALL_IDS)):
+    fixed_loader = prepare_ragged_data_loader(DataLoader(list(range(8)), batch_size=2, collate_fn=collate),
+                                              layout="qwen2_vl", token_ids=SMALL_IDS, device=torch.device("cpu"),
+                                              dispatch_batches=True, put_on_device=True)
+    for batch in fixed_loader:
         rb = RaggedBatch.from_features(batch, token_ids=SMALL_IDS)  # validates every invariant
         ids = (rb["input_ids"][:, 0] - 10).tolist()
         owners = rb["pixel_values"][:, 0].tolist() if rb.num_images else []

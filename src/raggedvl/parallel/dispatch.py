@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
-from raggedvl.batch import RaggedBatch
+from raggedvl.batch import BatchLayout, RaggedBatch
 
 
 class RaggedDispatchSlicer:
@@ -43,7 +43,7 @@ class RaggedDispatchSlicer:
     measured the batch size on a non-sample tensor: put ``input_ids`` first).
     """
 
-    def __init__(self, layout: str = "qwen2_vl", token_ids: Any = None):
+    def __init__(self, layout: str | BatchLayout = "qwen2_vl", token_ids: Any = None):
         self.layout = layout
         self.token_ids = token_ids
 
@@ -78,7 +78,7 @@ class RaggedDispatchSlicer:
         return data
 
 
-def prepare_ragged_data_loader(dataloader: Any, accelerator: Any = None, *, layout: str = "qwen2_vl",
+def prepare_ragged_data_loader(dataloader: Any, accelerator: Any = None, *, layout: str | BatchLayout = "qwen2_vl",
                                token_ids: Any = None, **kwargs: Any) -> Any:
     """Prepare ``dataloader`` for accelerate with whole-sample dispatch slicing.
 

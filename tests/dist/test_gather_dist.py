@@ -91,12 +91,21 @@ def _agreement_checks(rank, world):
     wrong_tag = _expect_error(lambda: all_gather_variable(torch.zeros(1, 4), tag=["docs", "queries"][rank]))
     del os.environ["RAGGEDVL_DEBUG_COLLECTIVES"]
     same_tag_ok = all_gather_variable(torch.zeros(1, 4), tag="docs", debug=True).counts == [1, 1]
+    with torch.set_grad_enabled(rank == 1):
+        wrong_mode = _expect_error(lambda: all_gather_variable(torch.zeros(1, 4)))
+    # rank 1's rows need no gradient, rank 0's do: rank 1 must still join the backward all_reduce
+    x = torch.ones(1 - rank, 4, dtype=f64, requires_grad=rank == 0)
+    joined = all_gather_variable(x)
+    (joined.values * 3).sum().backward()
+    join_ok = joined.values.requires_grad and (rank == 1 or bool((x.grad == 6).all()))
     info = init_distributed()
     return {
         "trailing dim error": wrong_dim,
         "dtype error": wrong_dtype,
         "ndim error": wrong_ndim,
         "tag error": wrong_tag,
+        "grad mode error": wrong_mode,
+        "rank without grad joins backward": join_ok,
         "debug passes when ranks agree": same_tag_ok,
         "init reuses group": (info.rank, info.world_size, info.backend, info.device.type) == (rank, 2, "gloo", "cpu"),
     }
@@ -148,7 +157,7 @@ def results():
 
 BOOL_CHECKS = ["values", "counts", "grad", "empty rank", "all empty", "int64", "bool", "padded shape",
                "padded values", "pads are zero", "mask", "padded grad", "debug passes when ranks agree",
-               "init reuses group"]
+               "init reuses group", "rank without grad joins backward"]
 
 
 @pytest.mark.dist
@@ -165,6 +174,7 @@ def test_shape_disagreement_raises_on_every_rank_listing_every_shape(results):
         assert "rank 0: float32 [1, 4]; rank 1: float64 [1, 4]" in r["dtype error"]
         assert "rank 0: float32 [1, 2, 3]; rank 1: float32 [1, 2, 3, 3]" in r["ndim error"]
         assert "different tags" in r["tag error"]
+        assert "grad mode differs (rank 0: off, rank 1: on)" in r["grad mode error"]
 
 
 @pytest.mark.dist

@@ -52,11 +52,18 @@ class _Pipeline(nn.Module):
         return self.loss(*self.embed(qf, df, nf, masks))
 
 
-def _rank_data(cfg, rank_seed, n, doc_len, neg_len):
+def _k(cfg, rank):
+    """Hard negatives per query on ``rank`` (``k`` is an int, or a per-rank list)."""
+    return cfg["k"][rank] if isinstance(cfg["k"], list) else cfg["k"]
+
+
+def _rank_data(cfg, rank, n, doc_len, neg_len):
+    rank_seed = 1000 * cfg["seed"] + rank
     g = torch.Generator().manual_seed(rank_seed)
     multi = cfg["loss"] != "infonce"
-    q_shape, d_shape, n_shape = ((n, 3), (n, doc_len), (n * cfg["k"], neg_len)) if multi else (
-        (n,), (n,), (n * cfg["k"],))
+    k = _k(cfg, rank)
+    q_shape, d_shape, n_shape = ((n, 3), (n, doc_len), (n * k, neg_len)) if multi else (
+        (n,), (n,), (n * k,))
     feats = [torch.randn(*s, FEAT, generator=g, dtype=f64) for s in (q_shape, d_shape, n_shape)]
     if not multi:
         return feats, None
@@ -80,10 +87,10 @@ def _make_loss(cfg, gather):
 def _reference_loss(model, cfg, global_feats, global_masks):
     if cfg["loss"] == "infonce":
         q, d, n = model.embed(*global_feats)
-        n = n if cfg["k"] else None
+        n = n if n.shape[0] else None
         return ref.info_nce(q, d, n, scale=model.loss.logit_scale(), symmetric=cfg.get("symmetric", False))
     q, qm, d, dm, n, nm = model.embed(*global_feats, global_masks)
-    n, nm = (n, nm) if cfg["k"] else (None, None)
+    n, nm = (n, nm) if n.shape[0] else (None, None)
     if cfg["loss"] == "late":
         return ref.late_interaction(q, qm, d, dm, n, nm, temperature=0.3)
     return ref.pairwise(q, qm, d, dm, n, nm)
@@ -92,7 +99,7 @@ def _reference_loss(model, cfg, global_feats, global_masks):
 def _global_batch(cfg, world):
     """Per-rank data of every rank (identical on all ranks), then the concatenation."""
     per_rank = [
-        _rank_data(cfg, 1000 * cfg["seed"] + r, cfg["counts"][r], cfg["doc_len"][r], cfg["neg_len"][r])
+        _rank_data(cfg, r, cfg["counts"][r], cfg["doc_len"][r], cfg["neg_len"][r])
         for r in range(world)
     ]
     if cfg["loss"] == "infonce":
@@ -113,7 +120,7 @@ def _check(rank, world, cfg):
     reference.loss.load_state_dict(model.loss.state_dict())
     per_rank, global_feats, global_masks = _global_batch(cfg, world)
     feats, masks = per_rank[rank]
-    if not cfg["k"]:
+    if not _k(cfg, rank):
         feats = [feats[0], feats[1], None]
         masks = None if masks is None else [masks[0], masks[1], None]
     ddp = DistributedDataParallel(model)
@@ -133,7 +140,7 @@ def _run_all(rank, world, configs):
 
 def _cfg(name, loss, counts, k, doc_len=None, neg_len=None, **extra):
     world = len(counts)
-    return dict(name=name, loss=loss, counts=counts, k=k, seed=len(name) * 7 + sum(counts) + k,
+    return dict(name=name, loss=loss, counts=counts, k=k, seed=len(name) * 7 + sum(counts),
                 doc_len=doc_len or [0] * world, neg_len=neg_len or [0] * world, **extra)
 
 
@@ -144,6 +151,8 @@ W2 = [
     _cfg("C06 late interaction 700 vs 300", "late", [2, 1], 0, doc_len=[700, 300]),
     _cfg("late interaction negs", "late", [1, 2], 2, doc_len=[5, 9], neg_len=[4, 7]),
     _cfg("pairwise negs", "pairwise", [2, 1], 1, doc_len=[6, 3], neg_len=[2, 5]),
+    _cfg("infonce negs on rank 0 only", "infonce", [1, 2], [2, 0]),
+    _cfg("late interaction negs on rank 1 only", "late", [2, 2], [0, 1], doc_len=[4, 6], neg_len=[0, 3]),
 ]
 W3 = [
     _cfg("infonce negs", "infonce", [3, 1, 2], 2),

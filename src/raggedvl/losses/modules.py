@@ -13,8 +13,10 @@ concatenated global batch. ``L_r`` itself is not the global loss: for logging, a
 Collectives per forward (all through :mod:`raggedvl.parallel.gather`, each a header exchange
 plus a data all_gather; backward adds one all_reduce per gathered tensor): the positives, the
 hard negatives (always, as an empty tensor on a rank without any, so ranks never disagree on
-the number of collectives) and, for symmetric InfoNCE, the queries. Every rank must call the
-loss and backpropagate through it. Input errors raise before any collective.
+the number of collectives) and, for symmetric InfoNCE, the queries. Ranks may pass different
+numbers of hard negatives per query (or none): every query is scored against all of them, as
+the single-process loss on the concatenated batch would. Every rank must call the loss and
+backpropagate through it. Input errors raise before any collective.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ class _MultiVectorLoss(_CrossRankLoss):
         _negatives_per_query(n, neg_emb.shape[0])
         # local checks of every tensor before any collective (raises ValueError/TypeError)
         check_late_interaction_inputs(query_emb, query_mask, doc_emb, doc_mask)
-        check_late_interaction_inputs(query_emb, query_mask, neg_emb, neg_mask)
+        check_late_interaction_inputs(query_emb, query_mask, neg_emb, neg_mask, doc_name="hard negatives")
         rank, world = self._world()
         counts = [n]
         if world > 1:

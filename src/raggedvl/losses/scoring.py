@@ -111,9 +111,10 @@ class _MaxSim(torch.autograd.Function):
         return grad_q, None, grad_d, None, None
 
 
-def check_late_interaction_inputs(query_emb, query_mask, doc_emb, doc_mask) -> None:
+def check_late_interaction_inputs(query_emb, query_mask, doc_emb, doc_mask, *, doc_name="documents") -> None:
     """Raise ``ValueError``/``TypeError`` unless the inputs of :func:`late_interaction_scores` are
-    valid (3-D embeddings with equal D and dtype, bool masks ``[n, L]``, no empty document)."""
+    valid (3-D embeddings with equal D and dtype, bool masks ``[n, L]``, no empty document);
+    ``doc_name`` names the document rows in the messages (e.g. ``"hard negatives"``)."""
     if query_emb.dim() != 3 or doc_emb.dim() != 3:
         raise ValueError(
             f"late interaction needs query_emb [n_q, Lq, D] and doc_emb [n_d, Ld, D]; got "
@@ -133,7 +134,7 @@ def check_late_interaction_inputs(query_emb, query_mask, doc_emb, doc_mask) -> N
     empty = (~doc_mask.any(dim=1)).nonzero().flatten().tolist()
     if empty:
         raise ValueError(
-            f"documents {empty[:8]} have no valid token in doc_mask; every document needs at "
+            f"{doc_name} {empty[:8]} have no valid token in their mask; every document needs at "
             "least one real vector (drop empty documents before scoring)"
         )
 

@@ -30,7 +30,7 @@ _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 )
-_HEADER_LEN = 5 + MAX_DIMS  # ndim, dtype, debug flag, call index, tag crc, dims...
+_FIELDS = 7  # ndim, dtype, debug flag, call index, tag crc, grad enabled, requires grad
 _call_counters: dict[int, int] = {}
 
 
@@ -51,6 +51,8 @@ class RankShape:
     call_index: int
     tag_crc: int
     debug: bool
+    grad_enabled: bool = False
+    requires_grad: bool = False
 
     def describe(self) -> str:
         return f"rank {self.rank}: {str(self.dtype).replace('torch.', '')} {list(self.shape)}"
@@ -64,15 +66,17 @@ def _encode(x: torch.Tensor, debug: bool, call_index: int, tag: str) -> torch.Te
         )
     if x.dtype not in _DTYPES:
         raise TypeError(f"ragged gather does not support dtype {x.dtype}")
+    grad = torch.is_grad_enabled()
     fields = [x.dim(), _DTYPES.index(x.dtype), int(debug), call_index if debug else 0,
-              zlib.crc32(tag.encode()) if debug else 0]
+              zlib.crc32(tag.encode()) if debug else 0, int(grad), int(grad and x.requires_grad)]
     fields += list(x.shape) + [-1] * (MAX_DIMS - x.dim())
     return torch.tensor(fields, dtype=torch.int64, device=x.device)
 
 
 def _decode(rank: int, row: list[int]) -> RankShape:
-    ndim, dtype_code, dbg, call_index, crc = row[:5]
-    return RankShape(rank, _DTYPES[dtype_code], tuple(row[5:5 + ndim]), call_index, crc, bool(dbg))
+    ndim, dtype_code, dbg, call_index, crc, grad, req = row[:_FIELDS]
+    return RankShape(rank, _DTYPES[dtype_code], tuple(row[_FIELDS:_FIELDS + ndim]), call_index, crc,
+                     bool(dbg), bool(grad), bool(req))
 
 
 def exchange_shapes(
@@ -85,9 +89,12 @@ def exchange_shapes(
 ) -> list[RankShape]:
     """All-gather every rank's dtype and shape of ``x`` and check that they agree.
 
-    Collectives: one ``all_gather`` of a ``[5 + MAX_DIMS]`` int64 header on ``x.device``
+    Collectives: one ``all_gather`` of a ``[7 + MAX_DIMS]`` int64 header on ``x.device``
     (no gradient). Dims listed in ``varying_dims`` (always including 0, the row count) may
-    differ between ranks; dtype, rank count of dims and every other dim must match.
+    differ between ranks; dtype, rank count of dims and every other dim must match, and so must
+    grad mode (``torch.is_grad_enabled()``), because a gather's backward is itself a collective.
+    Each rank's ``requires_grad`` is reported so that a rank whose own rows need no gradient
+    still joins the backward collective of the others.
 
     Returns the per-rank :class:`RankShape` list, in rank order. Raises ``ValueError`` on every
     rank, listing each rank's dtype and shape (and call index/tag in debug mode), when they
@@ -112,6 +119,9 @@ def _check(shapes: list[RankShape], varying_dims: tuple[int, ...], tag: str) -> 
     problems = []
     if any(s.dtype != first.dtype for s in shapes):
         problems.append("dtypes differ")
+    if any(s.grad_enabled != first.grad_enabled for s in shapes):
+        modes = ", ".join(f"rank {s.rank}: {'on' if s.grad_enabled else 'off'}" for s in shapes)
+        problems.append(f"grad mode differs ({modes}): run the loss under no_grad on all ranks or none")
     if any(len(s.shape) != len(first.shape) for s in shapes):
         problems.append("numbers of dims differ")
     else:

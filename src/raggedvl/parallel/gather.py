@@ -12,8 +12,10 @@ Protocol of one gather (both backends, gloo and NCCL):
    rows and concatenated in rank order.
 Backward: the gradient of the whole gathered tensor ``[N, ...]`` is summed over ranks with one
 ``all_reduce(SUM)`` and each rank keeps the slice of its own rows: every rank's copy of a row
-sends its gradient back to the row's owner. Every rank must therefore call backward through
-the gather (as DDP requires of any forward anyway). Double backward is not supported.
+sends its gradient back to the row's owner. The gathered tensor requires grad on every rank as
+soon as one rank's input does (ranks exchange ``requires_grad`` in the header), so every rank
+must call backward through the gather (as DDP requires of any forward anyway); ranks must agree
+on grad mode (checked). Double backward is not supported.
 
 Fast path: with no process group, world size 1 or ``group`` of size 1, the input is returned as
 is (no copy, no collective).
@@ -95,6 +97,14 @@ def _world(group) -> int:
     return dist.get_world_size(group) if is_distributed() else 1
 
 
+def _join_backward(x: torch.Tensor, shapes: list[RankShape]) -> torch.Tensor:
+    """A rank whose rows need no gradient (e.g. an empty tensor) while another rank's do must
+    still run the backward all_reduce: give it a detached leaf that requires grad."""
+    if any(s.requires_grad for s in shapes) and not x.requires_grad:
+        return x.detach().requires_grad_(True)
+    return x
+
+
 def all_gather_variable(
     x: torch.Tensor,
     *,
@@ -118,7 +128,7 @@ def all_gather_variable(
         return VariableGather(x, [x.shape[0]], [0])
     shapes = exchange_shapes(x, varying_dims=(0,), group=group, tag=tag, debug=debug)
     counts = [s.shape[0] for s in shapes]
-    values = _RaggedAllGather.apply(x, shapes, group, dist.get_rank(group))
+    values = _RaggedAllGather.apply(_join_backward(x, shapes), shapes, group, dist.get_rank(group))
     return VariableGather(values, counts, _offsets(counts))
 
 
@@ -155,7 +165,7 @@ def all_gather_padded(
         return PaddedGather(x, mask, [x.shape[0]], [0])
     shapes = exchange_shapes(x, varying_dims=(0, 1), group=group, tag=tag, debug=debug)
     counts = [s.shape[0] for s in shapes]
-    values = _RaggedAllGather.apply(x, shapes, group, dist.get_rank(group))
+    values = _RaggedAllGather.apply(_join_backward(x, shapes), shapes, group, dist.get_rank(group))
     mask_shapes = [RankShape(s.rank, torch.uint8, s.shape[:2], 0, 0, False) for s in shapes]
     gathered_mask = _gather_padded_rows(mask.to(torch.uint8), mask_shapes, group).bool()
     return PaddedGather(values, gathered_mask, counts, _offsets(counts))

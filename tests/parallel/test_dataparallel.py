@@ -170,3 +170,25 @@ def test_gather_when_sample_and_patch_counts_coincide():
     got = gather_outputs(outs, sc)
     assert torch.equal(got["emb"], batch["input_ids"][:, :3])
     assert torch.equal(got["vision_hidden"], batch["pixel_values"])
+
+
+def test_gradients_through_scatter_and_gather_equal_unsplit(models):
+    model = models["qwen2_vl"]
+    samples = [{"images": [(1, 8, 8)]}, {"text": 5}, {"images": [(1, 4, 6), (1, 2, 2)], "text": 2}]
+    batch = RaggedBatch.from_features(make_features(samples, "qwen2_vl"), token_ids=SMALL_IDS)
+    valid = batch["attention_mask"].bool()
+    weights = torch.linspace(-1.0, 1.0, 64)
+
+    def grads(fn):
+        model.zero_grad()
+        hidden = fn()
+        (hidden[valid] * weights).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = grads(lambda: model(**batch, use_cache=False).last_hidden_state)
+    sc = scatter_batch(batch, 2, [1.0, 1.0, 1.0], devices=["cpu", "cpu"])
+    got = grads(lambda: gather_outputs([model(**s, use_cache=False) for s in sc.shards], sc).last_hidden_state)
+    assert want.keys() == got.keys() and any("visual" in n for n in got)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+    model.zero_grad()

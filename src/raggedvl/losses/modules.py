@@ -85,6 +85,10 @@ class InfoNCELoss(_CrossRankLoss):
     n_r documents, so the queries are gathered too and the sum over ranks is W times the
     single-process loss. Gradient flows to every rank's embeddings through the gathers.
 
+    Collectives per call when W > 1: ``all_gather_variable`` of the positives and of the hard
+    negatives (plus the queries when symmetric), each one header and one data all_gather
+    forward and one all_reduce backward. Returns ``L_r = (W/N) * sum`` of its terms.
+
     Raises ``ValueError`` for mismatched shapes, a non-positive temperature or an initial scale
     above ``max_logit_scale``; ``TypeError`` for mismatched dtypes.
     """
@@ -214,6 +218,9 @@ class LateInteractionLoss(_MultiVectorLoss):
 
     Documents and negatives are gathered with :func:`raggedvl.parallel.all_gather_padded`:
     padded to the global maximum token count, with pads masked to -inf inside MaxSim.
+    Collectives per call when W > 1: two ``all_gather_padded`` (positives, hard negatives), each
+    one header and two data all_gathers forward and one all_reduce backward. Returns
+    ``L_r = (W/N) * sum`` of its terms.
     Raises ``ValueError``/``TypeError`` (before any collective) for mismatched shapes, non-bool
     masks, a document without valid tokens or a non-positive temperature.
     """

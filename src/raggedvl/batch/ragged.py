@@ -19,6 +19,7 @@ would drop the ownership; as a leaf with ``.to()`` they move it whole.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Iterator, Mapping, Sequence
@@ -54,10 +55,12 @@ class _StreamRows:
         object.__setattr__(self, "patch_start", torch.cumsum(patch_counts, 0) - patch_counts)
 
     def map(self, fn) -> "_StreamRows":
-        return _StreamRows(
-            fn(self.grid), None if self.patches is None else fn(self.patches),
-            {k: fn(v) for k, v in self.extras.items()}, self.counts,
-        )
+        """``fn`` applied to every tensor row set; the CPU offsets are reused (no device sync)."""
+        out = copy.copy(self)
+        object.__setattr__(out, "grid", fn(self.grid))
+        object.__setattr__(out, "patches", None if self.patches is None else fn(self.patches))
+        object.__setattr__(out, "extras", {k: fn(v) for k, v in self.extras.items()})
+        return out
 
 
 def _as_tensor(key: str, value: Any) -> torch.Tensor:

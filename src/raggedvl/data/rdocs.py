@@ -89,7 +89,11 @@ def _render_page(doc: pdfium.PdfDocument, index: int, dpi: int, crop_pt: tuple[f
     if crop_pt is not None:
         top, bottom = crop_pt
         crop = (0, bottom, 0, page.get_size()[1] - top)  # (left, bottom, right, top) margins in pt
-    return page.render(scale=dpi / 72.0, grayscale=True, crop=crop).to_pil().convert("L")
+    bitmap = page.render(scale=dpi / 72.0, grayscale=True, crop=crop)
+    image = bitmap.to_pil().convert("L")  # convert copies the pixels out of pdfium's buffer
+    bitmap.close()
+    page.close()  # pdfium pages are freed explicitly; the document would keep them alive
+    return image
 
 
 def render_pair(doc: pdfium.PdfDocument, plan: PairPlan) -> Image.Image:

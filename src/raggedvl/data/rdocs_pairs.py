@@ -96,7 +96,9 @@ def is_useful_query(query: str) -> bool:
 def _help_title(page: pdfium.PdfPage, topic: str, top_pt: float) -> str:
     """The title printed beside a refman topic name at ``top_pt`` ("quantile Sample Quantiles")."""
     width, _ = page.get_size()
-    text = page.get_textpage().get_text_bounded(0, top_pt - 40.0, width, top_pt + 2.0)
+    textpage = page.get_textpage()
+    text = textpage.get_text_bounded(0, top_pt - 40.0, width, top_pt + 2.0)
+    textpage.close()  # pdfium objects are freed explicitly; the document would keep them alive
     lines = [" ".join(line.translate(_INVISIBLE).split()) for line in text.splitlines()]
     kept: list[str] = []
     for line in lines:
@@ -118,18 +120,27 @@ def read_headings(pdf: pdfium.PdfDocument, name: str) -> list[Heading]:
             continue
         _, view = dest.get_view()
         page_index = dest.get_index()
-        top_pt = float(view[1]) if len(view) > 1 else float(pdf[page_index].get_size()[1])
         title = item.get_title()
+        if name == REFMAN and item.level != 1:
+            continue
+        page = pdf[page_index]
+        top_pt = float(view[1]) if len(view) > 1 else float(page.get_size()[1])
         if name == REFMAN:
-            if item.level != 1:
-                continue
-            query = _help_title(pdf[page_index], title, top_pt)
+            query = _help_title(page, title, top_pt)
             source = "help_title"
         else:
             query = clean_title(title)
             source = "outline"
+        page.close()
         headings.append(Heading(name, page_index, top_pt, query, source))
     return headings
+
+
+def _page_height(pdf: pdfium.PdfDocument, index: int) -> float:
+    page = pdf[index]
+    height = float(page.get_size()[1])
+    page.close()
+    return height
 
 
 def _hash(pdf: str, page: int) -> bytes:
@@ -172,7 +183,7 @@ def plan_pairs(manuals: dict[str, pdfium.PdfDocument], dev_fraction: float = DEV
             view = "spread"
         elif 0.70 <= u_view < 0.85:
             same_page = [h for h in all_headings[name] if h.page == page]
-            crop = _crop_bounds(heading, same_page, manuals[name][page].get_size()[1])
+            crop = _crop_bounds(heading, same_page, _page_height(manuals[name], page))
             view = "crop" if crop is not None else "full"
         plans.append(
             PairPlan(

@@ -1,6 +1,56 @@
-"""raggedvl: correct and fast data-parallel training of dynamic-resolution VLMs.
+"""raggedvl: correct and fast data-parallel training of dynamic-resolution vision-language models.
 
-Public API (re-exported here): see README.md.
+Public API (imported lazily, so ``import raggedvl`` stays cheap):
+
+- ``RaggedBatch``: Qwen2-VL / Qwen2.5-VL / Qwen3-VL batches that split, select, concatenate
+  and pad exactly (``raggedvl.batch``);
+- ``RaggedDataParallel``, ``scatter_batch``: whole-sample DataParallel (``raggedvl.parallel``);
+- ``InfoNCELoss``, ``LateInteractionLoss``, ``PairwiseLoss``, ``late_interaction_scores``:
+  exact cross-rank contrastive losses (``raggedvl.losses``);
+- ``BalancedDistributedBatchSampler``: cost-balanced sharding (``raggedvl.sampling``);
+- ``build_retriever``, ``build_processor``, ``RetrievalCollator``, ``build_rdocs``: model and
+  data building blocks of ``raggedvl train`` (``raggedvl.models``, ``raggedvl.data``).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "RaggedBatch": "raggedvl.batch",
+    "CostModel": "raggedvl.batch",
+    "RaggedDataParallel": "raggedvl.parallel",
+    "scatter_batch": "raggedvl.parallel",
+    "gather_outputs": "raggedvl.parallel",
+    "all_gather_variable": "raggedvl.parallel",
+    "all_gather_padded": "raggedvl.parallel",
+    "init_distributed": "raggedvl.parallel",
+    "prepare_ragged_data_loader": "raggedvl.parallel",
+    "InfoNCELoss": "raggedvl.losses",
+    "LateInteractionLoss": "raggedvl.losses",
+    "PairwiseLoss": "raggedvl.losses",
+    "late_interaction_scores": "raggedvl.losses",
+    "BalancedDistributedBatchSampler": "raggedvl.sampling",
+    "estimate_costs": "raggedvl.sampling",
+    "build_retriever": "raggedvl.models",
+    "Retriever": "raggedvl.models",
+    "build_processor": "raggedvl.data",
+    "build_rdocs": "raggedvl.data",
+    "RetrievalCollator": "raggedvl.data",
+    "load_retrieval_dataset": "raggedvl.data",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'raggedvl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -90,6 +90,8 @@ def test_bad_grids(bad, why):
     feats["image_grid_thw"][2] = torch.tensor(bad)
     with pytest.raises(ValueError, match=rf"image 2 \(sample 2\) has grid \[{bad[0]}, {bad[1]}, {bad[2]}\].*{re.escape(why)}"):
         RaggedBatch.from_features(feats, image_counts=[2, 0, 1], token_ids=SMALL_IDS)
+    with pytest.raises(ValueError, match=rf"image 2 has grid \[{bad[0]}, {bad[1]}, {bad[2]}\]"):
+        RaggedBatch.from_features(feats, token_ids=SMALL_IDS)  # ownership not derived yet
 
 
 def test_mm_token_type_ids_must_mark_placeholders():

@@ -192,3 +192,33 @@ def test_gradients_through_scatter_and_gather_equal_unsplit(models):
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
     model.zero_grad()
+
+
+class _CpuReplicas(RaggedDataParallel):
+    """RaggedDataParallel whose replicas are the same CPU module, run in turn: exercises the real
+    forward (argument split, scatter, per-replica kwargs, gather) on a machine without GPUs."""
+
+    def __init__(self, module, replicas: int, **kwargs):
+        super().__init__(module, **kwargs)
+        self.device_ids, self.output_device = list(range(replicas)), 0
+        self.src_device_obj = torch.device("cpu")
+        self.seen: list[dict] = []
+
+    def replicate(self, module, device_ids):
+        return [module] * len(device_ids)
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        self.seen = kwargs
+        return [m(*i, **k) for m, i, k in zip(replicas, inputs, kwargs)]
+
+
+def test_wrapper_forward_orchestration_on_cpu_replicas(models):
+    model = models["qwen2_vl"]
+    samples = [{"images": [G224]}, {"text": 6}, {"images": [(1, 4, 4), (1, 2, 2)]}, {"text": 2}]
+    batch = RaggedBatch.from_features(make_features(samples, "qwen2_vl"), token_ids=SMALL_IDS)
+    dp = _CpuReplicas(model, 3, token_ids=SMALL_IDS)
+    with torch.no_grad():
+        got = dp(**batch, use_cache=False)
+    assert len(dp.seen) == 3 and all(k["use_cache"] is False for k in dp.seen)
+    assert any("pixel_values" not in k for k in dp.seen)  # a text-only replica gets no pixel_values
+    assert_outputs_match(got, forward(model, batch), batch)

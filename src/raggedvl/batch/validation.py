@@ -59,7 +59,8 @@ def check_counts(stream: VisualStream, counts: Sequence[int], num_samples: int, 
 
 
 def check_grid(layout: BatchLayout, stream: VisualStream, grid: torch.Tensor, counts: Sequence[int]) -> None:
-    """Grid rows are positive (t, h, w) with h and w multiples of merge_size."""
+    """Grid rows are positive (t, h, w) with h and w multiples of merge_size; ``counts`` (items per
+    sample, may be empty when not yet known) names the owning sample."""
     if grid.dim() != 2 or grid.shape[1] != 3:
         raise ValueError(f"{stream.grid_key} must be [N, 3] (t, h, w in patches), got shape {list(grid.shape)}")
     if grid.is_floating_point():
@@ -68,8 +69,9 @@ def check_grid(layout: BatchLayout, stream: VisualStream, grid: torch.Tensor, co
     bad = (grid <= 0).any(dim=1) | (grid[:, 1] % m != 0) | (grid[:, 2] % m != 0)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
+        owner = f" (sample {owner_of(i, counts)})" if counts else ""
         raise ValueError(
-            f"{stream.name} {i} (sample {owner_of(i, counts)}) has grid {grid[i].tolist()}: t, h, w must be "
+            f"{stream.name} {i}{owner} has grid {grid[i].tolist()}: t, h, w must be "
             f"positive and h, w multiples of merge_size {m}; resize the {stream.name} with the processor's smart_resize"
         )
 

@@ -233,4 +233,4 @@ class RaggedDataParallel(nn.DataParallel):
         else:
             replicas = self.replicate(self.module, self.device_ids[: len(kwargs_per_replica)])
             outputs = self.parallel_apply(replicas, [()] * len(replicas), kwargs_per_replica)
-        return gather_outputs(outputs, scattered, self.output_device)
+        return gather_outputs(outputs, scattered, torch.device(self.src_device_obj.type, self.output_device))

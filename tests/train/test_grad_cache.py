@@ -204,23 +204,31 @@ def test_gradients_equal_the_non_cached_step(head, lora, checkpointing, padding_
     assert max(float(g.abs().max()) for g in ref.values()) > 1e-4  # gradients are not trivially zero
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")])
+
+
+def _rng_state(device: str) -> torch.Tensor:
+    return torch.cuda.get_rng_state() if device == "cuda" else torch.get_rng_state()
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("head", ["late_interaction", "bi_encoder"])
-def test_c07_dropout_masks_are_replayed(head):
+def test_c07_dropout_masks_are_replayed(head, device):
     """C07: dropout 0.1 (LoRA and attention), batch 4, chunk 1: the cached gradients equal the
     gradients of one backward through the same chunks with graphs, and the RNG stream after the
     step is where that forward left it."""
-    model = tiny_model(head, lora_dropout=0.1, attention_dropout=0.1)
-    queries, docs = pair_batches([0, 1, 2, 3])
+    model = tiny_model(head, lora_dropout=0.1, attention_dropout=0.1).to(device)
+    queries, docs = (b.to(device) for b in pair_batches([0, 1, 2, 3]))
     loss_fn = make_loss_fn(head)
     torch.manual_seed(123)
     ref_loss, ref = chunked_graph_step(model, queries, docs, loss_fn, budget=1)
-    rng_after_ref = torch.get_rng_state()
+    rng_after_ref = _rng_state(device)
     torch.manual_seed(123)
     step, got = cached_step(model, queries, docs, loss_fn, budget=1)
     assert (step.query_chunks, step.doc_chunks) == (4, 4)
     assert abs(float(step.loss) - ref_loss) < 1e-10
     assert max_diff(got, ref) < 1e-10
-    assert torch.equal(torch.get_rng_state(), rng_after_ref)
+    assert torch.equal(_rng_state(device), rng_after_ref)
     # The masks matter: other draws give clearly different gradients, so equality above needs the replay.
     torch.manual_seed(124)
     _, other = chunked_graph_step(model, queries, docs, loss_fn, budget=1)

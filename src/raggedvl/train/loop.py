@@ -36,6 +36,7 @@ from raggedvl.parallel.wrap import (
 from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from raggedvl.train.config import TrainConfig
 from raggedvl.train.evaluate import evaluate_retrieval
+from raggedvl.train.grad_cache import grad_cache_step
 from raggedvl.train.report import MetricsLog, format_metrics_table, plot_run
 from raggedvl.train.rng import capture_rng_state, restore_rng_state
 from raggedvl.train.schedule import warmup_cosine
@@ -156,12 +157,18 @@ class Trainer:
         docs = batch["docs"].to(self.info.device)
         self.model.train()
         t1 = time.perf_counter()
-        with self.autocast:  # one forward call per backward, as DDP expects
-            q, d = self.model(queries=queries, docs=docs)
-        t2 = time.perf_counter()
-        loss = self.c.loss(q, d)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if self.cfg.grad_cache:  # chunked encode, one loss, replayed backward (train/grad_cache.py)
+            self.optimizer.zero_grad(set_to_none=True)
+            cached = grad_cache_step(self.model, queries, docs, self.c.loss, budget=self.cfg.grad_cache_budget,
+                                     autocast=self.autocast)
+            loss, t2 = cached.loss, t1 + cached.encode_s
+        else:
+            with self.autocast:  # one forward call per backward, as DDP expects
+                q, d = self.model(queries=queries, docs=docs)
+            t2 = time.perf_counter()
+            loss = self.c.loss(q, d)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
         if self.cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         self.optimizer.step()

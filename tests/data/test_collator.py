@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from PIL import Image
@@ -77,6 +79,15 @@ def test_bad_examples(tiny_processor):
         lenient([{"query": "", "image": Image.new("RGB", (28, 28)), "id": "e"}])
     with pytest.raises(ValueError, match=r"lacks \['image'\]"):
         lenient([{"query": "a b", "id": "m"}])
+
+
+def test_layout_follows_the_processor(tiny_processor):
+    from raggedvl.data.collator import layout_for
+
+    assert layout_for(tiny_processor) == "qwen2_vl"
+    patch16 = copy.deepcopy(tiny_processor)
+    patch16.image_processor.patch_size = 16
+    assert layout_for(patch16) == "qwen3_vl"
 
 
 def test_templates_are_validated_and_configurable(tiny_processor):

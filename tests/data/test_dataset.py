@@ -85,8 +85,13 @@ def test_bad_rows_are_named_or_counted(tmp_path):
 
     empty = _rows(3)
     empty[1]["query"] = "   "
-    with pytest.raises(ValueError, match=r"row 1 \(id 'train-1'\) has an empty"):
-        load_retrieval_dataset(_write_parquet(tmp_path / "b.parquet", empty), "train")
+    empty[2]["query"] = None  # ViDoRe-style corpus row without a query
+    empty_path = _write_parquet(tmp_path / "b.parquet", empty)
+    with pytest.raises(ValueError, match=r"row 1 \(id 'train-1'\) has an empty.*on_empty_query='skip'"):
+        load_retrieval_dataset(empty_path, "train")
+    kept = load_retrieval_dataset(empty_path, "train", on_empty_query="skip", id_column="doc_id")
+    assert kept.ids() == ["d0"] and [r["id"] for r in kept.skipped_rows] == ["d1", "d2"]
+    assert kept[0]["image"].size == (40, 30)
 
     corrupt = _rows(3)
     corrupt[2]["image"] = {"bytes": b"\x89PNG\r\n\x1a\n garbage", "path": None}

@@ -33,9 +33,10 @@ QUERY_TEMPLATE = "Query: {query}" + QUERY_AUGMENTATION
 
 
 def layout_for(processor) -> str:
-    """RaggedBatch layout name for a processor: qwen2_vl, qwen2_5_vl or qwen3_vl."""
+    """RaggedBatch layout name for a processor: qwen3_vl (class name or 16 px patches),
+    qwen2_5_vl (class name) or qwen2_vl."""
     name = type(processor).__name__.lower()
-    if "qwen3" in name:
+    if "qwen3" in name or getattr(processor.image_processor, "patch_size", 14) == 16:
         return "qwen3_vl"
     if "qwen2_5" in name:
         return "qwen2_5_vl"

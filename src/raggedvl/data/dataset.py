@@ -7,7 +7,9 @@ relevant document is item i's image.
 Bad input policy:
 - a missing ``query`` / ``image`` column (or manifest key): ValueError at construction, naming
   the columns present and the ``query_column=`` / ``image_column=`` fix;
-- an empty or non-string query: ValueError at construction naming the row and id;
+- an empty or non-string query: ValueError at construction naming the row and id, or with
+  ``on_empty_query="skip"`` the row is left out and listed in ``dataset.skipped_rows``
+  (``{"row", "id", "reason"}``; e.g. ViDoRe corpora hold documents without a query);
 - an unreadable, corrupt or oversized image (see ``raggedvl.data.images``): with
   ``on_bad_image="error"`` a ``BadImageError`` naming the row and id when the item is read;
   with ``"skip"`` the item comes back with ``image=None`` and ``image_error`` set, and
@@ -48,13 +50,35 @@ def _limit_order(ids: list[str], limit: int | None) -> list[int]:
     return sorted(ranked[:limit])
 
 
-def _check_queries(queries: list[Any], ids: list[str], where: str) -> None:
+def _bad_query_rows(queries: list[Any], ids: list[str], where: str, policy: str) -> list[dict[str, Any]]:
+    """Rows whose query is empty or not a string: raise (policy "error") or list them ("skip")."""
+    bad = []
     for row, (query, ident) in enumerate(zip(queries, ids)):
         if not isinstance(query, str) or not query.strip():
-            raise ValueError(
-                f"{where}: row {row} (id {ident!r}) has an empty or non-string query {query!r}; "
-                "remove the row or fill in its query"
-            )
+            if policy == "error":
+                raise ValueError(
+                    f"{where}: row {row} (id {ident!r}) has an empty or non-string query {query!r}; "
+                    "remove the row, fill in its query, or pass on_empty_query='skip'"
+                )
+            bad.append({"row": row, "id": ident, "reason": f"empty or non-string query {query!r}"})
+    return bad
+
+
+class _ImageColumn(Sequence):
+    """Lazy view of one image column of a ``datasets.Dataset`` (rows read on access, so image
+    bytes are never all held in memory); string paths are resolved against ``base_dir``."""
+
+    def __init__(self, dataset, column: str, rows: list[int], base_dir: str | os.PathLike | None) -> None:
+        self.dataset, self.column, self.rows, self.base_dir = dataset, column, rows, base_dir
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Any:
+        value = self.dataset[self.rows[index]][self.column]
+        if isinstance(value, str) and self.base_dir is not None:
+            return str(Path(self.base_dir) / value)
+        return value
 
 
 class RetrievalDataset(Sequence):
@@ -78,7 +102,8 @@ class RetrievalDataset(Sequence):
         _check_policy(on_bad_image)
         if len(records) != len(image_sources):
             raise ValueError(f"{len(records)} records but {len(image_sources)} image sources")
-        _check_queries([r.get("query") for r in records], [r.get("id", "") for r in records], where)
+        bad = _bad_query_rows([r.get("query") for r in records], [r.get("id", "") for r in records], where, "error")
+        self.skipped_rows = bad  # filled by the constructors under on_empty_query="skip"
         self.records = records
         self.image_sources = image_sources
         self.split = split
@@ -89,7 +114,10 @@ class RetrievalDataset(Sequence):
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_manifest(cls, directory: str | os.PathLike, split: str | None = "train", *, limit: int | None = None, **kwargs) -> "RetrievalDataset":
+    def from_manifest(
+        cls, directory: str | os.PathLike, split: str | None = "train", *, limit: int | None = None,
+        on_empty_query: str = "error", **kwargs,
+    ) -> "RetrievalDataset":
         """Rows of ``<directory>/manifest.jsonl`` whose ``split`` matches (None: all rows).
 
         Raises ValueError for a missing manifest, a row without ``query``/``image``/``id``, or a
@@ -107,12 +135,17 @@ class RetrievalDataset(Sequence):
         chosen = [r for r in rows if split is None or r.get("split") == split]
         if not chosen:
             raise ValueError(f"{manifest} has no rows in split {split!r}; splits present: {sorted({r.get('split') for r in rows})}")
+        skipped = _bad_query_rows([r["query"] for r in chosen], [r["id"] for r in chosen], str(manifest), on_empty_query)
+        bad_rows = {s["row"] for s in skipped}
+        chosen = [r for i, r in enumerate(chosen) if i not in bad_rows]
         keep = _limit_order([r["id"] for r in chosen], limit)
         chosen = [chosen[i] for i in keep]
         sizes = [(r["width"], r["height"]) if "width" in r and "height" in r else None for r in chosen]
         sources = [manifest.parent / r["image"] for r in chosen]
         records = [{k: v for k, v in r.items() if k != "image"} for r in chosen]
-        return cls(records, sources, split or "all", sizes=None if None in sizes else sizes, where=str(manifest), **kwargs)
+        dataset = cls(records, sources, split or "all", sizes=None if None in sizes else sizes, where=str(manifest), **kwargs)
+        dataset.skipped_rows = skipped
+        return dataset
 
     @classmethod
     def from_hf(
@@ -125,13 +158,14 @@ class RetrievalDataset(Sequence):
         id_column: str | None = None,
         limit: int | None = None,
         base_dir: str | os.PathLike | None = None,
+        on_empty_query: str = "error",
         **kwargs,
     ) -> "RetrievalDataset":
         """Wrap a ``datasets.Dataset`` with a query column and an image column (the datasets
         ``Image`` feature, or strings holding paths relative to ``base_dir``).
 
-        Images are read undecoded (``Image(decode=False)``) and decoded by this package's
-        hardened loader. Ids come from ``id_column`` or are ``"<split>-<row>"``.
+        Images are read undecoded (``Image(decode=False)``), row by row on access, and decoded
+        by this package's hardened loader. Ids come from ``id_column`` or are ``"<split>-<row>"``.
         """
         import datasets
 
@@ -145,13 +179,15 @@ class RetrievalDataset(Sequence):
             dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
         queries = dataset[query_column]
         ids = [str(v) for v in dataset[id_column]] if id_column else [f"{split}-{i}" for i in range(len(queries))]
-        keep = _limit_order(ids, limit)
-        subset = dataset.select(keep) if limit is not None else dataset
-        images = subset[image_column]
-        if base_dir is not None:
-            images = [str(Path(base_dir) / v) if isinstance(v, str) else v for v in images]
+        where = f"dataset split {split!r}"
+        skipped = _bad_query_rows(queries, ids, where, on_empty_query)
+        bad_rows = {s["row"] for s in skipped}
+        valid = [i for i in range(len(ids)) if i not in bad_rows]
+        keep = [valid[j] for j in _limit_order([ids[i] for i in valid], limit)]
         records = [{"query": queries[i], "id": ids[i], "row": i} for i in keep]
-        return cls(records, images, split, where=f"dataset split {split!r}", **kwargs)
+        result = cls(records, _ImageColumn(dataset, image_column, keep, base_dir), split, where=where, **kwargs)
+        result.skipped_rows = skipped
+        return result
 
     # ------------------------------------------------------------------ access
     def __len__(self) -> int:
@@ -207,6 +243,7 @@ def load_retrieval_dataset(
     image_column: str = "image",
     id_column: str | None = None,
     on_bad_image: BadImagePolicy = "error",
+    on_empty_query: str = "error",
     cache_dir: str | os.PathLike | None = None,
     **load_kwargs,
 ) -> RetrievalDataset:
@@ -222,7 +259,9 @@ def load_retrieval_dataset(
     ``limit`` keeps a stable hash sample of that many rows. Extra ``load_kwargs`` go to
     ``datasets.load_dataset``.
     """
-    common = {"on_bad_image": on_bad_image}
+    if on_empty_query not in ("error", "skip"):
+        raise ValueError(f"on_empty_query must be 'error' or 'skip', got {on_empty_query!r}")
+    common = {"on_bad_image": on_bad_image, "on_empty_query": on_empty_query}
     path = Path(name_or_path)
     if str(name_or_path) == "rdocs":
         from raggedvl.data.rdocs import build_rdocs

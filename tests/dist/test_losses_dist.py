@@ -134,8 +134,35 @@ def _check(rank, world, cfg):
     return cfg["name"], local.item(), expected.item(), grad_err
 
 
+def _negative_documents_check(rank, world):
+    """C06 with teeth: rank 1's 300-vector document has only negative similarities, and the
+    gather pads it to 700 with zero vectors; a zero pad winning MaxSim would change the loss."""
+    g = torch.Generator().manual_seed(77)
+    q = torch.zeros(world, 2, DIM, dtype=f64)
+    q[..., 0] = 1.0  # every query token is e1: a score is the first coordinate of the winner
+    lengths = [700, 300]
+    docs = [torch.randn(1, n, DIM, generator=g, dtype=f64) for n in lengths]
+    docs[1][..., 0] = -docs[1][..., 0].abs() - 0.1
+    qm = torch.ones(world, 2, dtype=torch.bool)
+    masks = [torch.ones(1, n, dtype=torch.bool) for n in lengths]
+    local = docs[rank].clone().requires_grad_(True)
+    share = LateInteractionLoss(0.5)(q[rank:rank + 1], qm[rank:rank + 1], local, masks[rank])
+    share.backward()
+    all_docs, all_masks = ref.pad_tokens(docs, masks)
+    all_docs.requires_grad_(True)
+    expected = ref.late_interaction(q, qm, all_docs, all_masks, temperature=0.5)
+    (ref_grad,) = torch.autograd.grad(expected, all_docs)
+    zero_pads_win = ref.late_interaction(q, qm, all_docs, torch.ones_like(all_masks), temperature=0.5)
+    if abs(zero_pads_win.item() - expected.item()) < 1e-3:
+        raise AssertionError("test data too weak: zero pads would not change the loss")
+    # no DDP here: local.grad = d(sum_r L_r)/d local = W * dL/d local
+    grad_err = (local.grad / world - ref_grad[rank:rank + 1, : lengths[rank]]).abs().max().item()
+    return "C06 negative-only document vs zero pads", share.item(), expected.item(), grad_err
+
+
 def _run_all(rank, world, configs):
-    return [_check(rank, world, cfg) for cfg in configs]
+    extra = [_negative_documents_check(rank, world)] if world == 2 else []
+    return [_check(rank, world, cfg) for cfg in configs] + extra
 
 
 def _cfg(name, loss, counts, k, doc_len=None, neg_len=None, **extra):

@@ -115,3 +115,26 @@ def test_argument_errors(tmp_path):
         RaggedTrainer(tiny_retriever(), args, processor=proc, loss=nn.MSELoss())
     with pytest.raises(ValueError, match="causal-LM loss"):
         RaggedTrainer(tiny_generator(), args, processor=proc, task="sft", loss=LateInteractionLoss())
+
+
+def test_evaluate_reports_the_loss_of_the_eval_set(tmp_path):
+    examples = retrieval_examples(4)
+    model = tiny_retriever()
+    trainer = RaggedTrainer(model, training_args(tmp_path, per_device_eval_batch_size=4), processor=tiny_processor(),
+                            eval_dataset=examples, data_collator=collator())
+    metrics = trainer.evaluate()
+    batch = RetrievalCollator(tiny_processor())(examples)
+    with torch.no_grad():
+        q, d = model(queries=batch["queries"], docs=batch["docs"])
+        expected = LateInteractionLoss(temperature=0.02)(q.embeddings, q.mask, d.embeddings, d.mask).item()
+    assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_skipped_examples_are_reported(tmp_path, caplog):
+    examples = retrieval_examples(3)
+    examples[1] = {**examples[1], "image": None, "image_error": "corrupt PNG"}
+    wire_collate = RetrievalWireCollator(RetrievalCollator(tiny_processor(), on_bad_image="skip"))
+    with caplog.at_level("WARNING"):
+        out = wire_collate(examples)
+    assert out["docs"]["ragged_num_tokens"].numel() == 2
+    assert [s["id"] for s in wire_collate.skipped] == ["ex1"] and "skipped 1 example" in caplog.text

@@ -10,6 +10,7 @@ the wire form back into :class:`~raggedvl.batch.RaggedBatch` es before the forwa
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Sequence
 
 import torch
@@ -19,22 +20,29 @@ from raggedvl.batch import RaggedBatch
 from .wire import pack
 
 IGNORE_INDEX = -100
+logger = logging.getLogger(__name__)
 
 
 class RetrievalWireCollator:
     """Wrap a retrieval collator (e.g. ``raggedvl.data.RetrievalCollator``) whose output holds
     ``queries`` and ``docs`` :class:`RaggedBatch` es; returns ``{"queries": wire, "docs": wire}``.
 
-    Other entries (``ids``: strings) are dropped: accelerate cannot broadcast them and the
-    Trainer does not use them. Raises ``TypeError`` when ``queries`` / ``docs`` are missing or
-    not ragged batches.
+    ``ids`` (strings) are not passed on: accelerate cannot broadcast them and the Trainer does
+    not use them. Examples the wrapped collator skipped (``skipped``: bad images under
+    ``on_bad_image="skip"``) are logged as a warning and kept in ``self.skipped``. Raises
+    ``TypeError`` when ``queries`` / ``docs`` are missing or not ragged batches.
     """
 
     def __init__(self, collate: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
         self.collate = collate
+        self.skipped: list[dict[str, Any]] = []
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
         out = self.collate(examples)
+        if out.get("skipped"):
+            self.skipped.extend(out["skipped"])
+            logger.warning("skipped %d example(s) of this batch (%d so far): %s", len(out["skipped"]),
+                           len(self.skipped), out["skipped"])
         for key in ("queries", "docs"):
             if not isinstance(out.get(key), RaggedBatch):
                 raise TypeError(

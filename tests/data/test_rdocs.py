@@ -44,6 +44,10 @@ def test_title_cleaning():
     assert clean_title("2.3 Generating regular sequences") == "Generating regular sequences"
     assert clean_title("A.1 Sample\u00adsession") == "Samplesession"
     assert clean_title("Appendix B  Invoking   R") == "Invoking R"
+    assert clean_title("A A sample session", chapter=True) == "A sample session"
+    assert clean_title("A specific example") == "A specific example"
+    assert clean_title("R and statistics") == "R and statistics"
+    assert clean_title("64-bit types") == "64-bit types"
     assert not is_useful_query("Introduction")
     assert not is_useful_query("Examples")
     assert not is_useful_query("Function and variable index")

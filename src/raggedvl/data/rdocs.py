@@ -178,7 +178,7 @@ def build_rdocs(
             0.2)``, at least 1); cannot be combined with ``train_limit`` / ``dev_limit``.
         train_limit, dev_limit: keep at most this many train / dev pairs (chosen by a stable
             hash rank, so smaller subsets are contained in larger ones and each pair's image is
-            identical to the full build's). None keeps all (about 1,320 train + 330 dev).
+            identical to the full build's). None keeps all (1,296 train + 357 dev).
             The default job uses ``DEFAULT_JOB_TRAIN_PAIRS`` / ``DEFAULT_JOB_DEV_PAIRS``.
         force: rebuild even when the directory exists.
         progress: optional callable ``progress(n)`` called after each rendered pair.

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import pypdfium2 as pdfium
 
-RDOCS_VERSION = "v1"
+RDOCS_VERSION = "v2"  # output format / content version: names the cache directory
+_HASH_SALT = "rdocs-v1"  # seeds views, dpi and splits; changing it reshuffles the dataset
 REFMAN = "refman.pdf"
 MANUALS = (
     "R-FAQ.pdf",
@@ -44,7 +45,11 @@ _GENERIC = {
     "table of contents", "the base package", "usage", "value", "variable and function index",
     "environment variable index",
 }
-_SECTION_NUMBER = re.compile(r"^(appendix\s+)?([A-Z]|\d+)(\.\d+)*\.?\s+", re.IGNORECASE)
+# "2.3 ", "A.1 ", "Appendix B ": always a section number. A lone capital ("A Sample session",
+# "B Invoking R") is an appendix number only on a chapter (outline level 0) entry, since
+# "A specific example" or "R and statistics" are ordinary titles.
+_SECTION_NUMBER = re.compile(r"^(appendix\s+[A-Z]\s+|[A-Z](\.\d+)+\.?\s+|\d+(\.\d+)*\.?\s+)", re.IGNORECASE)
+_APPENDIX_LETTER = re.compile(r"^[A-Z]\s+")
 _INVISIBLE = dict.fromkeys(map(ord, "\u00ad\ufffe\ufeff\u200b\x02"), None)
 
 
@@ -79,10 +84,14 @@ class PairPlan:
         return [self.page, self.page + 1] if self.view == "spread" else [self.page]
 
 
-def clean_title(raw: str) -> str:
-    """Strip soft hyphens, section numbers ("2.3 ", "A.1 ", "Appendix B ") and extra spaces."""
+def clean_title(raw: str, chapter: bool = False) -> str:
+    """Strip soft hyphens, section numbers ("2.3 ", "A.1 ", "Appendix B ", and "A " on a
+    ``chapter`` entry) and extra spaces."""
     text = " ".join(raw.translate(_INVISIBLE).split())
-    return _SECTION_NUMBER.sub("", text).strip()
+    stripped = _SECTION_NUMBER.sub("", text)
+    if chapter and stripped == text:
+        stripped = _APPENDIX_LETTER.sub("", text)
+    return stripped.strip()
 
 
 def is_useful_query(query: str) -> bool:
@@ -129,7 +138,7 @@ def read_headings(pdf: pdfium.PdfDocument, name: str) -> list[Heading]:
             query = _help_title(page, title, top_pt)
             source = "help_title"
         else:
-            query = clean_title(title)
+            query = clean_title(title, chapter=item.level == 0)
             source = "outline"
         page.close()
         headings.append(Heading(name, page_index, top_pt, query, source))
@@ -144,7 +153,7 @@ def _page_height(pdf: pdfium.PdfDocument, index: int) -> float:
 
 
 def _hash(pdf: str, page: int) -> bytes:
-    return hashlib.sha256(f"rdocs-{RDOCS_VERSION}|{pdf}|{page}".encode()).digest()
+    return hashlib.sha256(f"{_HASH_SALT}|{pdf}|{page}".encode()).digest()
 
 
 def _crop_bounds(heading: Heading, headings_on_page: list[Heading], page_height: float) -> tuple[float, float] | None:

@@ -77,6 +77,8 @@ def test_bad_examples(tiny_processor):
         lenient([from_dataset_skip])
     with pytest.raises(ValueError, match=r"example 0 \(id 'e'\) has an empty"):
         lenient([{"query": "", "image": Image.new("RGB", (28, 28)), "id": "e"}])
+    with pytest.raises(ValueError, match="reads as a visual placeholder"):
+        lenient([{"query": "see <|image_pad|> here", "image": Image.new("RGB", (28, 28)), "id": "inj"}])
     with pytest.raises(ValueError, match=r"lacks \['image'\]"):
         lenient([{"query": "a b", "id": "m"}])
 

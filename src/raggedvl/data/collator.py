@@ -30,6 +30,7 @@ IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
 DOC_TEMPLATE = "<|im_start|>user\n" + IMAGE_BLOCK + "Describe the image.<|im_end|><|endoftext|>"
 QUERY_AUGMENTATION = "<|endoftext|>" * 10
 QUERY_TEMPLATE = "Query: {query}" + QUERY_AUGMENTATION
+_VISUAL_MARKERS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 
 def layout_for(processor) -> str:
@@ -70,7 +71,8 @@ class RetrievalCollator:
     each), ``ids`` (B example ids, in order), ``skipped`` (list of ``{"id", "reason"}``).
 
     Raises:
-        ValueError: an example without ``query``/``image``, an empty query, a document longer
+        ValueError: an example without ``query``/``image``, an empty query or one containing a
+            visual placeholder token, a document longer
             than ``max_length``, or a batch where every example was skipped.
     """
 
@@ -111,6 +113,12 @@ class RetrievalCollator:
             query = example["query"]
             if not isinstance(query, str) or not query.strip():
                 raise ValueError(f"example {position} (id {ident!r}) has an empty or non-string query {query!r}")
+            marker = next((m for m in _VISUAL_MARKERS if m in query), None)
+            if marker is not None:
+                raise ValueError(
+                    f"example {position} (id {ident!r}): the query text contains {marker!r}, which the tokenizer "
+                    "reads as a visual placeholder; remove it from the query"
+                )
             try:
                 image = example["image"]
                 if image is None:

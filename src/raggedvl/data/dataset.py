@@ -69,7 +69,8 @@ class _ImageColumn(Sequence):
     bytes are never all held in memory); string paths are resolved against ``base_dir``."""
 
     def __init__(self, dataset, column: str, rows: list[int], base_dir: str | os.PathLike | None) -> None:
-        self.dataset, self.column, self.rows, self.base_dir = dataset, column, rows, base_dir
+        self.dataset = dataset.select_columns([column])  # row reads touch only this column
+        self.column, self.rows, self.base_dir = column, rows, base_dir
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -102,8 +103,8 @@ class RetrievalDataset(Sequence):
         _check_policy(on_bad_image)
         if len(records) != len(image_sources):
             raise ValueError(f"{len(records)} records but {len(image_sources)} image sources")
-        bad = _bad_query_rows([r.get("query") for r in records], [r.get("id", "") for r in records], where, "error")
-        self.skipped_rows = bad  # filled by the constructors under on_empty_query="skip"
+        _bad_query_rows([r.get("query") for r in records], [r.get("id", "") for r in records], where, "error")
+        self.skipped_rows: list[dict[str, Any]] = []  # rows left out by on_empty_query="skip"
         self.records = records
         self.image_sources = image_sources
         self.split = split

@@ -13,6 +13,8 @@ One launch runs two jobs on each rank:
    logged loss must be the token mean over both processes' batches and the weights after one
    step must match the one-process step on the concatenated batch (checks the Trainer's
    ``num_items_in_batch`` / world-size scaling).
+3. SFT, IterableDataset -> dispatch: samples with 2, 3, 0 and 0 images; process 1 gets only
+   text (its vision tower is unused under DDP: no hang), process 0 both multi-image samples whole.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ TOL = 1e-9
 LOGGED_TOL = 1e-6  # the Trainer accumulates logged losses in float32
 
 
+def sft_stream() -> list[dict]:
+    from tests.hf.helpers import sft_examples
+
+    two, text, three = sft_examples()
+    return [two, three, text, {"images": [], "prompt": "name a plot", "answer": "a biplot of multivariate data"}]
+
+
 def _trainable(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -43,9 +52,12 @@ def _worker(rank: int, world_size: int, out_dir: str):
     from raggedvl.hf import RaggedTrainer, RetrievalWireCollator, SFTCollator, pack
     from tests.hf.helpers import retrieval_examples, sft_examples, tiny_generator, tiny_processor, tiny_retriever, training_args
 
-    class Examples(IterableDataset):
+    class Stream(IterableDataset):
+        def __init__(self, items):
+            self.items = items
+
         def __iter__(self):
-            return iter(retrieval_examples(8))
+            return iter(self.items)
 
     class Recorder(RaggedTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -62,7 +74,7 @@ def _worker(rank: int, world_size: int, out_dir: str):
     out = {}
     model = tiny_retriever()
     trainer = Recorder(model, training_args(f"{out_dir}/r{rank}", learning_rate=LR), processor=proc,
-                       train_dataset=Examples(), data_collator=RetrievalWireCollator(RetrievalCollator(proc)))
+                       train_dataset=Stream(retrieval_examples(8)), data_collator=RetrievalWireCollator(RetrievalCollator(proc)))
     trainer.seen, trainer.local_losses = [], []
     trainer.train()
     out["retrieval"] = {
@@ -83,6 +95,11 @@ def _worker(rank: int, world_size: int, out_dir: str):
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "params": _trainable(gen),
     }
+    trainer = Recorder(tiny_generator(), training_args(f"{out_dir}/d{rank}", max_steps=1), processor=proc,
+                       task="sft", train_dataset=Stream(sft_stream()), data_collator=SFTCollator(proc))
+    trainer.seen, trainer.local_losses = [], []
+    trainer.train()
+    out["sft_dispatch"] = {"seen": trainer.seen, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
     path = f"{out_dir}/rank{rank}.pt"  # tensors through a file: the queue would share their memory
     torch.save(out, path)
     return path
@@ -196,3 +213,29 @@ def test_sft_loss_is_global_token_mean(results):
         assert res["sft"]["losses"] == pytest.approx([loss.item()], rel=LOGGED_TOL)
         for name, value in ref.items():
             torch.testing.assert_close(res["sft"]["params"][name], value, rtol=0, atol=TOL, msg=name)
+
+
+def test_sft_dispatch_keeps_multi_image_samples_whole_and_text_only_rank_runs(results):
+    from raggedvl.data.collator import token_ids_for
+    from raggedvl.hf import SFTCollator, unpack
+    from tests.hf.helpers import tiny_processor
+
+    proc = tiny_processor()
+    ids = token_ids_for(proc)
+    stream = sft_stream()
+    alone = [unpack(SFTCollator(proc)([ex]), token_ids=ids) for ex in stream]
+    for rank, res in enumerate(results):
+        got = unpack(res["sft_dispatch"]["seen"][0], token_ids=ids)
+        mine = alone[2 * rank:2 * rank + 2]
+        assert got.image_counts == [len(ex["images"]) for ex in stream[2 * rank:2 * rank + 2]]
+        if rank == 1:
+            assert got.num_images == 0 and "pixel_values" not in got
+        else:
+            assert torch.equal(got["pixel_values"], torch.cat([a["pixel_values"] for a in mine]))
+            assert torch.equal(got["image_grid_thw"], torch.cat([a["image_grid_thw"] for a in mine]))
+        for j, a in enumerate(mine):
+            valid = got["attention_mask"][j].bool()
+            assert torch.equal(got["input_ids"][j][valid], a["input_ids"][0])
+            assert torch.equal(got["labels"][j][valid], a["labels"][0])
+    losses = [res["sft_dispatch"]["losses"] for res in results]
+    assert losses[0] == losses[1] and len(losses[0]) == 1 and losses[0][0] > 0

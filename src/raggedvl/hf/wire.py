@@ -148,13 +148,14 @@ def unpack(wire: Mapping[str, torch.Tensor], layout: str | BatchLayout = "qwen2_
     )
 
 
-def slice_samples(wire: Mapping[str, torch.Tensor], start: int, stop: int,
+def slice_samples(wire: Mapping[str, torch.Tensor], start: int, stop: int | None,
                   layout: str | BatchLayout = "qwen2_vl") -> dict[str, torch.Tensor]:
-    """Samples ``start:stop`` of a wire batch, with exactly their tokens, grids and patch rows
-    (views, no copy). Raises ``ValueError`` when the item counts do not add up to the grid rows."""
+    """Samples ``start:stop`` (clipped to the batch; ``stop=None``: to the end) of a wire batch,
+    with exactly their tokens, grids and patch rows (views, no copy). Raises ``ValueError`` when
+    the item counts do not add up to the grid rows."""
     lay = get_layout(layout)
     n_B = wire[NUM_TOKENS]
-    start, stop = max(0, start), min(stop, n_B.numel())
+    start, stop = max(0, start), n_B.numel() if stop is None else min(stop, n_B.numel())
     stop = max(start, stop)
     tok = torch.cat([n_B.new_zeros(1), n_B.cumsum(0)]).tolist()
     out: dict[str, torch.Tensor] = {NUM_TOKENS: n_B[start:stop], LEFT_PADDED: wire[LEFT_PADDED][start:stop]}

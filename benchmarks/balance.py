@@ -176,12 +176,37 @@ def calibrate_tiny(plans: list, n: int) -> None:
     print(f"measured per-sample time: min {result.measured.min()*1e3:.1f} ms, max {result.measured.max()*1e3:.1f} ms")
 
 
+def training_runs(run_dirs: list[str]) -> None:
+    """Per-step rank compute times from ``raggedvl train`` runs (their metrics.jsonl, written
+    with --log-every 1): the loop logs each rank's encode (forward) seconds per step."""
+    import json
+    from pathlib import Path
+
+    print("\nReal training runs: per-step slowest-rank / mean-rank encode time (forward, seconds)")
+    print("| run | sampler | W | G | steps | mean slowest/mean | mean slowest (s) | mean rank (s) | mean step (s) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for run in run_dirs:
+        rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        config = next(r for r in rows if r.get("event") == "config")
+        steps = [r for r in rows if r.get("event") == "train"]
+        enc = np.array([r["rank_encode_s"] for r in steps])
+        ratio = enc.max(axis=1) / enc.mean(axis=1)
+        print(f"| {run} | {config['sampler']} | {config['world_size']} | {config['global_batch_size']} | {len(steps)} "
+              f"| {ratio.mean():.3f} | {enc.max(axis=1).mean():.3f} | {enc.mean():.3f} "
+              f"| {np.mean([r['step_s'] for r in steps]):.3f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200, help="global steps per (data, W, G) cell")
     ap.add_argument("--calibrate", type=int, default=0, metavar="N",
                     help="also time N rdocs docs on the tiny model and fit the cost model")
+    ap.add_argument("--runs", nargs="+", metavar="RUN_DIR",
+                    help="only summarise these raggedvl train output dirs (metrics.jsonl) and exit")
     args = ap.parse_args(argv)
+    if args.runs:
+        training_runs(args.runs)
+        return
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
           f"python {platform.python_version()}, torch {torch.__version__}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")

@@ -211,3 +211,24 @@ def test_bad_cost_names_the_sample():
         BalancedDistributedBatchSampler(costs, 4, 2, 0)
     with pytest.raises(ValueError, match="only 1 samples for 2 ranks"):
         BalancedDistributedBatchSampler([1.0], 4, 2, 0)
+
+
+def test_cap_that_no_split_can_meet_raises_before_training():
+    # 3 samples of 9 patches on 2 ranks of 10 patches: one step cannot hold all 3, and a split
+    # into steps of fewer than W = 2 samples would leave a rank idle.
+    sampler = BalancedDistributedBatchSampler([1.0, 1.0, 1.0], 3, 2, 0, max_patches_per_rank=10, patches=[9, 9, 9])
+    with pytest.raises(ValueError, match="cannot be packed under 2 ranks x 10 patches"):
+        len(sampler)
+
+
+def test_state_dict_with_consumed_step_override_and_cap_round_trip():
+    est = _c10_dataset(4)
+    kw = dict(max_patches_per_rank=int(est.patches.max() * 1.5), patches=est.patches, seed=2)
+    a = BalancedDistributedBatchSampler(est.costs, 8, 2, 1, **kw)
+    steps = list(a)
+    state = json.loads(json.dumps(a.state_dict(step=1)))  # a DataLoader prefetched ahead
+    b = BalancedDistributedBatchSampler(est.costs, 8, 2, 1, **kw)
+    b.load_state_dict(state)
+    assert list(b) == steps[1:]
+    with pytest.raises(ValueError, match="outside epoch 0"):
+        b.load_state_dict({**state, "step": len(steps) + 1})

@@ -18,7 +18,6 @@ most of the remaining gap at the batch sizes used here (a few items per part).
 from __future__ import annotations
 
 import heapq
-import math
 from typing import Sequence
 
 import numpy as np
@@ -30,12 +29,13 @@ class PartitionInfeasible(ValueError):
     """Raised when the greedy packer cannot place every item under the per-part ``capacity``."""
 
 
-def _check_values(name: str, values: Sequence[float]) -> list[float]:
-    out = [float(v) for v in values]
-    for i, v in enumerate(out):
-        if not (v >= 0.0) or math.isinf(v):
-            raise ValueError(f"item {i} has {name} {values[i]!r}; {name} must be finite and >= 0")
-    return out
+def _check_values(name: str, values: Sequence[float]) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.float64).reshape(-1)
+    bad = np.flatnonzero(~(arr >= 0.0) | np.isinf(arr))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"item {i} has {name} {values[i]!r}; {name} must be finite and >= 0")
+    return arr
 
 
 def partition_costs(
@@ -62,31 +62,33 @@ def partition_costs(
     if num_parts < 1:
         raise ValueError(f"num_parts must be >= 1, got {num_parts}")
     c = _check_values("cost", costs)
+    n = len(c)
     s = None
     if capacity is not None:
         if sizes is None:
             raise ValueError("capacity was given without sizes; pass sizes= (e.g. patches per item)")
         s = _check_values("size", sizes)
-        if len(s) != len(c):
-            raise ValueError(f"costs has {len(c)} items but sizes has {len(s)}; give one size per item")
-        for i, v in enumerate(s):
-            if v > capacity:
-                raise ValueError(
-                    f"item {i} has size {v:g} > capacity {capacity:g}: it fits on no part; "
-                    f"raise the capacity or lower the item's resolution (max_pixels)"
-                )
-    order = sorted(range(len(c)), key=lambda i: (-c[i], i))
-    assign = _greedy(c, s, capacity, num_parts, order)
+        if len(s) != n:
+            raise ValueError(f"costs has {n} items but sizes has {len(s)}; give one size per item")
+        over = np.flatnonzero(s > capacity)
+        if len(over):
+            i = int(over[0])
+            raise ValueError(
+                f"item {i} has size {s[i]:g} > capacity {capacity:g}: it fits on no part; "
+                f"raise the capacity or lower the item's resolution (max_pixels)"
+            )
+    index = np.arange(n)
+    order = np.lexsort((index, -c)).tolist()
+    assign = _greedy(c.tolist(), None if s is None else s.tolist(), capacity, num_parts, order)
     if assign is None and s is not None:
-        assign = _greedy(c, s, capacity, num_parts, sorted(range(len(c)), key=lambda i: (-s[i], i)))
+        assign = _greedy(c.tolist(), s.tolist(), capacity, num_parts, np.lexsort((index, -s)).tolist())
     if assign is None:
         raise PartitionInfeasible(
-            f"{len(c)} items with total size {sum(s):g} do not fit under {num_parts} parts of "
+            f"{n} items with total size {s.sum():g} do not fit under {num_parts} parts of "
             f"capacity {capacity:g}; use more parts, fewer items or a larger capacity"
         )
-    if refine and num_parts > 1 and len(c) > num_parts:
-        sizes_arr = None if s is None else np.asarray(s, dtype=np.float64)
-        assign = refine_partition(np.asarray(c, dtype=np.float64), sizes_arr, capacity, np.asarray(assign), num_parts).tolist()
+    if refine and num_parts > 1 and n > num_parts:
+        assign = refine_partition(c, s, capacity, np.asarray(assign), num_parts).tolist()
     parts: list[list[int]] = [[] for _ in range(num_parts)]
     for i, p in enumerate(assign):
         parts[p].append(i)
@@ -98,20 +100,25 @@ def _greedy(
 ) -> list[int] | None:
     """LPT: each item (in ``order``) to the least-loaded part that has room. None if one has none."""
     heap = [(0.0, 0, p) for p in range(num_parts)]
-    room = [capacity] * num_parts if s is not None else None
     assign = [0] * len(c)
+    if s is None:
+        for i in order:
+            load, count, p = heap[0]
+            assign[i] = p
+            heapq.heapreplace(heap, (load + c[i], count + 1, p))
+        return assign
+    room = [capacity] * num_parts
     for i in order:
         skipped = []
         while heap:
             load, count, p = heapq.heappop(heap)
-            if room is None or s[i] <= room[p]:
+            if s[i] <= room[p]:
                 break
             skipped.append((load, count, p))
         else:
             return None
         assign[i] = p
-        if room is not None:
-            room[p] -= s[i]
+        room[p] -= s[i]
         heapq.heappush(heap, (load + c[i], count + 1, p))
         for entry in skipped:
             heapq.heappush(heap, entry)

@@ -76,26 +76,24 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_max(value: float) -> float:
-    """Max of a Python float over ranks (no-op without a process group)."""
+def _all_reduce_scalar(value: float, op) -> float:
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    t = torch.tensor([value], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([value], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=op)
     return float(t.item())
 
 
+def all_reduce_max(value: float) -> float:
+    """Max of a Python float over ranks (one all-reduce; no-op without a process group)."""
+    return _all_reduce_scalar(value, dist.ReduceOp.MAX) if dist.is_available() else value
+
+
 def all_reduce_mean(value: float) -> float:
-    """Mean of a Python float over ranks (no-op without a process group)."""
+    """Mean of a Python float over ranks (one all-reduce; no-op without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    t = torch.tensor([value], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t)
-    return float(t.item()) / dist.get_world_size()
+    return _all_reduce_scalar(value, dist.ReduceOp.SUM) / dist.get_world_size()
 
 
 def all_gather_objects(obj: Any) -> list[Any]:

@@ -164,5 +164,10 @@ def check_ownership(lay: BatchLayout, s: VisualStream, tokens_B: torch.Tensor, g
                 f"or added: rebuild the batch with the processor"
             )
         start += c
+    hint = (
+        "; no placeholder run was found at all: if the tokenizer's placeholder ids differ from Qwen's "
+        "(e.g. the tiny preset), pass token_ids=processor to RaggedBatch.from_features"
+        if sum(counts) == 0 else ""
+    )
     raise ValueError(f"{s.grid_key} has {grid.shape[0]} rows for {sum(counts)} {s.name} placeholder runs; "
-                     "extra grid rows belong to no sample")
+                     f"extra grid rows belong to no sample{hint}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -43,6 +44,15 @@ def test_ragged_output_matches_the_processor(tiny_processor):
     for i in range(5):  # each sample's placeholders match its own grid
         n_tokens = int((docs["input_ids"][i] == tiny_processor.image_token_id).sum())
         assert n_tokens == int(grids[i].prod()) // 4
+
+
+def test_pre_resize_matches_the_processor_below_3x(tiny_processor):
+    noise = np.random.default_rng(0).integers(0, 256, (900, 700, 3), dtype=np.uint8)
+    image = Image.fromarray(noise)  # smart_resize target: 392 x 504 (a 1.8x downscale)
+    ours = RetrievalCollator(tiny_processor)([{"query": "a page", "image": image, "id": "n"}])["docs"]
+    bare = tiny_processor(text=[DOC_TEMPLATE], images=[image], return_tensors="pt")
+    assert ours["image_grid_thw"].tolist() == bare["image_grid_thw"].tolist()
+    assert torch.equal(ours["pixel_values"], bare["pixel_values"])
 
 
 def test_truncation_never_cuts_image_placeholders(tiny_processor):

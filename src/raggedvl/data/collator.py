@@ -7,8 +7,10 @@ processor expands to ``t*h*w / merge_size**2`` ``<|image_pad|>`` tokens; a query
 late interaction extra query vectors). Both are plain strings, configurable.
 
 Each image is resized here to exactly the size the processor's own rule (``smart_resize``)
-would choose, with PIL's ``reducing_gap`` (3x faster on page scans); the processor then leaves
-the size unchanged, with the PIL or the torchvision backend. No image is padded: ``pixel_values`` stays one flat [sum t*h*w, patch_dim] tensor owned per
+would choose (bicubic, PIL ``reducing_gap=3``), so the processor leaves the size unchanged with
+the PIL or the torchvision backend. For downscales under 3x the pixels equal the PIL
+processor's own resize; larger ones (150 dpi spreads) first box-reduce by an integer factor,
+which is faster and differs slightly. No image is padded: ``pixel_values`` stays one flat [sum t*h*w, patch_dim] tensor owned per
 sample through ``RaggedBatch``. Text is padded on the right to the batch's longest row.
 
 Truncation (case C09): queries are text only and are truncated to ``max_length`` tokens.

@@ -9,7 +9,7 @@ Every document image goes through ``load_image`` (decode, orientation, colour) a
 | RGBA / LA / palette with transparency | composited on white, then RGB |
 | 16-bit ("I;16*", "I") / float ("F") | scaled to 8 bits (value / 257 for 16-bit, clipped to 0..255 for float) |
 | EXIF orientation tag | applied (pixels rotated/flipped), tag consumed |
-| a side under 28 px (e.g. 1x1) | upscaled (bicubic) so the short side is 28 px (merge_size * patch_size) |
+| a side under ``factor`` px (28 for Qwen2/2.5-VL; e.g. 1x1) | upscaled (bicubic, aspect kept) so the short side is ``factor`` |
 | aspect ratio above ``max_aspect`` (e.g. a 1:1000 strip) | padded with white on the short side up to ``max_aspect`` |
 | more than ``max_source_pixels`` in the file header (decompression bomb) | rejected before decoding |
 | truncated, corrupt or unidentifiable file | rejected |
@@ -18,7 +18,7 @@ Rejected images raise ``BadImageError`` (a ``ValueError``) naming the source; ca
 ``on_bad_image="error"|"skip"``, where skip drops the example and counts it (never silently).
 
 After ``fit_image``, transformers' ``smart_resize`` (Qwen2-VL's resize rule) gives a size with
-both sides multiples of ``factor = patch_size * merge_size`` (>= 28 px) and total pixels within
+both sides multiples of ``factor = patch_size * merge_size`` (>= factor px) and total pixels within
 ``[min_pixels, max_pixels]``; ``resized_size`` exposes that rule and ``check_resize`` verifies it.
 Sizes are (width, height) in pixels, as PIL reports them, unless a name says otherwise.
 """

@@ -3,14 +3,16 @@
 ``build_processor("tiny")`` returns a transformers ``Qwen2VLProcessor`` whose tokenizer is a
 Qwen2-style byte-level BPE (Qwen2's pre-tokenizer regex, NFC, byte-level decoder) trained with
 ``tokenizers`` on the vendored R manuals' text, with Qwen2-VL's special tokens at ids 0..13
-(``<|endoftext|>`` = 0 is also the pad token). Training is deterministic and takes about 2 s;
-the result is cached under ``<cache root>/tiny-tokenizer-<version>-<vocab size>``.
+(``<|endoftext|>`` = 0 is also the pad token). Training is deterministic (the same
+tokenizer.json across processes), takes about 3 s of CPU, and is cached under
+``<cache root>/tiny-tokenizer-<version>-<vocab size>``.
 
 The image side is transformers' PIL backend ``Qwen2VLImageProcessorPil`` (torchvision cannot be
-imported beside some torch builds). transformers 5 requires a video processor, whose base class
-needs torchvision; without it the processor is ``Qwen2VLImageTextProcessor``, a subclass of
-``Qwen2VLProcessor`` without the video slot (videos are then unsupported). With torchvision
-installed (the usual GPU setup) the standard processor loads unchanged and produces the same
+imported beside some torch builds). transformers 5's ``Qwen2VLProcessor`` also wants a video
+processor, whose base class needs torchvision; so "tiny", and a checkpoint whose standard
+processor cannot be built here, get ``Qwen2VLImageTextProcessor``: a subclass of
+``Qwen2VLProcessor`` without the video slot (videos unsupported). With torchvision installed
+(the usual GPU setup) a checkpoint's standard processor loads unchanged. Both emit the same
 keys: ``input_ids``, ``attention_mask``, ``mm_token_type_ids`` (1 = image placeholder, 2 =
 video), ``pixel_values`` [P, 1176] and ``image_grid_thw`` [n_images, 3]; each image becomes
 ``t*h*w / merge_size**2`` ``<|image_pad|>`` tokens.

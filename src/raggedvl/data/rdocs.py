@@ -34,8 +34,8 @@ from PIL import Image
 
 from raggedvl.data.rdocs_pairs import DEV_FRACTION, MANUALS, RDOCS_VERSION, PairPlan, plan_pairs, select_subset
 
-DEFAULT_JOB_TRAIN_PAIRS = 320
-DEFAULT_JOB_DEV_PAIRS = 96
+DEFAULT_JOB_TRAIN_PAIRS = 256  # = TrainConfig.max_train_samples
+DEFAULT_JOB_DEV_PAIRS = 128  # = TrainConfig.max_eval_samples
 _PNG_COMPRESS_LEVEL = 6
 
 

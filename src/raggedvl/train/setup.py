@@ -50,9 +50,11 @@ class _Subset:
 
 
 def prepare_data(cfg: TrainConfig) -> None:
-    """Build and cache the embedded dataset (a no-op for other datasets or when cached).
+    """Build and cache the processor (the tiny preset's tokenizer) and the embedded dataset,
+    once, before the ranks start (each is a no-op when cached).
 
-    Safe to call from several processes at once: a file lock serialises the build."""
+    Safe to call from several processes at once: a file lock serialises the dataset build."""
+    build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, cache_dir=cfg.data_cache)
     if cfg.dataset != "rdocs":
         return
     root = default_cache_root() if cfg.data_cache is None else cfg.data_cache

@@ -154,3 +154,15 @@ def test_flash_attention_request_falls_back_with_a_warning_on_cpu():
     assert model.base_model.config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="attn_implementation"):
         build_retriever("tiny", processor=tiny_tokenizer(), attn_implementation="fast")
+
+
+def test_parameter_groups_split_backbone_and_head_and_skip_frozen():
+    model = build_retriever("tiny", processor=tiny_tokenizer(), tiny_sizes=SMALL, seed=0,
+                            lora=LoraSettings(r=4, alpha=8, dropout=0.0))
+    groups = model.parameter_groups(lr=2e-4, head_lr=2e-3)
+    assert [(g["name"], g["lr"]) for g in groups] == [("backbone", 2e-4), ("head", 2e-3)]
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters() if p.requires_grad)
+    torch.optim.AdamW(groups)  # accepted as is
+    with pytest.raises(ValueError, match="learning rates"):
+        model.parameter_groups(lr=0.0)

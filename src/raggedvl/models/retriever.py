@@ -105,6 +105,20 @@ class Retriever(nn.Module):
         getter = getattr(self.backbone, "get_base_model", None)
         return getter() if callable(getter) and hasattr(self.backbone, "peft_config") else self.backbone
 
+    def parameter_groups(self, lr: float, head_lr: float | None = None, weight_decay: float = 0.0) -> list[dict]:
+        """Optimizer parameter groups: trainable backbone parameters at ``lr``, the head at
+        ``head_lr`` (default ``lr``); frozen parameters are left out. Raises ``ValueError``
+        for a non-positive learning rate."""
+        head_lr = lr if head_lr is None else head_lr
+        if lr <= 0 or head_lr <= 0:
+            raise ValueError(f"learning rates must be > 0, got lr={lr}, head_lr={head_lr}")
+        body = [p for p in self.backbone.parameters() if p.requires_grad]
+        head = [p for p in self.head.parameters() if p.requires_grad]
+        groups = [{"params": head, "lr": head_lr, "weight_decay": weight_decay, "name": "head"}]
+        if body:
+            groups.insert(0, {"params": body, "lr": lr, "weight_decay": weight_decay, "name": "backbone"})
+        return groups
+
     def set_gradient_checkpointing(self, enabled: bool = True) -> None:
         """Toggle activation checkpointing (non-reentrant) in the language model and vision tower."""
         if enabled:

@@ -1,7 +1,8 @@
 """Partition a set of weighted items into W parts minimising the largest part's cost.
 
 Used by the cost-balanced sampler (one global batch -> W ranks) and by ``scatter_batch``
-(one batch -> DataParallel replicas). Pure Python, deterministic, no communication.
+(one batch -> DataParallel replicas). Python + numpy, deterministic (bit-identical on every
+rank: see ``refine``), no communication.
 
 Shapes: ``costs`` is a sequence of n non-negative floats (any unit: the cost model's); the
 optional ``sizes`` is a sequence of n non-negative numbers in the unit of ``capacity``
@@ -11,8 +12,8 @@ each sorted ascending, so samples keep their relative order.
 Algorithm (chosen by measurement, see ``benchmarks/results/balance.md``): greedy
 longest-processing-time (Graham, 1969, "Bounds on multiprocessing timing anomalies"), then a
 vectorised local search (``raggedvl.sampling.refine``) of single-item moves and pairwise swaps
-that lower the most loaded parts. LPT alone is within 4/3 of optimal; the refinement closes
-most of the remaining gap at the batch sizes used here (a few items per part).
+that lower the most loaded parts. LPT alone is within 4/3 - 1/(3W) of optimal; the refinement
+closes most of the remaining gap at the batch sizes used here (a few items per part).
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """Vectorised local search that lowers the most loaded part of a partition.
 
 Shapes: n items, W parts, K slots per part (most items in a part plus slack for moves). The
-partition is held as matrices ``cost_WK`` (NaN in empty slots), ``size_WK`` (0 in empty
-slots) and ``item_WK`` (-1 in empty slots), with ``load_W``, ``used_W`` and ``count_W``.
+partition is held as matrices ``cost_WK`` (a huge sentinel in empty slots, so that any
+exchange involving one scores as invalid), ``size_WK`` (0 in empty slots) and ``item_WK`` (-1
+in empty slots), with ``load_W``, ``used_W`` and ``count_W``.
 
 An exchange between a heavier part h and a lighter part l (gap g = load[h] - load[l] > 0)
 moves one item a from h to l, or swaps a with an item b of l; it transfers d = c[a] - c[b]
-(c[b] = 0 for a move) and lowers the pair's maximum iff 0 < d < g, best when d is nearest g/2.
+(c[b] = 0 for a move) and lowers the pair's maximum iff 0 < d < g, i.e. iff the score
+|d - g/2| - g/2 is negative; the new pair maximum is load[h] + score, lowest is best.
 Each round, the few heaviest parts (heaviest first) each take the exchange that leaves the
 lowest pair maximum with a partner not yet used in that round; all chosen exchanges involve
 disjoint parts and are applied at once. Partners are first the lighter half of the parts (cheap)
@@ -32,6 +34,7 @@ _TOP_PARTS = 4
 # Stop once the largest part is within this relative distance of the lower bound
 # max(mean part cost, largest item): no partition can beat the bound.
 _LOWER_BOUND_RTOL = 1e-3
+_EMPTY = 1e300
 
 
 class _Parts:
@@ -45,7 +48,7 @@ class _Parts:
         starts = np.concatenate([[0], np.cumsum(self.count)[:-1]])
         rows = assign[order]
         slot = np.arange(len(c)) - starts[rows]
-        self.cost = np.full((num_parts, k + 1), np.nan)
+        self.cost = np.full((num_parts, k + 1), _EMPTY)
         self.cost[:, k] = 0.0
         self.size = np.zeros((num_parts, k + 1))
         self.item = np.full((num_parts, k), -1, dtype=np.int64)
@@ -58,43 +61,38 @@ class _Parts:
 
     def best(self, h: np.ndarray, l: np.ndarray):
         """Best exchange per pair (h[p], l[p]): (transfer d, slot in h, slot in l or K = move,
-        error |d - gap/2|, inf where no exchange lowers the pair's maximum)."""
+        score; score < 0 iff the exchange lowers the pair's maximum, to load[h] + score)."""
         p, k = len(h), self.k
-        gap = (self.load[h] - self.load[l])[:, None, None]
+        half_gap = ((self.load[h] - self.load[l]) / 2.0)[:, None, None]
         d = self.cost[h, :k][:, :, None] - self.cost[l][:, None, :]
-        ok = (d > 0.0) & (d < gap)  # NaN (empty slot) compares False
-        ok[:, :, k] &= ((self.count[h] > 1) & (self.count[l] < k))[:, None]
+        score = np.abs(d - half_gap) - half_gap
+        score[:, :, k] += np.where((self.count[h] > 1) & (self.count[l] < k), 0.0, np.inf)[:, None]
         if self.capacity != np.inf:
             ds = self.size[h, :k][:, :, None] - self.size[l][:, None, :]
-            ok &= (self.used[l][:, None, None] + ds <= self.capacity) & (self.used[h][:, None, None] - ds <= self.capacity)
-        err = np.where(ok, np.abs(d - gap / 2.0), np.inf).reshape(p, -1)
-        flat = err.argmin(axis=1)
+            fits = (self.used[l][:, None, None] + ds <= self.capacity) & (self.used[h][:, None, None] - ds <= self.capacity)
+            score[~fits] = np.inf
+        score = score.reshape(p, -1)
+        flat = score.argmin(axis=1)
         rows = np.arange(p)
-        return d.reshape(p, -1)[rows, flat], flat // (k + 1), flat % (k + 1), err[rows, flat]
+        return d.reshape(p, -1)[rows, flat], flat // (k + 1), flat % (k + 1), score[rows, flat]
 
     def apply(self, h: np.ndarray, l: np.ndarray, d: np.ndarray, ia: np.ndarray, ib: np.ndarray) -> None:
-        """Apply exchanges on disjoint pairs of parts (``ib == K`` marks a move)."""
-        k = self.k
-        swap = ib < k
-        ds = self.size[h, ia] - self.size[l, ib]
-        if swap.any():
-            hs, ls, ias, ibs = h[swap], l[swap], ia[swap], ib[swap]
-            for mat in (self.cost, self.size, self.item):
-                held = mat[hs, ias].copy()
-                mat[hs, ias] = mat[ls, ibs]
-                mat[ls, ibs] = held
-        if not swap.all():
-            hm, lm, iam = h[~swap], l[~swap], ia[~swap]
-            free = np.argmax(self.item[lm] < 0, axis=1)
-            for mat, empty in ((self.cost, np.nan), (self.size, 0.0), (self.item, -1)):
-                mat[lm, free] = mat[hm, iam]
-                mat[hm, iam] = empty
-            self.count[hm] -= 1
-            self.count[lm] += 1
-        self.load[h] -= d
-        self.load[l] += d
-        self.used[h] -= ds
-        self.used[l] += ds
+        """Apply exchanges on disjoint pairs of parts (``ib == K`` marks a move); a handful per
+        round, so scalar updates beat fancy indexing here."""
+        cost, size, item, k = self.cost, self.size, self.item, self.k
+        for hp, lp, dd, a, b in zip(h.tolist(), l.tolist(), d.tolist(), ia.tolist(), ib.tolist()):
+            if b == k:  # move a into the first free slot of lp
+                b = int(np.argmax(item[lp] < 0))
+                self.count[hp] -= 1
+                self.count[lp] += 1
+            ds = size[hp, a] - size[lp, b]
+            cost[hp, a], cost[lp, b] = cost[lp, b], cost[hp, a]
+            size[hp, a], size[lp, b] = size[lp, b], size[hp, a]
+            item[hp, a], item[lp, b] = item[lp, b], item[hp, a]
+            self.load[hp] -= dd
+            self.load[lp] += dd
+            self.used[hp] -= ds
+            self.used[lp] += ds
 
 
 def refine_partition(
@@ -129,20 +127,22 @@ def _apply_top_exchanges(parts: _Parts, tops: np.ndarray, partners: np.ndarray) 
     w = len(partners)
     h = np.repeat(tops, w)
     l = np.tile(partners, len(tops))
-    d, ia, ib, err = parts.best(h, l)
-    score = ((parts.load[h] + parts.load[l]) / 2.0 + err).reshape(len(tops), w)
+    d, ia, ib, score = parts.best(h, l)
+    score = score.reshape(len(tops), w)
+    ranked = np.argsort(score, axis=1, kind="stable")
+    ranked_score = np.take_along_axis(score, ranked, axis=1)
+    partner_ids = partners.tolist()
     used: set[int] = set()
     picked = []
     for r, top in enumerate(tops.tolist()):
         if top in used:
             continue
-        for j in np.argsort(score[r], kind="stable").tolist():
-            if score[r, j] == np.inf:
+        for j, value in zip(ranked[r].tolist(), ranked_score[r].tolist()):
+            if not value < 0.0:
                 break
-            partner = int(partners[j])
-            if partner not in used:
+            if partner_ids[j] not in used:
                 picked.append(r * w + j)
-                used.update((top, partner))
+                used.update((top, partner_ids[j]))
                 break
         if r == 0 and not picked:
             return False

@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +34,7 @@ from raggedvl.parallel.wrap import (
 from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from raggedvl.train.config import TrainConfig
 from raggedvl.train.evaluate import evaluate_retrieval
+from raggedvl.train.faults import StallWatchdog, inject_fault, report_failure
 from raggedvl.train.grad_cache import grad_cache_step
 from raggedvl.train.report import MetricsLog, format_metrics_table, plot_run
 from raggedvl.train.rng import capture_rng_state, restore_rng_state
@@ -51,25 +50,13 @@ class StepResult:
     step_s: float
 
 
-def _maybe_inject_fault(rank: int, step: int) -> None:
-    """Testing aid for failure handling: ``RAGGEDVL_FAULT="kill|raise:RANK:STEP"`` makes rank
-    RANK die (SIGKILL) or raise at the start of optimizer step STEP."""
-    spec = os.environ.get("RAGGEDVL_FAULT")
-    if not spec:
-        return
-    kind, fault_rank, fault_step = spec.split(":")
-    if int(fault_rank) == rank and int(fault_step) == step:
-        if kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"injected fault on rank {rank} at step {step} (RAGGEDVL_FAULT={spec})")
-
-
 class Trainer:
     """Owns the model, optimizer, schedule, sampler and run directory of one training run."""
 
     def __init__(self, cfg: TrainConfig, info: DistInfo) -> None:
         self.cfg = cfg
         self.info = info
+        self.watchdog = StallWatchdog(info.rank, cfg.collective_timeout_s, enabled=info.world_size > 1)
         self.run_dir = Path(cfg.output_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         if info.is_main:
@@ -195,6 +182,7 @@ class Trainer:
         if info.is_main and not resumed:
             log.write({"event": "config", **cfg.to_dict(), "world_size": info.world_size})
         before = None
+        self.watchdog.enter("in evaluation before training", watch=False)
         if cfg.eval_before and not resumed:
             before = self.evaluate("before")
             if info.is_main:
@@ -209,8 +197,9 @@ class Trainer:
         t_run = time.perf_counter()
         samples_done = 0
         while self.step < self.total_steps:
+            self.watchdog.enter(f"in step {self.step + 1}")
             indices = next(batches)
-            _maybe_inject_fault(info.rank, self.step)
+            inject_fault(info.rank, self.step)
             r = self.train_step(indices)
             self.step += 1
             per_rank = all_gather_objects((r.n_local, r.encode_s))
@@ -227,8 +216,10 @@ class Trainer:
                         "rank_samples": [n for n, _ in per_rank], "rank_encode_s": [e for _, e in per_rank],
                     })
             if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps:
+                self.watchdog.enter(f"writing the checkpoint of step {self.step}")
                 self.save()
         bar.close()
+        self.watchdog.enter("in evaluation after training", watch=False)
         after = self.evaluate("after") if cfg.eval_after else None
         summary: dict[str, Any] = {}
         if info.is_main:
@@ -283,9 +274,22 @@ class Trainer:
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run one training job in this process (one rank of a torchrun job, or a single process)."""
+    """Run one training job in this process (one rank of a torchrun job, or a single process).
+
+    Every collective is bounded by ``cfg.collective_timeout_s`` seconds. When this rank fails
+    (its own error, or a collective that failed or timed out because a peer failed), it prints
+    ``raggedvl: rank R failed in step S: ...`` plus any note a peer left, aborts the process
+    group so peers fail fast, and re-raises (train/faults.py lists each situation)."""
     info = init_distributed(timeout_s=cfg.collective_timeout_s)
+    trainer = None
     try:
-        return Trainer(cfg, info).run()
+        trainer = Trainer(cfg, info)
+        return trainer.run()
+    except Exception as exc:
+        if info.world_size > 1:
+            report_failure(info.rank, trainer.watchdog.phase if trainer else "during setup", exc)
+        raise
     finally:
+        if trainer is not None:
+            trainer.watchdog.stop()
         shutdown()

@@ -1,0 +1,153 @@
+"""Rank failures in ``raggedvl train``: say which rank failed and where, end fast, never hang.
+
+What each situation produces (2 or more ranks, ``collective_timeout_s`` = T):
+
+- **a rank raises**: :func:`report_failure` prints ``raggedvl: rank R failed in step S: ...``
+  to stderr, leaves the same line as a note in the process group's store, adds it to the
+  exception (``exc.__notes__``), aborts the process group and re-raises. Its peers' pending
+  collectives fail at once (gloo: connection closed; NCCL: communicator aborted, or at most T
+  later), and each peer prints its own line followed by the failing rank's note. Under
+  torchrun the agent then stops the remaining ranks and names the first failed rank.
+- **a rank is killed** (SIGKILL, OOM killer): it leaves no note; peers fail at once (gloo) or
+  within T (NCCL); torchrun's summary names the rank and the signal.
+- **a rank stalls**: :class:`StallWatchdog` prints ``raggedvl: rank R has spent X s in step
+  S ...`` with the stalled thread's stack once a watched phase runs past T/2, and leaves that
+  as its note. Peers waiting in a collective fail after T and print the note; torchrun then
+  terminates the stalled rank. Without a launcher that tears the job down, a rank stalled
+  outside any collective stays stalled (no self-kill: a legitimately slow step must survive).
+
+:func:`inject_fault` is the testing aid that produces each situation on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from raggedvl.parallel.failures import abort, clear_note, peer_notes, post_note
+
+FAULT_KINDS = ("raise", "kill", "hang")
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else ""
+    return f"{type(exc).__name__}: {line[:limit]}"
+
+
+def report_failure(rank: int, where: str, exc: BaseException) -> str:
+    """Report that this rank failed ``where`` (e.g. ``"in step 3"``) with ``exc``; returns the text.
+
+    Prints to stderr, posts this rank's note, appends the text to ``exc``'s notes (so it
+    shows in the traceback and in ``exc.__notes__``) and aborts the process group (see
+    :func:`raggedvl.parallel.failures.abort`); the caller re-raises. Peers' notes, oldest
+    first, follow this rank's line. Store operations only, no collective; never raises.
+    """
+    own = f"rank {rank} failed {where}: {_first_line(exc)}"
+    post_note(rank, own)
+    now = time.time()
+    lines = [f"raggedvl: {own}"]
+    lines += [f"raggedvl:   rank {n.rank} reported {now - n.time:.1f} s earlier: {n.text}" for n in peer_notes(rank)]
+    text = "\n".join(lines)
+    print(text, file=sys.stderr, flush=True)
+    exc.add_note(text)
+    abort()
+    return text
+
+
+class StallWatchdog:
+    """Warns, with the stack, when a watched phase of a rank runs longer than ``timeout_s / 2``.
+
+    ``enter(phase, watch=True)`` marks the start of a phase (``"step 3"``, ``"checkpoint after
+    step 4"``); a daemon thread started on the first ``enter`` polls the clock and, once per
+    phase, prints ``raggedvl: rank R has spent X s in <phase> ...`` with the main thread's
+    stack to stderr and posts it as this rank's failure note. Peers blocked on this rank fail
+    at ``timeout_s`` (the collective timeout), so the warning precedes their errors and their
+    reports name this rank. Phases with ``watch=False`` (evaluation, which issues no
+    collective) are never warned about. A note from a phase that then finished is removed.
+    ``timeout_s`` is in seconds, > 0 (``ValueError`` otherwise). With ``enabled=False`` (one
+    process, no peers to wait on it) ``enter`` only records the phase.
+    """
+
+    def __init__(self, rank: int, timeout_s: float, *, enabled: bool = True) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+        self.rank = rank
+        self.warn_after_s = timeout_s / 2
+        self.timeout_s = timeout_s
+        self.enabled = enabled
+        self.phase = "during setup"
+        self._watch = False
+        self._since = time.monotonic()
+        self._warned = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._main_ident = threading.get_ident()
+
+    def enter(self, phase: str, *, watch: bool = True) -> None:
+        """Start ``phase`` now (the thread that calls this is the one whose stack is shown)."""
+        with self._lock:
+            if self._warned:
+                clear_note(self.rank)
+            self.phase, self._watch, self._warned = phase, watch, False
+            self._since = time.monotonic()
+            self._main_ident = threading.get_ident()
+        if self.enabled and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="raggedvl-stall-watchdog", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (safe to call more than once, or before any ``enter``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        poll = min(1.0, self.warn_after_s / 10)
+        while not self._stop.wait(poll):
+            with self._lock:
+                elapsed = time.monotonic() - self._since
+                if not self._watch or self._warned or elapsed < self.warn_after_s:
+                    continue
+                self._warned = True
+                phase, ident = self.phase, self._main_ident
+            note = (f"rank {self.rank} has spent {elapsed:.0f} s {phase} without finishing "
+                    f"(collective_timeout_s={self.timeout_s:g}; warning at half of it)")
+            post_note(self.rank, note)
+            frame = sys._current_frames().get(ident)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (stack unavailable)\n"
+            print(f"raggedvl: {note}; peers waiting on it fail at the timeout. Where rank {self.rank} is now:\n{stack}",
+                  file=sys.stderr, flush=True)
+
+
+def inject_fault(rank: int, step: int) -> None:
+    """Testing aid: ``RAGGEDVL_FAULT="KIND:RANK:STEP"`` makes rank RANK fail after STEP steps.
+
+    KIND is ``raise`` (a ``RuntimeError``), ``kill`` (SIGKILL to itself) or ``hang`` (sleep
+    forever), at the start of 1-based step STEP + 1. Before acting it prints ``raggedvl:
+    RAGGEDVL_FAULT=...: rank R will KIND in step S at unix time T`` to stderr (tests measure
+    from T). No-op when the variable is unset or names another rank or step; ``ValueError``
+    for a malformed value.
+    """
+    spec = os.environ.get("RAGGEDVL_FAULT")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[0] not in FAULT_KINDS or not all(p.isdigit() for p in parts[1:]):
+        raise ValueError(f"RAGGEDVL_FAULT={spec!r} must be KIND:RANK:STEP with KIND in {FAULT_KINDS}, e.g. 'raise:1:2'")
+    kind, fault_rank, fault_step = parts[0], int(parts[1]), int(parts[2])
+    if fault_rank != rank or fault_step != step:
+        return
+    print(f"raggedvl: RAGGEDVL_FAULT={spec}: rank {rank} will {kind} in step {step + 1} at unix time {time.time():.3f}",
+          file=sys.stderr, flush=True)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        while True:
+            time.sleep(3600)
+    raise RuntimeError(f"injected fault on rank {rank} in step {step + 1} (RAGGEDVL_FAULT={spec})")

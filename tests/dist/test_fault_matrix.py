@@ -1,0 +1,141 @@
+"""Fault matrix (issue 7 items 3 and 6): one rank of a 2-rank training job raises, is killed or
+hangs, and the whole job ends within the collective timeout with output that names that rank.
+
+`raggedvl train` starts torchrun with 2 gloo processes; `RAGGEDVL_FAULT=KIND:RANK:2` makes one
+rank fail at the start of step 3 and print the moment it does. The four jobs run concurrently
+(the costly part is starting them; each check is measured from its own fault, not from the
+launch). A second test runs the training loop on the plain test harness (one gloo group, no
+torchrun agent to tear anything down) and checks that the peer blocked in a collective fails
+fast with an error that names the failing rank.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raggedvl.train.config import TrainConfig
+from tests.dist.harness import run_distributed
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+TIMEOUT_S = 20  # --collective-timeout-s
+SLACK_S = 25  # torchrun noticing the failure and stopping the others, on a loaded machine
+SMALL = dict(max_steps=4, max_train_samples=16, max_eval_samples=8, global_batch_size=4,
+             eval_before=False, eval_after=False)
+SCENARIOS = {  # name: (RAGGEDVL_FAULT, failing rank)
+    "rank1-raises": ("raise:1:2", 1),
+    "rank1-killed": ("kill:1:2", 1),
+    "rank1-hangs": ("hang:1:2", 1),
+    "rank0-raises": ("raise:0:2", 0),
+}
+FAULT_LINE = re.compile(r"RAGGEDVL_FAULT=\S+: rank (\d) will (\w+) in step 3 at unix time ([0-9.]+)")
+
+
+def _cli_args(cfg: dict) -> list[str]:
+    return [a for k, v in cfg.items() for a in ("--" + k.replace("_", "-"), str(v).lower() if isinstance(v, bool) else str(v))]
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    from raggedvl.train.setup import prepare_data
+
+    cache = tmp_path_factory.mktemp("fault-data")
+    prepare_data(TrainConfig(**SMALL, data_cache=str(cache)))  # built once, before any rank starts
+    return cache
+
+
+@pytest.fixture(scope="module")
+def jobs(data_cache, tmp_path_factory):
+    """Start every scenario at once; return name -> (return code, output, end time, run dir)."""
+    root = tmp_path_factory.mktemp("fault-runs")
+    running = {}
+    for name, (fault, _) in SCENARIOS.items():
+        env = dict(os.environ, OMP_NUM_THREADS="1", RAGGEDVL_FAULT=fault)
+        args = _cli_args({**SMALL, "collective_timeout_s": TIMEOUT_S, "output_dir": root / name, "data_cache": data_cache})
+        log = open(root / f"{name}.log", "w+")  # noqa: SIM115 - closed below
+        proc = subprocess.Popen([sys.executable, "-m", "raggedvl.cli", "train", *args], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, text=True)
+        running[name] = (proc, log)
+    done, deadline = {}, time.monotonic() + 300
+    while len(done) < len(running):  # poll, so each job's end time is its own
+        for name, (proc, log) in running.items():
+            if name in done or (proc.poll() is None and time.monotonic() < deadline):
+                continue
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            end = time.time()
+            log.seek(0)
+            done[name] = (proc.returncode, log.read(), end, root / name)
+            log.close()
+        time.sleep(0.2)
+    return done
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that mention ``text`` (a run directory)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_the_job_ends_within_the_timeout_and_names_the_failing_rank(jobs, name):
+    fault, bad = SCENARIOS[name]
+    kind = fault.split(":")[0]
+    peer = 1 - bad
+    rc, out, end, run_dir = jobs[name]
+    assert rc != 0, out[-3000:]
+    injected = FAULT_LINE.search(out)
+    assert injected and int(injected.group(1)) == bad and injected.group(2) == kind, out[-3000:]
+    took = end - float(injected.group(3))
+    assert 0 < took <= TIMEOUT_S + SLACK_S, (took, out[-3000:])
+    if kind != "hang":  # nothing waits for the timeout: the peer fails as soon as the rank is gone
+        assert took < TIMEOUT_S, (took, out[-3000:])
+    assert _processes_mentioning(str(run_dir)) == []  # no rank outlives the job
+
+    if kind == "raise":
+        assert f"raggedvl: rank {bad} failed in step 3: RuntimeError: injected fault on rank {bad}" in out, out[-3000:]
+    elif kind == "kill":  # no note from a SIGKILLed rank: torchrun's failure summary names it
+        assert re.search(rf"rank\s*: {bad} \(local_rank: {bad}\)\s*\n\s*exitcode\s*: -9", out), out[-3000:]
+    else:  # the stalled rank warns with its stack; the peer that timed out repeats its note
+        assert f"raggedvl: rank {bad} has spent" in out and "in inject_fault" in out, out[-3000:]
+        report = re.search(rf"raggedvl: rank {peer} failed in step 3: .*\n"
+                           rf"raggedvl:   rank {bad} reported [0-9.]+ s earlier: rank {bad} has spent", out)
+        assert report and "Timed out" in report.group(0), out[-3000:]
+        assert took >= TIMEOUT_S  # the peer waited the full timeout, not longer than the bound
+
+
+def _train_with_fault(rank, world_size, run_dir, cache):
+    from raggedvl.train.loop import train
+
+    os.environ["RAGGEDVL_FAULT"] = "raise:1:2"
+    try:
+        train(TrainConfig(**SMALL, output_dir=str(run_dir), data_cache=str(cache)))
+    except Exception as exc:  # noqa: BLE001 - the error and its notes are the result
+        return {"failed_at": time.time(), "error": f"{type(exc).__name__}: {exc}", "notes": list(exc.__notes__)}
+    return {"failed_at": None, "error": None, "notes": []}
+
+
+def test_without_torchrun_the_peer_fails_fast_and_names_the_failing_rank(data_cache, tmp_path):
+    group_timeout = 90  # the harness's group timeout; the peer must not need it
+    r0, r1 = run_distributed(_train_with_fault, 2, tmp_path / "run", data_cache, timeout=group_timeout)
+    assert r1["error"].startswith("RuntimeError: injected fault on rank 1 in step 3")
+    assert r1["notes"] == ["raggedvl: rank 1 failed in step 3: RuntimeError: " + r1["error"].split(": ", 1)[1]]
+    assert r0["error"] is not None and "injected" not in r0["error"]  # rank 0 failed in its collective
+    note = "\n".join(r0["notes"])
+    assert note.startswith("raggedvl: rank 0 failed in step 3: RuntimeError:"), note
+    assert re.search(r"raggedvl:   rank 1 reported [0-9.]+ s earlier: rank 1 failed in step 3: "
+                     r"RuntimeError: injected fault on rank 1", note), note
+    assert 0 <= r0["failed_at"] - r1["failed_at"] < 15  # aborted group: no wait for the 90 s timeout

@@ -1,0 +1,62 @@
+"""One-process checks of the failure-handling pieces behind the fault matrix
+(tests/dist/test_fault_matrix.py runs them across real ranks)."""
+
+import threading
+import time
+
+import pytest
+
+from raggedvl.train.faults import StallWatchdog, inject_fault, report_failure
+
+
+@pytest.mark.parametrize("spec", ["boom:1:2", "raise:1", "raise:one:2", "raise:1:2:3", "raise:-1:2"])
+def test_a_malformed_fault_spec_is_refused(monkeypatch, spec):
+    monkeypatch.setenv("RAGGEDVL_FAULT", spec)
+    with pytest.raises(ValueError, match="KIND:RANK:STEP"):
+        inject_fault(0, 0)
+
+
+def test_a_fault_fires_only_on_its_rank_and_step(monkeypatch, capfd):
+    monkeypatch.setenv("RAGGEDVL_FAULT", "raise:1:2")
+    inject_fault(0, 2)  # other rank
+    inject_fault(1, 1)  # other step
+    with pytest.raises(RuntimeError, match="injected fault on rank 1 in step 3"):
+        inject_fault(1, 2)
+    assert "rank 1 will raise in step 3 at unix time" in capfd.readouterr().err
+
+
+def test_report_failure_without_a_group_prints_and_annotates(capfd):
+    exc = ValueError("bad thing\nsecond line")
+    text = report_failure(3, "in step 7", exc)
+    assert text == "raggedvl: rank 3 failed in step 7: ValueError: bad thing"
+    assert exc.__notes__ == [text]
+    assert text in capfd.readouterr().err
+
+
+def _stalled_phase(watchdog, phase, seconds, watch=True):
+    watchdog.enter(phase, watch=watch)
+    time.sleep(seconds)
+
+
+def test_the_watchdog_warns_once_with_the_stack_of_a_watched_phase_past_half_the_timeout(capfd):
+    dog = StallWatchdog(rank=1, timeout_s=0.4)  # warns after 0.2 s
+    try:
+        _stalled_phase(dog, "in evaluation", 0.5, watch=False)
+        assert capfd.readouterr().err == ""  # unwatched phase: silent however long
+        _stalled_phase(dog, "in step 3", 0.6)
+        err = capfd.readouterr().err
+        _stalled_phase(dog, "in step 4", 0.05)  # a fast phase: no warning
+        assert capfd.readouterr().err == ""
+    finally:
+        dog.stop()
+    assert err.count("raggedvl: rank 1 has spent") == 1 and "in step 3 without finishing" in err
+    assert "in _stalled_phase" in err  # the stack of the thread that entered the phase
+
+
+def test_a_disabled_watchdog_only_records_the_phase():
+    dog = StallWatchdog(rank=0, timeout_s=0.1, enabled=False)
+    dog.enter("in step 1")
+    assert dog.phase == "in step 1"
+    assert not any(t.name == "raggedvl-stall-watchdog" and t.is_alive() for t in threading.enumerate())
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        StallWatchdog(rank=0, timeout_s=0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ class StepResult:
     n_local: int
     encode_s: float
     step_s: float
+    skipped: int  # examples the collator dropped under on_bad_image="skip"
 
 
 class Trainer:
@@ -72,6 +74,7 @@ class Trainer:
         self.scheduler = warmup_cosine(self.optimizer, cfg.warmup_steps, self.total_steps)
         self.step = 0
         self.epoch = 0
+        self.skipped = 0  # examples dropped by on_bad_image="skip" on all ranks in this process's run
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if info.device.type == "cuda" and cfg.precision in ("auto", "bf16")
@@ -140,6 +143,8 @@ class Trainer:
     def train_step(self, indices: list[int]) -> StepResult:
         t0 = time.perf_counter()
         batch = self.c.collate([self.c.train_set[i] for i in indices])
+        for bad in batch.get("skipped", ()):  # on_bad_image="skip": dropped, never silently
+            print(f"warning: rank {self.info.rank} skipped example {bad['id']!r}: {bad['reason']}", file=sys.stderr, flush=True)
         queries = batch["queries"].to(self.info.device)
         docs = batch["docs"].to(self.info.device)
         self.model.train()
@@ -162,7 +167,8 @@ class Trainer:
         self.scheduler.step()
         # L_r = (W/N) sum of local terms, so the global loss is the mean of L_r over ranks.
         global_loss = all_reduce_mean(float(loss.detach()))
-        return StepResult(global_loss, len(indices), t2 - t1, time.perf_counter() - t0)
+        n_skipped = len(batch.get("skipped", ()))
+        return StepResult(global_loss, len(indices) - n_skipped, t2 - t1, time.perf_counter() - t0, n_skipped)
 
     def evaluate(self, tag: str) -> dict[str, dict[str, float]]:
         model = unwrap_model(self.model) if self.cfg.strategy == "ddp" else self.model
@@ -202,8 +208,9 @@ class Trainer:
             inject_fault(info.rank, self.step)
             r = self.train_step(indices)
             self.step += 1
-            per_rank = all_gather_objects((r.n_local, r.encode_s))
-            samples_done += sum(n for n, _ in per_rank)
+            per_rank = all_gather_objects((r.n_local, r.encode_s, r.skipped))
+            samples_done += sum(n for n, _, _ in per_rank)
+            self.skipped += sum(k for _, _, k in per_rank)
             rate = samples_done / max(1e-9, time.perf_counter() - t_run)
             if info.is_main:
                 bar.update(1)
@@ -213,7 +220,8 @@ class Trainer:
                         "event": "train", "step": self.step, "epoch": self.epoch, "loss": r.loss,
                         "lr": self.scheduler.get_last_lr()[0], "global_batch_size": cfg.global_batch_size,
                         "samples_per_s": rate, "step_s": r.step_s,
-                        "rank_samples": [n for n, _ in per_rank], "rank_encode_s": [e for _, e in per_rank],
+                        "rank_samples": [n for n, _, _ in per_rank], "rank_encode_s": [e for _, e, _ in per_rank],
+                        "skipped_examples": self.skipped,
                     })
             if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps:
                 self.watchdog.enter(f"writing the checkpoint of step {self.step}")
@@ -255,6 +263,7 @@ class Trainer:
             f"steps {self.step}, global batch {self.cfg.global_batch_size}, world size {self.info.world_size}, "
             f"ln(global batch) = {math.log(self.cfg.global_batch_size):.3f}",
             f"training loss: first 5 steps {first:.3f} -> last 10 steps {last:.3f}",
+            f"examples skipped for bad images (on_bad_image={self.cfg.on_bad_image!r}): {self.skipped}",
             "",
             table,
             "",

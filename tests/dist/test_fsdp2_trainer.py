@@ -129,3 +129,51 @@ def test_fsdp2_checkpoint_holds_the_same_full_weights_as_ddp(runs):
         # AdamW divides each update by the gradient's running RMS, so float32 summation-order
         # noise in a near-zero gradient can move a weight by a fraction of lr (1e-3): allow 1/10.
         assert r0[f"{name}/max_abs_diff"] < 1e-4, (name, r0[f"{name}/max_abs_diff"])
+
+
+# ------------------------------------------------------------------ GPU variants (gpu_check runs these)
+def _cli_train(tmp_path: Path, name: str, nproc: int, *flags: str) -> tuple[list[float], str]:
+    """``raggedvl train`` as a user starts it (it launches torchrun itself); per-step losses + stdout."""
+    import os
+    import subprocess
+    import sys
+
+    data = tmp_path / "data"
+    if not (data / "manifest.jsonl").is_file():
+        write_synthetic_manifest(data, n_train=15, n_dev=3)
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "raggedvl.cli", "train", "--nproc-per-node", str(nproc), "--dataset", str(data),
+           "--max-train-samples", "none", "--max-eval-samples", "none", "--max-pixels", "50176",
+           "--global-batch-size", "5", "--max-steps", str(STEPS), "--warmup-steps", "1", "--checkpoint-every", "100",
+           "--eval-before", "false", "--eval-after", "false", "--output-dir", str(out),
+           "--data-cache", str(tmp_path / "cache"), *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r.get("event") == "train"], done.stdout + done.stderr
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_count() < 1, reason="needs CUDA: raggedvl train on one GPU with bf16 autocast")
+def test_train_on_one_gpu_picks_cuda_and_bf16_tracks_fp32(tmp_path):
+    fp32, log32 = _cli_train(tmp_path, "fp32", 1, "--precision", "fp32")
+    bf16, _ = _cli_train(tmp_path, "bf16", 1, "--precision", "bf16")
+    assert "1 rank(s) (none, cuda)" in log32  # a 1-rank job: no process group, the GPU, set automatically
+    assert len(fp32) == len(bf16) == STEPS
+    assert bf16 == pytest.approx(fp32, rel=5e-2)  # bf16 autocast: same run up to bf16 rounding
+    assert bf16 != fp32  # autocast was on
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_count() < 2, reason="needs 2 GPUs: NCCL between processes (NCCL refuses 2 ranks on 1 GPU)")
+def test_fsdp2_matches_ddp_with_nccl_on_two_gpus(tmp_path):
+    ddp, log = _cli_train(tmp_path, "ddp", 2, "--precision", "fp32", "--strategy", "ddp")
+    fsdp2, _ = _cli_train(tmp_path, "fsdp2", 2, "--precision", "fp32", "--strategy", "fsdp2")
+    assert "2 rank(s) (nccl, cuda)" in log  # NCCL chosen automatically on GPUs
+    assert fsdp2 == pytest.approx(ddp, rel=1e-4, abs=1e-5)

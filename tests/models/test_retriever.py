@@ -104,7 +104,7 @@ def test_lora_trains_only_adapters_and_head():
     out = model(**_docs())
     out.embeddings.sum().backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
-    with pytest.raises(ValueError, match="match no module"):
+    with pytest.raises(ValueError, match="match no Linear"):
         build_retriever("tiny", processor=tiny_tokenizer(), tiny_sizes=SMALL, lora=LoraSettings(target_modules=("qkv",)))
 
 
@@ -166,3 +166,16 @@ def test_parameter_groups_split_backbone_and_head_and_skip_frozen():
     torch.optim.AdamW(groups)  # accepted as is
     with pytest.raises(ValueError, match="learning rates"):
         model.parameter_groups(lr=0.0)
+
+
+def test_tiny_recipe_matches_what_the_preset_builds():
+    import inspect
+
+    from raggedvl.models import TINY_TRAINING_DEFAULTS as recipe
+
+    assert recipe.initializer_range == TinySizes().initializer_range
+    model = build_retriever("tiny", processor=tiny_tokenizer(), seed=0)
+    assert model.base_model.config.text_config.initializer_range == recipe.initializer_range
+    assert model.base_model.config.vision_config.initializer_range == recipe.initializer_range
+    assert inspect.signature(build_retriever).parameters["eps"].default == recipe.l2_eps == model.head.eps
+    assert recipe.head_lr >= recipe.lr > 0 and recipe.warmup_steps < recipe.max_steps

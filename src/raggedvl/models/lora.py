@@ -54,11 +54,12 @@ def apply_lora(backbone: nn.Module, settings: LoraSettings) -> nn.Module:
 
     names = "|".join(settings.target_modules)
     pattern = rf".*language_model\..*\.({names})"
-    matched = [n for n, _ in backbone.named_modules() if n.startswith("language_model.") and n.rsplit(".", 1)[-1] in settings.target_modules]
+    linear_names = {n: n.rsplit(".", 1)[-1] for n, m in backbone.named_modules() if isinstance(m, nn.Linear)}
+    matched = [n for n, leaf in linear_names.items() if n.startswith("language_model.") and leaf in settings.target_modules]
     if not matched:
         raise ValueError(
-            f"LoRA target_modules {list(settings.target_modules)} match no module of the language model; "
-            f"its projections are named like {sorted({n.rsplit('.', 1)[-1] for n, m in backbone.named_modules() if isinstance(m, nn.Linear)})}"
+            f"LoRA target_modules {list(settings.target_modules)} match no Linear of the language model; "
+            f"the backbone's Linear layers are named {sorted(set(linear_names.values()))}"
         )
     config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=pattern, bias="none")

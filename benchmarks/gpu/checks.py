@@ -1,0 +1,130 @@
+"""Device checks of gpu_check: attention implementations, bf16 autocast, and the DataParallel
+scatter on two logical replicas of one device.
+
+Each check returns ``(result, detail)`` with result "pass", "FAIL" or "n/a"; a raised exception
+is turned into a FAIL row by the caller. The model is the tiny ColQwen-style retriever
+(late interaction, 128-dim) on documents from ``workload.make_pages`` at <= 64 visual tokens.
+
+What one GPU can and cannot show (written into the report):
+- can: ``RaggedDataParallel``'s boundary-aware scatter into two shards of whole samples placed
+  on the same device, each run by the model, gathered back in order, outputs and gradients equal
+  to the unsplit batch; whether ``nn.DataParallel``'s replicate/parallel_apply machinery accepts
+  ``device_ids=[0, 0]`` (two replicas on one GPU) is tried and reported as found;
+- cannot: NCCL between processes (NCCL refuses two ranks on one GPU, and at world size 1
+  ``all_gather_variable`` issues no collective), DDP/FSDP2 across GPUs (``wrap_model`` leaves a
+  1-rank model unwrapped). Those run in the ``gpu`` tests when 2 GPUs are present, and on
+  gloo/CPU in CI (tests/dist).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workload import make_pages  # noqa: E402  (benchmarks/gpu is on sys.path)
+
+
+def _setup(device, n_docs: int = 4):
+    import torch
+
+    from raggedvl.data import RetrievalCollator, build_processor
+    from raggedvl.models import build_retriever
+
+    processor = build_processor("tiny", max_pixels=50_176)
+    batch = RetrievalCollator(processor)(make_pages(n_docs, seed=1))
+    model = build_retriever("tiny", processor=processor, seed=0).to(device).float()
+    return processor, model, batch["docs"].to(device), torch
+
+
+def _max_diff(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def check_logical_replicas(device) -> tuple[str, str]:
+    """Scatter a 4-document ragged batch into 2 shards on ``device``, run each, gather: the
+    embeddings and every parameter gradient equal the unsplit batch's."""
+    from raggedvl.parallel import gather_outputs, scatter_batch
+
+    _, model, docs, torch = _setup(device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        out = fn()
+        weights = torch.linspace(-1, 1, out.embeddings.shape[-1], device=out.embeddings.device)
+        (out.embeddings * weights).sum().backward()
+        return out.embeddings.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, want_g = run(lambda: model(**docs))
+    shards = scatter_batch(docs, 2, devices=[device, device])
+    got, got_g = run(lambda: gather_outputs([model(**s) for s in shards.shards], shards, device))
+    emb = _max_diff(got, want)
+    grad = max(_max_diff(got_g[n], want_g[n]) for n in want_g)
+    sizes = [s.num_samples for s in shards.shards]
+    ok = len(sizes) == 2 and emb < 1e-4 and grad < 1e-4 and got_g.keys() == want_g.keys()
+    return ("pass" if ok else "FAIL"), (f"shards {sizes} samples, patches {[int(s.patch_counts().sum()) for s in shards.shards]}; "
+                                        f"max |diff| embeddings {emb:.1e}, gradients {grad:.1e}")
+
+
+def check_data_parallel_same_gpu(device) -> tuple[str, str]:
+    """``RaggedDataParallel(model, device_ids=[i, i])``: two nn.DataParallel replicas on one GPU."""
+    from raggedvl.parallel import RaggedDataParallel
+
+    if device.type != "cuda":
+        return "n/a", "needs CUDA"
+    _, model, docs, torch = _setup(device)
+    with torch.no_grad():
+        want = model(**docs).embeddings
+        dp = RaggedDataParallel(model, device_ids=[device.index or 0] * 2, layout=docs.layout_name,
+                                token_ids=docs.token_ids)
+        got = dp(docs).embeddings
+    diff = _max_diff(got, want)
+    return ("pass" if diff < 1e-3 else "FAIL"), f"2 replicas on {device}; max |diff| vs unsplit {diff:.1e}"
+
+
+def check_bf16_autocast(device) -> tuple[str, str]:
+    """Embeddings under bf16 autocast agree with float32 (min cosine over valid tokens)."""
+    _, model, docs, torch = _setup(device)
+    with torch.no_grad():
+        ref = model(**docs)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            low = model(**docs)
+    valid = ref.mask
+    cos = torch.nn.functional.cosine_similarity(ref.embeddings[valid].float(), low.embeddings[valid].float(), dim=-1)
+    worst = float(cos.min())
+    return ("pass" if worst > 0.98 else "FAIL"), f"{int(valid.sum())} tokens; min cosine bf16 vs fp32 {worst:.4f}"
+
+
+def check_attention(device) -> tuple[str, str]:
+    """The attention implementation chosen for flash_attention_2, and sdpa (vision tower on
+    cu_seqlens, no padding) vs eager on the same weights."""
+    import warnings
+
+    from raggedvl.models import build_retriever
+    from raggedvl.models.build import resolve_attn_implementation
+
+    processor, model, docs, torch = _setup(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        chosen = resolve_attn_implementation("flash_attention_2")
+    impls = ["eager", "sdpa"] + (["flash_attention_2"] if chosen == "flash_attention_2" else [])
+    outs: dict[str, Any] = {}
+    for impl in impls:
+        m = build_retriever("tiny", processor=processor, seed=0, attn_implementation=impl).to(device)
+        m.load_state_dict(model.state_dict())
+        dtype = torch.bfloat16 if impl == "flash_attention_2" else torch.float32
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            outs[impl] = m(**docs).embeddings
+    diffs = {k: _max_diff(v, outs["eager"]) for k, v in outs.items() if k != "eager"}
+    ok = diffs["sdpa"] < 1e-4 and diffs.get("flash_attention_2", 0.0) < 5e-2
+    detail = f"flash_attention_2 -> {chosen}; " + ", ".join(f"{k} vs eager {v:.1e}" for k, v in diffs.items())
+    return ("pass" if ok else "FAIL"), detail
+
+
+CHECKS = [
+    ("DataParallel scatter, 2 logical replicas on one device", check_logical_replicas, False),
+    ("RaggedDataParallel device_ids=[0, 0]", check_data_parallel_same_gpu, True),
+    ("bf16 autocast vs fp32", check_bf16_autocast, True),
+    ("attention: sdpa / flash-attn vs eager", check_attention, False),
+]
+"""(name, function, needs CUDA)."""

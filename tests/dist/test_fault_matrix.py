@@ -100,9 +100,10 @@ def test_the_job_ends_within_the_timeout_and_names_the_failing_rank(jobs, name):
     injected = FAULT_LINE.search(out)
     assert injected and int(injected.group(1)) == bad and injected.group(2) == kind, out[-3000:]
     took = end - float(injected.group(3))
+    print(f"{name}: exit code {rc}, job over {took:.1f} s after the fault (timeout {TIMEOUT_S} s)")
     assert 0 < took <= TIMEOUT_S + SLACK_S, (took, out[-3000:])
     if kind != "hang":  # nothing waits for the timeout: the peer fails as soon as the rank is gone
-        assert took < TIMEOUT_S, (took, out[-3000:])
+        assert "Timed out" not in out, out[-3000:]
     assert _processes_mentioning(str(run_dir)) == []  # no rank outlives the job
 
     if kind == "raise":

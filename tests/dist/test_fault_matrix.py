@@ -11,6 +11,7 @@ fast with an error that names the failing rank.
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -59,15 +60,15 @@ def jobs(data_cache, tmp_path_factory):
         args = _cli_args({**SMALL, "collective_timeout_s": TIMEOUT_S, "output_dir": root / name, "data_cache": data_cache})
         log = open(root / f"{name}.log", "w+")  # noqa: SIM115 - closed below
         proc = subprocess.Popen([sys.executable, "-m", "raggedvl.cli", "train", *args], env=env,
-                                stdout=log, stderr=subprocess.STDOUT, text=True)
+                                stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         running[name] = (proc, log)
     done, deadline = {}, time.monotonic() + 300
     while len(done) < len(running):  # poll, so each job's end time is its own
         for name, (proc, log) in running.items():
             if name in done or (proc.poll() is None and time.monotonic() < deadline):
                 continue
-            if proc.poll() is None:
-                proc.kill()
+            if proc.poll() is None:  # a job that outlived the bound: end its whole session (the test fails)
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             end = time.time()
             log.seek(0)

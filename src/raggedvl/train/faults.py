@@ -4,12 +4,14 @@ What each situation produces (2 or more ranks, ``collective_timeout_s`` = T):
 
 - **a rank raises**: :func:`report_failure` prints ``raggedvl: rank R failed in step S: ...``
   to stderr, leaves the same line as a note in the process group's store, adds it to the
-  exception (``exc.__notes__``), aborts the process group and re-raises. Its peers' pending
-  collectives fail at once (gloo: connection closed; NCCL: communicator aborted, or at most T
-  later), and each peer prints its own line followed by the failing rank's note. Under
-  torchrun the agent then stops the remaining ranks and names the first failed rank.
+  exception (``exc.__notes__``) and aborts the process group; the loop re-raises. Its peers'
+  pending collectives fail at once on gloo (connection closed) and within T on NCCL (the
+  watchdog), and each peer prints its own line followed by the failing rank's note. Under
+  torchrun the agent stops the remaining ranks as soon as one exits and lists each failed
+  rank in its summary.
 - **a rank is killed** (SIGKILL, OOM killer): it leaves no note; peers fail at once (gloo) or
-  within T (NCCL); torchrun's summary names the rank and the signal.
+  within T (NCCL) unless torchrun stops them first; torchrun's summary names the rank and the
+  signal.
 - **a rank stalls**: :class:`StallWatchdog` prints ``raggedvl: rank R has spent X s in step
   S ...`` with the stalled thread's stack once a watched phase runs past T/2, and leaves that
   as its note. Peers waiting in a collective fail after T and print the note; torchrun then

@@ -90,7 +90,7 @@ def balance_rows(name: str, costs: np.ndarray, steps: int) -> list[tuple]:
                 c = costs[batch].tolist()
                 equal = [list(chunk) for chunk in np.array_split(np.arange(g), w)]
                 acc["eq"].append(ratios(costs, batch, equal))
-                acc["lpt"].append(ratios(costs, batch, partition_costs(c, w, refine=False)))
+                acc["lpt"].append(ratios(costs, batch, partition_costs(c, w, refine_rounds=0)))
                 acc["bal"].append(ratios(costs, batch, partition_costs(c, w)))
                 bound_over_mean.append(acc["bal"][-1][0] / acc["bal"][-1][1])
             m = {k: np.mean(v, axis=0) for k, v in acc.items()}
@@ -123,18 +123,48 @@ def homogeneous_rows(costs: np.ndarray, steps: int) -> None:
 
 def sampler_speed(name: str, costs: np.ndarray, steps: int) -> None:
     """Whole-epoch plans through the sampler (permutation, global batches, partition of every
-    step), divided by the steps: wall-clock and this process's CPU time (the machine is shared)."""
+    step), divided by the steps, in this process's CPU time (the machine is shared); beside it
+    the same steps partitioned by LPT alone, the cost floor of any greedy-first method."""
     sampler = BalancedDistributedBatchSampler(costs, 256, 64, 0, drop_last=True)
-    wall, cpu, done, epoch = [], [], 0, 0
+    cpu, lpt, done, epoch = [], [], 0, 0
     while done < steps:
         sampler.set_epoch(epoch)
-        w0, c0 = time.perf_counter(), time.process_time()
+        c0 = time.process_time()
         n = len(sampler.plan())
-        wall.append((time.perf_counter() - w0) / n)
         cpu.append((time.process_time() - c0) / n)
+        batches = global_batches(costs, 256, 64, seed=0, epoch=epoch, drop_last=True)
+        c0 = time.process_time()
+        for batch in batches:
+            partition_costs(costs[batch].tolist(), 64, refine_rounds=0)
+        lpt.append((time.process_time() - c0) / len(batches))
         done, epoch = done + n, epoch + 1
-    w, c = np.array(wall) * 1e3, np.array(cpu) * 1e3
-    print(f"| {name} | 256 | 64 | {done} | {np.median(c):.3f} | {c.mean():.3f} | {np.median(w):.3f} | {w.mean():.3f} |")
+    c, g = np.array(cpu) * 1e3, np.array(lpt) * 1e3
+    print(f"| {name} | 256 | 64 | {done} | {c.min():.3f} | {np.median(c):.3f} | {g.min():.3f} | {np.median(g):.3f} |")
+
+
+def rounds_tradeoff(datasets: dict[str, np.ndarray], steps: int) -> None:
+    """Quality vs CPU time of the refinement's round budget (0 = LPT alone); every batch is
+    partitioned with each budget in turn, so load drift on a shared machine hits all alike."""
+    budgets = (0, 1, 2, 4, 8, 64)
+    cells = [(name, g, w) for name in datasets for g, w in ((256, 64), (64, 8))]
+    results = {}
+    for name, g, w in cells:
+        costs = datasets[name]
+        rs, ts = np.zeros((len(budgets), steps)), np.zeros((len(budgets), steps))
+        for j, batch in enumerate(step_batches(costs, g, w, steps)):
+            c = costs[batch].tolist()
+            for i, rounds in enumerate(budgets):
+                t0 = time.process_time()
+                parts = partition_costs(c, w, refine_rounds=rounds)
+                ts[i, j] = time.process_time() - t0
+                rs[i, j] = ratios(costs, batch, parts)[1]
+        results[(name, g, w)] = (rs.mean(axis=1), np.median(ts, axis=1) * 1e3)
+    print("\nRefinement rounds: mean max/bound and median CPU ms per partition")
+    print("| rounds | " + " | ".join(f"{n} G={g} W={w}" for n, g, w in cells) + " |")
+    print("|---:|" + "---:|" * len(cells))
+    for i, rounds in enumerate(budgets):
+        row = [f"{results[cell][0][i]:.4f} / {results[cell][1][i]:.2f} ms" for cell in cells]
+        print(f"| {rounds} | " + " | ".join(row) + " |")
 
 
 def calibrate_tiny(plans: list, n: int) -> None:
@@ -163,10 +193,10 @@ def calibrate_tiny(plans: list, n: int) -> None:
         model.zero_grad(set_to_none=True)
         model(**batch).embeddings.sum().backward()
 
-    result = calibrate(run, inputs, feats, repeats=5, warmup=2, reduce="min")
+    result = calibrate(run, inputs, feats, repeats=7, warmup=2, reduce="min")
     default = feats @ CostModel().coefficients.numpy()
     scale = np.median(result.measured / default)  # best-case units for the uncalibrated model
-    print(f"\nCost model accuracy on the tiny model ({n} rdocs docs, forward+backward, batch 1, min of 5,"
+    print(f"\nCost model accuracy on the tiny model ({n} rdocs docs, forward+backward, batch 1, min of 7 round-robin passes,"
           f" tiny processor max_pixels {processor.image_processor.size['longest_edge']}):")
     print("| model | fitted on | mean abs rel error (held out) | mean abs rel error (fitted half) |")
     print("|---|---|---:|---:|")
@@ -217,11 +247,13 @@ def main(argv: list[str] | None = None) -> None:
           f"heavy: {len(heavy)} samples, cost max/median {heavy.max() / np.median(heavy):.1f}\n")
     print_balance(balance_rows("rdocs", rdocs, args.steps) + balance_rows("heavy", heavy, args.steps))
     homogeneous_rows(rdocs, args.steps)
-    print(f"\nSampler time per step (ms; every rank plans all W shares; load average {os.getloadavg()[0]:.1f})")
-    print("| data | G | W | steps | CPU median | CPU mean | wall median | wall mean |")
+    print(f"\nSampler CPU time per step (ms over epochs; every rank plans all W shares; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus)")
+    print("| data | G | W | steps | sampler min | sampler median | LPT-only min | LPT-only median |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     sampler_speed("rdocs", rdocs, args.steps)
     sampler_speed("heavy", heavy, args.steps)
+    rounds_tradeoff({"rdocs": rdocs, "heavy": heavy}, min(args.steps, 100))
     if args.calibrate:
         calibrate_tiny(plans, args.calibrate)
 

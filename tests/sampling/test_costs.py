@@ -104,3 +104,17 @@ def test_calibrate_times_a_callable_and_reports_heldout_error():
     assert result.heldout_error < 0.3
     with pytest.raises(ValueError, match="needs >= 8 items"):
         calibrate(lambda p: None, patches[:3], feats[:3])
+
+
+def test_measure_times_round_robin_min_and_median():
+    from raggedvl.sampling import measure_times
+
+    calls = []
+    items = [1, 2, 3]
+    lo = measure_times(lambda x: (calls.append(x), time.sleep(1e-3 * x)), items, repeats=3, warmup=1, reduce="min")
+    assert calls == [1] + items * 3  # one warm-up, then three round-robin passes
+    assert np.all(np.diff(lo) > 0) and lo[0] >= 1e-3
+    med = measure_times(lambda x: time.sleep(1e-3 * x), items, repeats=3, warmup=0)
+    assert np.all(med >= 0.9e-3 * np.array(items))
+    with pytest.raises(ValueError, match="reduce must be"):
+        measure_times(lambda x: None, items, reduce="mean")

@@ -41,7 +41,7 @@ def test_refined_never_worse_than_lpt_and_near_optimal():
         w = rng.choice([2, 3])
         n = rng.randint(w, 7)
         costs = [rng.lognormvariate(0, 1) for _ in range(n)]
-        lpt = max(_loads(costs, partition_costs(costs, w, refine=False)))
+        lpt = max(_loads(costs, partition_costs(costs, w, refine_rounds=0)))
         parts = partition_costs(costs, w)
         _check_cover(parts, n, w)
         assert all(parts)
@@ -57,7 +57,7 @@ def test_refined_never_worse_than_lpt_and_near_optimal():
 def test_refinement_reaches_lower_bound_where_lpt_does_not():
     # LPT: 5,4,3 | 3 ... classic instance where greedy misses the perfect split 3+3+2 | 4+4 = 8|8
     costs = [4, 4, 3, 3, 2]
-    lpt = max(_loads(costs, partition_costs(costs, 2, refine=False)))
+    lpt = max(_loads(costs, partition_costs(costs, 2, refine_rounds=0)))
     parts = partition_costs(costs, 2)
     assert lpt == 9
     assert max(_loads(costs, parts)) == 8

@@ -75,22 +75,21 @@ def measure_times(
 ) -> np.ndarray:
     """[N] wall-clock seconds of ``run(item)``: the median (or, with ``reduce="min"``, the
     minimum: the best estimate of uncontended time on a shared machine) over ``repeats`` calls,
-    after ``warmup`` untimed calls on the first item (allocator and kernel warm-up)."""
+    after ``warmup`` untimed calls on the first item (allocator and kernel warm-up). The items
+    are timed round-robin, ``repeats`` passes over all of them."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if reduce not in ("median", "min"):
         raise ValueError(f"reduce must be 'median' or 'min', got {reduce!r}")
     for _ in range(warmup if items else 0):
         run(items[0])
-    out = np.empty(len(items))
-    for i, item in enumerate(items):
-        samples = []
-        for _ in range(repeats):
+    samples = np.empty((repeats, len(items)))
+    for rep in range(repeats):  # round-robin: a burst of load on a shared machine hits all items
+        for i, item in enumerate(items):
             start = time.perf_counter()
             run(item)
-            samples.append(time.perf_counter() - start)
-        out[i] = float(np.median(samples) if reduce == "median" else np.min(samples))
-    return out
+            samples[rep, i] = time.perf_counter() - start
+    return np.median(samples, axis=0) if reduce == "median" else samples.min(axis=0)
 
 
 def relative_errors(predicted: Sequence[float], measured: Sequence[float]) -> np.ndarray:

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from raggedvl.sampling.refine import refine_partition
+from raggedvl.sampling.refine import DEFAULT_ROUNDS, refine_partition
 
 
 class PartitionInfeasible(ValueError):
@@ -45,14 +45,15 @@ def partition_costs(
     *,
     sizes: Sequence[float] | None = None,
     capacity: float | None = None,
-    refine: bool = True,
+    refine_rounds: int = DEFAULT_ROUNDS,
 ) -> list[list[int]]:
     """Split items ``0..n-1`` into ``num_parts`` lists, minimising the largest summed cost.
 
     Guarantees: every item in exactly one part; when ``n >= num_parts`` every part holds at
     least one item (a part with no sample is useless to a rank); with ``capacity`` every part's
     summed ``sizes`` is ``<= capacity``. Deterministic: ties go to the part with fewer items,
-    then the lower part index; equal costs are ordered by item index.
+    then the lower part index; equal costs are ordered by item index. ``refine_rounds`` bounds
+    the local search after LPT (0: LPT alone).
 
     Raises ``ValueError`` if ``num_parts < 1``, a cost or size is negative or not finite, the
     lengths of ``costs`` and ``sizes`` differ, ``capacity`` is given without ``sizes``, or one
@@ -88,8 +89,8 @@ def partition_costs(
             f"{n} items with total size {s.sum():g} do not fit under {num_parts} parts of "
             f"capacity {capacity:g}; use more parts, fewer items or a larger capacity"
         )
-    if refine and num_parts > 1 and n > num_parts:
-        assign = refine_partition(c, s, capacity, np.asarray(assign), num_parts).tolist()
+    if refine_rounds > 0 and num_parts > 1 and n > num_parts:
+        assign = refine_partition(c, s, capacity, np.asarray(assign), num_parts, refine_rounds).tolist()
     parts: list[list[int]] = [[] for _ in range(num_parts)]
     for i, p in enumerate(assign):
         parts[p].append(i)

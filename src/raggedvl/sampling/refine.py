@@ -28,7 +28,9 @@ import math
 
 import numpy as np
 
-_MAX_ROUNDS = 256
+# Default rounds of exchanges per partition: on rdocs at G=256, W=64 the gain flattens after a
+# few rounds while each round costs about as much as LPT itself (results/balance.md).
+DEFAULT_ROUNDS = 4
 # How many of the heaviest parts look for an exchange partner per round.
 _TOP_PARTS = 4
 # Stop once the largest part is within this relative distance of the lower bound
@@ -96,16 +98,22 @@ class _Parts:
 
 
 def refine_partition(
-    costs: np.ndarray, sizes: np.ndarray | None, capacity: float | None, assign: np.ndarray, num_parts: int
+    costs: np.ndarray,
+    sizes: np.ndarray | None,
+    capacity: float | None,
+    assign: np.ndarray,
+    num_parts: int,
+    max_rounds: int = DEFAULT_ROUNDS,
 ) -> np.ndarray:
-    """Improved copy of ``assign`` [n] (part of each item); see the module docstring."""
+    """Improved copy of ``assign`` [n] (part of each item) after at most ``max_rounds`` rounds;
+    see the module docstring."""
     s = np.zeros_like(costs) if sizes is None else sizes
     parts = _Parts(costs, s, assign, num_parts, np.inf if capacity is None else float(capacity))
     bound = max(math.fsum(costs.tolist()) / num_parts, float(costs.max())) * (1.0 + _LOWER_BOUND_RTOL)
     half = max(1, num_parts // 2)
     tops = min(_TOP_PARTS, num_parts - 1)
     wide = False  # first the lighter half as partners (cheap), then every part
-    for _ in range(_MAX_ROUNDS):
+    for _ in range(max_rounds):
         order = np.argsort(parts.load, kind="stable")
         if parts.load[order[-1]] <= bound:
             break

@@ -70,7 +70,7 @@ def global_batches(
     return batches
 
 
-def _partition_step(costs, patches, cap, world_size, batch) -> list[list[list[int]]]:
+def _partition_step(costs, patches, cap, world_size, batch, step) -> list[list[list[int]]]:
     """One global batch -> one or more steps (more only when the patch cap forces a split)."""
     c = costs[batch].tolist()
     s = patches[batch].tolist() if cap is not None else None
@@ -88,8 +88,8 @@ def _partition_step(costs, patches, cap, world_size, batch) -> list[list[list[in
         except PartitionInfeasible:
             continue
     raise ValueError(
-        f"a global batch of {len(batch)} samples with patches {sorted(s, reverse=True)[:8]}... "
-        f"(total {sum(s):g}) cannot be packed under {world_size} ranks x {cap:g} patches even when "
+        f"global batch {step} ({len(batch)} samples, patches {sorted(s, reverse=True)[:8]}..., "
+        f"total {sum(s):g}) cannot be packed under {world_size} ranks x {cap:g} patches even when "
         f"split into steps of {world_size} samples; raise max_patches_per_rank or lower max_pixels"
     )
 
@@ -109,9 +109,10 @@ def plan_epoch(
 ) -> list[list[list[int]]]:
     """The epoch's steps: [S][W] ascending lists of sample indices (see the module policies)."""
     plan: list[list[list[int]]] = []
-    for batch in global_batches(
+    batches = global_batches(
         costs, global_batch_size, world_size, seed=seed, epoch=epoch, drop_last=drop_last,
         homogeneous=homogeneous, bucket_steps=bucket_steps,
-    ):
-        plan.extend(_partition_step(costs, patches, max_patches_per_rank, world_size, batch))
+    )
+    for step, batch in enumerate(batches):
+        plan.extend(_partition_step(costs, patches, max_patches_per_rank, world_size, batch, step))
     return plan

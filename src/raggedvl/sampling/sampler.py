@@ -53,8 +53,13 @@ class BalancedDistributedBatchSampler:
             effect on balance and negatives); ``bucket_steps`` global batches form one pool.
 
     ``len()`` is the number of steps of the current epoch (constant unless the cap splits a
-    step). After ``load_state_dict`` the next iteration resumes at the saved step; a full
-    iteration resets to the epoch's start, so iterating again repeats the epoch.
+    step). The whole epoch is planned at its first ``len()``/iteration (about 1 ms of CPU per
+    step at G=256, W=64; a patch cap that no split can meet raises ``ValueError`` there, before
+    any training step). After ``load_state_dict`` the next iteration resumes at the saved step;
+    a full iteration resets to the epoch's start, so iterating again repeats the epoch.
+
+    Use: ``DataLoader(dataset, batch_sampler=sampler, collate_fn=...)``, ``sampler.set_epoch(e)``
+    before each epoch, ``sampler.state_dict(step=steps_done_this_epoch)`` in checkpoints.
 
     Raises ``ValueError`` (before any work, naming the sample and the fix) for: W < 1, rank not
     in [0, W), G < W, N < W, N < G with ``drop_last``, a negative or non-finite cost or patch

@@ -6,6 +6,8 @@ import itertools
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from raggedvl.sampling.partition import PartitionInfeasible, partition_costs
 
@@ -112,3 +114,27 @@ def test_bad_costs_raise(bad):
         partition_costs(bad, 2)
     with pytest.raises(ValueError, match="num_parts"):
         partition_costs([1.0], 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 1e6, allow_nan=False), min_size=1, max_size=40),
+    st.integers(1, 9),
+    st.integers(0, 8),
+    st.booleans(),
+)
+def test_partition_invariants_property(costs, w, rounds, capped):
+    sizes = [c % 97 + 1 for c in costs] if capped else None
+    cap = max(max(sizes), sum(sizes) / w * 1.3) if capped else None
+    try:
+        parts = partition_costs(costs, w, sizes=sizes, capacity=cap, refine_rounds=rounds)
+    except PartitionInfeasible:
+        assert capped
+        return
+    _check_cover(parts, len(costs), w)
+    if len(costs) >= w:
+        assert all(parts)
+    if capped:
+        assert max(sum(sizes[i] for i in p) for p in parts) <= cap
+    lpt = max(_loads(costs, partition_costs(costs, w, sizes=sizes, capacity=cap, refine_rounds=0)))
+    assert max(_loads(costs, parts)) <= lpt * (1 + 1e-12)  # refinement never raises the maximum

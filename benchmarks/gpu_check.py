@@ -37,6 +37,7 @@ import math
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -49,7 +50,7 @@ sys.path.insert(0, str(HERE / "gpu"))
 import bootstrap  # noqa: E402
 
 PART_BUDGETS_S = {"tests": 170.0, "checks": 60.0}
-GPU_SIZES = dict(batch=32, n_batches=2, max_pixels=602_112, warmup=2, steps=6, cache_budget=8192)
+GPU_SIZES = dict(batch=32, n_batches=2, max_pixels=602_112, warmup=3, steps=10, cache_budget=8192)
 DRY_SIZES = dict(batch=4, n_batches=1, max_pixels=50_176, warmup=1, steps=1, cache_budget=96)
 
 
@@ -123,8 +124,10 @@ def describe_device(rep: Report, args, torch) -> "torch.device":
     props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
     names = "; ".join(f"cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, "
                       f"{p.multi_processor_count} SMs" for i, p in enumerate(props))
+    nccl = torch.cuda.nccl.version()
+    nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     rep.row("env", "device", "pass", f"{len(props)} GPU(s): {names}; torch {torch.__version__} (CUDA {torch.version.cuda}), "
-            f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, bf16 {torch.cuda.is_bf16_supported()}")
+            f"NCCL {nccl}, bf16 {torch.cuda.is_bf16_supported()}")
     return torch.device("cuda", 0)
 
 
@@ -149,18 +152,21 @@ def part_tests(rep: Report, device, deadline: float) -> None:
         return
     cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "-m", "gpu", "-p", "no:cacheprovider", *files]
     rep.log("+ " + " ".join(cmd))
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=max(5, deadline - time.time()))
-        output, status = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as exc:
-        output = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        status = "timeout"
-    log_path.write_text(output, encoding="utf-8")
+    with open(log_path, "w", encoding="utf-8") as log_file:
+        # its own session, so that on timeout the tests' torchrun children are stopped with it
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        try:
+            status = proc.wait(timeout=max(5, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = "timeout"
+    output = log_path.read_text(encoding="utf-8", errors="replace")
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?)", output.splitlines()[-1] if output else "")}
     skips = [line.split(":", 2)[-1].strip() for line in output.splitlines() if line.startswith("SKIPPED")]
     failed = [line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))]
     ok = status == 0 and counts.get("passed", 0) > 0
-    result = "pass" if ok else ("skipped: budget" if status == "timeout" else "FAIL")
+    result = "pass" if ok else ("incomplete: budget" if status == "timeout" else "FAIL")
     rep.row("tests", "pytest -m gpu", result,
             f"{counts or 'no summary'}; skipped: {skips or 'none'}" + (f"; failed: {failed}" if failed else ""),
             time.perf_counter() - t0)
@@ -271,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"command: `python3 benchmarks/gpu_check.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
                   f"host: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"]
     if not part_env(rep, args):
-        return rep.finish() and 2
+        rep.finish()
+        return 2
     import torch
 
     device = describe_device(rep, args, torch)

@@ -42,11 +42,17 @@ def _max_diff(a, b) -> float:
 def check_logical_replicas(device) -> tuple[str, str]:
     """Scatter a 4-document ragged batch into 2 shards on ``device``, run each, gather: the
     embeddings and every parameter gradient equal the unsplit batch's."""
-    from raggedvl.parallel import gather_outputs, scatter_batch
-
     _, model, docs, torch = _setup(device)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # exact fp32 on GPUs
+    try:
+        return _compare_replicas(model, docs, device, torch)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+def _compare_replicas(model, docs, device, torch) -> tuple[str, str]:
+    from raggedvl.parallel import gather_outputs, scatter_batch
 
     def run(fn):
         model.zero_grad(set_to_none=True)

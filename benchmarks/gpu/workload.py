@@ -18,7 +18,8 @@ late-interaction loss (temperature 0.02), bf16 autocast on CUDA (fp32 on CPU); "
 is ``raggedvl.train.grad_cache.grad_cache_step`` with ``budget`` patches + tokens per chunk.
 Time: ``torch.cuda.synchronize`` around ``steps`` timed steps after ``warmup`` steps; samples/s
 counts (query, document) pairs. Memory: ``torch.cuda.max_memory_allocated`` over the timed steps
-(reset before them): model, AdamW state and activations together.
+(reset before them): model, AdamW state and activations together. The four modes of a model share
+one model and optimizer (built once), so the reported loss (last timed step) moves between rows.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ def wrap_model(model: nn.Module, *, strategy: str = "ddp", device: torch.device 
     ``strategy``: ``"ddp"`` (DistributedDataParallel, ``find_unused_parameters=False``: the
     retriever's dummy vision pass keeps every parameter in the graph) or ``"fsdp2"``
     (``fully_shard`` on every decoder/vision block, then on the root).
-    Raises ``ValueError`` for another strategy.
+    Raises ``ValueError`` for another strategy, or for ``"fsdp2"`` on a torch without
+    ``torch.distributed.fsdp.fully_shard`` (< 2.6). FSDP2 runs on gloo (CPU) as well as NCCL.
     """
     if strategy not in ("ddp", "fsdp2"):
         raise ValueError(f"strategy must be 'ddp' or 'fsdp2', got {strategy!r}")
@@ -34,8 +35,13 @@ def wrap_model(model: nn.Module, *, strategy: str = "ddp", device: torch.device 
     if strategy == "ddp":
         device_ids = [device.index] if device is not None and device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=False)
-    from torch.distributed.fsdp import fully_shard
-
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6 has it only under torch.distributed._composable
+        raise ValueError(
+            f"strategy='fsdp2' needs torch.distributed.fsdp.fully_shard (torch >= 2.6); this is torch "
+            f"{torch.__version__}: upgrade torch or use strategy='ddp'"
+        ) from None
     for module in model.modules():
         # Shard transformer blocks individually (text decoder layers and vision blocks).
         if type(module).__name__.endswith(("DecoderLayer", "VisionBlock", "Block")) and module is not model:

@@ -41,6 +41,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -99,10 +100,14 @@ class Report:
 
 # ---------------------------------------------------------------------------------------- env
 def part_env(rep: Report, args) -> bool:
-    """Bootstrap and report; False when a required package is missing."""
+    """Bootstrap and report; False when a required package is missing or the bootstrap failed."""
     t0 = time.perf_counter()
-    wheels = bootstrap.install_wheels(Path(args.wheels), Path(args.site), rep.log) if not args.dry_run else []
-    how = bootstrap.make_project_importable(REPO)
+    try:
+        wheels = bootstrap.install_wheels(Path(args.wheels), Path(args.site), rep.log) if not args.dry_run else []
+        how = bootstrap.make_project_importable(REPO)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        rep.row("env", "project", "FAIL", str(exc).replace("\n", " ")[:500], time.perf_counter() - t0)
+        return False
     rep.row("env", "project", "pass", f"raggedvl from {how}; carried wheels installed: {wheels or 'none'}")
     packages = bootstrap.package_report(REPO)
     present = ", ".join(f"{p['package']} {p['version']}" + (f" ({p['note']})" if p["note"] else "")
@@ -144,7 +149,11 @@ def part_tests(rep: Report, device, deadline: float) -> None:
     t0 = time.perf_counter()
     if device.type != "cuda":
         cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=max(5, deadline - time.time()))
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=max(5, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            rep.row("tests", "pytest -m gpu", "skipped: no CUDA", "collection ran out of budget", time.perf_counter() - t0)
+            return
         log_path.write_text(done.stdout + done.stderr, encoding="utf-8")
         ids = [line for line in done.stdout.splitlines() if "::" in line]
         rep.row("tests", "pytest -m gpu", "skipped: no CUDA",
@@ -173,6 +182,11 @@ def part_tests(rep: Report, device, deadline: float) -> None:
 
 
 # ------------------------------------------------------------------------------------- checks
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
 def part_checks(rep: Report, device, deadline: float) -> None:
     import checks
 
@@ -187,7 +201,8 @@ def part_checks(rep: Report, device, deadline: float) -> None:
         try:
             result, detail = fn(device)
         except Exception as exc:  # noqa: BLE001 - a failing check is a row, the run goes on
-            result, detail = "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            rep.log(traceback.format_exc())
+            result, detail = "FAIL", _first_line(exc)
         rep.row("checks", name, result, detail, time.perf_counter() - t0)
     rep.row("checks", "NCCL between processes, DDP/FSDP2 across GPUs",
             "n/a" if device.type != "cuda" else ("see tests" if _device_count() > 1 else "n/a: needs 2 GPUs"),
@@ -239,11 +254,12 @@ def part_timing(rep: Report, device, deadline: float, sizes: dict, dry: bool) ->
                     r = workload.time_steps(model, optimizer, batches[padded], device, grad_cache=cached,
                                             budget=sizes["cache_budget"], warmup=sizes["warmup"], steps=sizes["steps"])
                 except torch.cuda.OutOfMemoryError as exc:
-                    rep.row("timing", item, "OOM", str(exc).splitlines()[0][:200], time.perf_counter() - t1)
+                    rep.row("timing", item, "OOM", _first_line(exc), time.perf_counter() - t1)
                     torch.cuda.empty_cache()
                     continue
-                except Exception as exc:  # noqa: BLE001
-                    rep.row("timing", item, "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
+                except Exception as exc:  # noqa: BLE001 - a failing mode is a row, the run goes on
+                    rep.log(traceback.format_exc())
+                    rep.row("timing", item, "FAIL", _first_line(exc),
                             time.perf_counter() - t1)
                     continue
                 last = time.perf_counter() - t1

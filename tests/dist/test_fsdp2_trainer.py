@@ -5,8 +5,9 @@ parameters go through gloo's ``all_gather_into_tensor`` / ``reduce_scatter_tenso
 prove that ``raggedvl train --strategy fsdp2`` gives the same run as ``--strategy ddp``:
 one launch trains the tiny retriever for 3 optimizer steps with DDP, FSDP2 and FSDP2 +
 GradCache (``Trainer.run``: cost-balanced sampler with unequal per-rank sample counts, exact
-cross-rank late-interaction loss, gradient clipping, AdamW, final checkpoint), and the test
-compares the logged global losses and the checkpointed (full, unsharded) weights. float32: the
+cross-rank late-interaction loss, gradient clipping, AdamW, evaluation after training, final
+checkpoint), and the test compares the logged global losses, the retrieval metrics and the
+checkpointed (full, unsharded) weights. float32: the
 strategies reduce gradients in a different order (all-reduce vs reduce-scatter), so equality
 is up to float32 rounding, not bitwise.
 
@@ -66,7 +67,8 @@ def _train_all(rank: int, world_size: int, data: str, cache: str, out: str) -> d
     for name, (strategy, grad_cache) in RUNS.items():
         cfg = TrainConfig(
             dataset=data, max_train_samples=None, max_eval_samples=None, max_pixels=50_176, global_batch_size=5,
-            max_steps=STEPS, warmup_steps=1, checkpoint_every=100, eval_before=False, eval_after=False,
+            max_steps=STEPS, warmup_steps=1, checkpoint_every=100, eval_before=False, eval_after=True,
+            eval_train_samples=15, eval_batch_size=4,
             strategy=strategy, grad_cache=grad_cache, grad_cache_budget=96, output_dir=f"{out}/{name}",
             data_cache=cache,
         )
@@ -74,8 +76,9 @@ def _train_all(rank: int, world_size: int, data: str, cache: str, out: str) -> d
         result[f"{name}/wrapped"] = type(trainer.model).__name__
         if name == "ddp":
             initial = {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items()}
-        trainer.run()
+        summary = trainer.run()  # includes the evaluation after training (every rank encodes its share)
         if rank == 0:
+            result[f"{name}/after"] = {k: v for k, v in summary["rows"].items() if "after training" in k}
             records = [json.loads(line) for line in Path(cfg.output_dir, "metrics.jsonl").read_text().splitlines()]
             result[f"{name}/losses"] = [r["loss"] for r in records if r.get("event") == "train"]
             result[f"{name}/rank_samples"] = [r["rank_samples"] for r in records if r.get("event") == "train"]
@@ -117,6 +120,17 @@ def test_fsdp2_run_logs_the_same_losses_as_ddp(runs):
         assert r0[f"{name}/rank_samples"] == r0["ddp/rank_samples"]
         got = r0[f"{name}/losses"]
         assert got == pytest.approx(ref, rel=2e-5, abs=1e-6), (name, got, ref)
+
+
+def test_fsdp2_evaluation_after_training_matches_ddp(runs):
+    r0 = runs[0]
+    ref = r0["ddp/after"]
+    assert sorted(ref) == ["dev: after training", "train: after training"]
+    assert ref["dev: after training"]["n"] == 3 and ref["train: after training"]["n"] == 15
+    for name in ("fsdp2", "fsdp2_grad_cache"):
+        got = r0[f"{name}/after"]
+        for split, metrics in ref.items():
+            assert got[split] == pytest.approx(metrics, abs=1e-4), (name, split, got[split], metrics)
 
 
 def test_fsdp2_checkpoint_holds_the_same_full_weights_as_ddp(runs):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workload import make_pages  # noqa: E402  (benchmarks/gpu is on sys.path)
+from workload import make_pages  # benchmarks/gpu is on sys.path (gpu_check.py puts it there)
 
 
 def _setup(device, n_docs: int = 4):

@@ -46,3 +46,15 @@ def test_warmup_cosine_shape():
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4 + 5] == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+
+
+def test_default_job_uses_the_tiny_recipe():
+    from raggedvl.models import TINY_TRAINING_DEFAULTS as r
+
+    cfg = TrainConfig()
+    assert (cfg.lr, cfg.head_lr, cfg.warmup_steps, cfg.max_steps, cfg.global_batch_size) == (
+        r.lr, r.head_lr, r.warmup_steps, r.max_steps, r.global_batch_size)
+    assert (cfg.max_train_samples, cfg.temperature, cfg.weight_decay, cfg.max_grad_norm) == (
+        r.max_train_samples, r.temperature, r.weight_decay, r.max_grad_norm)
+    assert cfg.resolved_max_pixels == r.max_pixels
+    assert TrainConfig(model="Qwen/Qwen2-VL-2B-Instruct").resolved_max_pixels is None  # the checkpoint's own

@@ -1,8 +1,9 @@
 """Typed configuration of ``raggedvl train`` (validated at construction).
 
 The defaults are the embedded default job: the tiny preset on the rdocs pairs with the
-recipe of ``raggedvl.models.TINY_TRAINING_DEFAULTS`` (lr 1e-3, 300 steps, global batch 8,
-temperature 0.02; see that module for why). For a pretrained checkpoint start from
+recipe of ``raggedvl.models.TINY_TRAINING_DEFAULTS`` (init std 0.1, lr 2e-4 for the backbone
+and 2e-3 for the head, 600 steps, global batch 8, temperature 0.02, 100,352 pixels per page;
+see that module and benchmarks/results/tiny_recipe.md for why). For a pretrained checkpoint start from
 ``configs/qwen2-vl-2b.yaml`` (ColPali's recipe: LoRA r=32, lr 5e-5, global batch 32).
 
 Precedence: dataclass defaults (the embedded default job) < YAML file (``--config``) <
@@ -37,10 +38,10 @@ class TrainConfig:
     dataset: str = "rdocs"  # "rdocs" (embedded) | hub id | local parquet / image folder
     train_split: str = "train"
     eval_split: str = "dev"
-    max_train_samples: int | None = 320  # rdocs: pairs built and used (None: all ~1,320)
-    max_eval_samples: int | None = 96
+    max_train_samples: int | None = 256  # rdocs: pairs built and used (None: all ~1,300)
+    max_eval_samples: int | None = 128
     min_pixels: int | None = None  # None: the processor's default for the model
-    max_pixels: int | None = None
+    max_pixels: int | None = None  # None: 100,352 for "tiny" (the recipe), else the checkpoint's
     max_length: int | None = None  # token cap per sample (never cuts through image placeholders)
     on_bad_image: str = "error"  # "error" | "skip" (skips are counted in the run summary)
     # objective
@@ -49,8 +50,9 @@ class TrainConfig:
     # optimisation
     global_batch_size: int = 8  # G: samples per optimizer step over all ranks (the negatives pool)
     epochs: int = 1
-    max_steps: int | None = 300  # overrides epochs when set (none: train `epochs` epochs)
-    lr: float = 1e-3
+    max_steps: int | None = 600  # overrides epochs when set (none: train `epochs` epochs)
+    lr: float = 2e-4  # AdamW peak learning rate of the backbone (warmup, then cosine decay)
+    head_lr: float | None = 2e-3  # of the projection head (none: same as lr)
     weight_decay: float = 0.0
     warmup_steps: int = 10
     max_grad_norm: float = 1.0
@@ -67,7 +69,7 @@ class TrainConfig:
     log_every: int = 1
     eval_before: bool = True
     eval_after: bool = True
-    eval_train_samples: int = 96  # train pairs scored to show memorisation
+    eval_train_samples: int = 128  # train pairs scored to show memorisation
     eval_batch_size: int = 16
     resume: bool = False  # continue from the newest valid checkpoint in output_dir
     collective_timeout_s: int = 300  # every collective fails after this many seconds
@@ -94,8 +96,15 @@ class TrainConfig:
         for name in ("global_batch_size", "epochs", "dim", "checkpoint_every", "log_every", "eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.temperature <= 0 or self.lr <= 0:
-            raise ValueError(f"temperature and lr must be > 0, got {self.temperature}, {self.lr}")
+        if self.temperature <= 0 or self.lr <= 0 or (self.head_lr is not None and self.head_lr <= 0):
+            raise ValueError(f"temperature, lr and head_lr must be > 0, got {self.temperature}, {self.lr}, {self.head_lr}")
+
+    @property
+    def resolved_max_pixels(self) -> int | None:
+        """``max_pixels``, or the tiny recipe's 100,352 for the tiny preset when not given."""
+        if self.max_pixels is None and self.model == "tiny":
+            return 100_352
+        return self.max_pixels
 
     @property
     def use_lora(self) -> bool:

@@ -67,8 +67,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.c = build_components(cfg, info)
         self.model = wrap_model(self.c.model.to(info.device), strategy=cfg.strategy, device=info.device)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        groups = unwrap_model(self.model).parameter_groups(cfg.lr, cfg.head_lr, cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.steps_per_epoch = len(self.c.sampler)
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         self.scheduler = warmup_cosine(self.optimizer, cfg.warmup_steps, self.total_steps)

@@ -54,7 +54,7 @@ def prepare_data(cfg: TrainConfig) -> None:
     once, before the ranks start (each is a no-op when cached).
 
     Safe to call from several processes at once: a file lock serialises the dataset build."""
-    build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, cache_dir=cfg.data_cache)
+    build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels, cache_dir=cfg.data_cache)
     if cfg.dataset != "rdocs":
         return
     root = default_cache_root() if cfg.data_cache is None else cfg.data_cache
@@ -100,7 +100,7 @@ def make_sampler(cfg: TrainConfig, train_set, processor, info: DistInfo) -> Bala
 
 
 def build_components(cfg: TrainConfig, info: DistInfo) -> Components:
-    processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, cache_dir=cfg.data_cache)
+    processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels, cache_dir=cfg.data_cache)
     train_set, eval_set = load_splits(cfg)
     collate = RetrievalCollator(processor, max_length=cfg.max_length, on_bad_image=cfg.on_bad_image)
     lora = LoraSettings(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout) if cfg.use_lora else None

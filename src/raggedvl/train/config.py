@@ -58,7 +58,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     sampler: str = "balanced"  # "balanced" (cost-balanced ranks) | "equal" (equal sample counts)
     seed: int = 0
-    precision: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU) | "bf16" | "fp32"
+    precision: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU) | "bf16" (also on CPU) | "fp32"
     strategy: str = "ddp"  # "ddp" | "fsdp2"
     grad_cache: bool = False
     grad_cache_budget: int = 4096  # GradCache chunk budget, in patches + tokens per chunk

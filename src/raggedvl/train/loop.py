@@ -75,11 +75,9 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.skipped = 0  # examples dropped by on_bad_image="skip" on all ranks in this process's run
-        self.autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if info.device.type == "cuda" and cfg.precision in ("auto", "bf16")
-            else contextlib.nullcontext()
-        )
+        # bf16 autocast: by default on CUDA; on CPU only when asked for explicitly (slow there).
+        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and info.device.type == "cuda")
+        self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     # ----------------------------------------------------------------- checkpoints
     def save(self) -> None:

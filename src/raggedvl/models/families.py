@@ -62,8 +62,8 @@ def family_of(config: PretrainedConfig) -> Family:
 
 @dataclass(frozen=True)
 class TinySizes:
-    """Sizes and initialisation of the tiny preset (defaults: Qwen2-VL, ~1.5 M parameters
-    besides the embedding table).
+    """Sizes and initialisation of the tiny preset (defaults: Qwen2-VL, ~0.55 M parameters
+    plus the embedding table, vocab x hidden_size).
 
     ``initializer_range`` is the std of every Linear/Embedding weight at init. transformers'
     default 0.02 makes a tiny random backbone collapse (all documents embed to one vector, see

@@ -121,6 +121,9 @@ def test_save_load_round_trip(tmp_path, lora):
         assert loaded.state_dict().keys() == model.state_dict().keys()
         assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
         assert torch.equal(loaded(**_docs()).embeddings, model(**_docs()).embeddings)
+    assert build_retriever(str(tmp_path), head="late_interaction", dim=64, lora=lora).config == model.config
+    with pytest.raises(ValueError, match="dim=32"):
+        build_retriever(str(tmp_path), dim=32)
     (tmp_path / "config.json").write_text('{"format": "something-else"}')
     with pytest.raises(ValueError, match="not a raggedvl retriever"):
         Retriever.from_pretrained(tmp_path)

@@ -77,6 +77,23 @@ def load_backbone(source: str, *, attn_implementation: str, dtype: torch.dtype |
     return backbone
 
 
+_HEAD_DEFAULTS = {"head": "late_interaction", "dim": 128, "pooling": "last", "lora": None}
+
+
+def _check_saved_settings(model: str, saved: RetrieverConfig, **requested: Any) -> None:
+    """A saved retriever keeps its own head settings; a non-default request that differs is an error."""
+    conflicts = [
+        f"{key}={value!r} (saved: {getattr(saved, key)!r})"
+        for key, value in requested.items()
+        if value != _HEAD_DEFAULTS[key] and value != getattr(saved, key)
+    ]
+    if conflicts:
+        raise ValueError(
+            f"{model} is a saved retriever whose head settings differ from the requested {', '.join(conflicts)}; "
+            f"drop those arguments to use the saved ones, or build from the backbone checkpoint instead"
+        )
+
+
 def build_retriever(
     model: str = "tiny",
     *,
@@ -98,8 +115,8 @@ def build_retriever(
 
     ``model``: "tiny" (random init from :func:`tiny_backbone_config`; needs ``processor`` (or a
     tokenizer) for the vocab size and special-token ids), a directory written by
-    ``Retriever.save_pretrained`` (head settings are then read from it and the keyword settings
-    below other than dtype/attention/checkpointing are ignored), or a hub id / local transformers
+    ``Retriever.save_pretrained`` (its saved head settings are used; a non-default ``head``,
+    ``dim``, ``pooling`` or ``lora`` that differs from them is a ``ValueError``), or a hub id / local transformers
     checkpoint of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model.
     ``head``: "late_interaction" ([B, L, D] multi-vector) or "bi_encoder" ([B, D]);
     ``pooling`` ("last" | "mean") applies to the bi-encoder. ``lora``: wrap the language model
@@ -114,6 +131,7 @@ def build_retriever(
         torch.manual_seed(seed)
     if model != "tiny" and Path(model).is_dir() and is_saved_retriever(model):
         retriever = Retriever.from_pretrained(model, attn_implementation=attn, torch_dtype=dtype)
+        _check_saved_settings(model, retriever.config, head=head, dim=dim, pooling=pooling, lora=lora)
     else:
         if model == "tiny":
             if processor is None:

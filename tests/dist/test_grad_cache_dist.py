@@ -15,11 +15,11 @@ import copy
 import pytest
 import torch
 
+from raggedvl.train.grad_cache import grad_cache_step
 from tests.dist.harness import run_distributed
 from tests.train.test_grad_cache import (
     cached_step,
     chunked_graph_step,
-    grads,
     make_loss_fn,
     max_diff,
     pair_batches,
@@ -96,8 +96,6 @@ def _fsdp2_checks(rank: int, world_size: int, out: dict) -> None:
     sharded = wrap_model(model, strategy="fsdp2")
     queries, docs = pair_batches(ROWS[rank])
     sharded.zero_grad(set_to_none=True)
-    from raggedvl.train.grad_cache import grad_cache_step
-
     step = grad_cache_step(sharded, queries, docs, make_loss_fn("late_interaction"), budget=BUDGET)
     full = {n: p.grad.full_tensor() for n, p in sharded.named_parameters() if p.requires_grad}
     out["fsdp2/grad"] = max_diff(ref, full)

@@ -200,16 +200,18 @@ def grad_cache_step(
              for k, v in cached.items()}
     del cached
 
-    replays = [(kind, i) for kind in ("q", "d") for i in range(forwards[kind])]
-    for n, (kind, i) in enumerate(replays):
-        chunks = plans[kind]
-        chunk = chunks[min(i, len(chunks) - 1)]
-        state = states[kind][min(i, len(chunks) - 1)]
-        with _gradient_sync(model, enabled=n == len(replays) - 1), _replayed_rng(state):
-            with autocast:
-                out = model(**chunk.inputs)
-            grad = chunk_grad(grads[kind], chunk)
-            if i >= len(chunks):  # FSDP2 padding chunk: runs the collectives, contributes exactly zero
-                grad = torch.zeros_like(grad)
-            torch.autograd.backward(out.embeddings, grad.to(out.embeddings.dtype))
+    remaining = forwards["q"] + forwards["d"]
+    for kind in ("q", "d"):
+        grad_all, chunks = grads.pop(kind), plans[kind]  # popped: freed before the next kind's replays
+        for i in range(forwards[kind]):
+            remaining -= 1
+            chunk, state = chunks[min(i, len(chunks) - 1)], states[kind][min(i, len(chunks) - 1)]
+            with _gradient_sync(model, enabled=remaining == 0), _replayed_rng(state):
+                with autocast:
+                    out = model(**chunk.inputs)
+                grad = chunk_grad(grad_all, chunk)
+                if i >= len(chunks):  # FSDP2 padding chunk: runs the collectives, contributes exactly zero
+                    grad = torch.zeros_like(grad)
+                torch.autograd.backward(out.embeddings, grad.to(out.embeddings.dtype))
+        del grad_all
     return GradCacheStep(loss.detach(), len(plans["q"]), len(plans["d"]), forwards["q"], forwards["d"], encode_s)

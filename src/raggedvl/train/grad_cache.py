@@ -41,6 +41,10 @@ Parallelism (``model`` is a ``Retriever`` or one wrapped by ``raggedvl.parallel.
   forward), as without GradCache.
 - A single process (no wrapper): plain accumulation.
 
+Memory: the activations of one chunk, plus what grows with B: the cached embeddings and
+their gradients (``[B, D]``, or ``[B, L, D]`` for late interaction; the query gradients are
+freed before the document replays) and the loss's own buffers.
+
 Gradient: after the step every trainable parameter holds the same gradient as one forward
 and backward of the whole batch through ``loss_fn`` (exact up to floating-point summation
 order; with dropout, equal to the whole-batch backward that draws the same masks per chunk).

@@ -42,12 +42,8 @@ def _cli_args(cfg: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    from raggedvl.train.setup import prepare_data
-
-    cache = tmp_path_factory.mktemp("fault-data")
-    prepare_data(TrainConfig(**SMALL, data_cache=str(cache)))  # built once, before any rank starts
-    return cache
+def data_cache(small_data_cache):
+    return small_data_cache  # built once per session, before any rank starts (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,8 @@ def _losses(run_dir):
     return out
 
 
-def test_kill_one_rank_then_resume_gives_the_same_losses(tmp_path):
-    cache = tmp_path / "cache"
+def test_kill_one_rank_then_resume_gives_the_same_losses(tmp_path, small_data_cache):
+    cache = small_data_cache
     full = _train(tmp_path / "full", cache)
     assert full.returncode == 0, full.stderr[-3000:]
     reference = _losses(tmp_path / "full")

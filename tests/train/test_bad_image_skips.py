@@ -20,7 +20,7 @@ def _png(size, value) -> bytes:
     return buffer.getvalue()
 
 
-def test_a_skipped_bad_image_is_counted_in_the_log_and_the_summary(tmp_path, capfd):
+def test_a_skipped_bad_image_is_counted_in_the_log_and_the_summary(tmp_path, capfd, small_data_cache):
     images = [{"bytes": _png((56 + 8 * i, 56), 20 * i), "path": None} for i in range(8)]
     images[5] = {"bytes": b"\x89PNG\r\n\x1a\n not a png", "path": None}
     features = datasets.Features({"query": datasets.Value("string"), "image": datasets.Image()})
@@ -28,7 +28,7 @@ def test_a_skipped_bad_image_is_counted_in_the_log_and_the_summary(tmp_path, cap
     datasets.Dataset.from_dict({"query": [f"question {i}" for i in range(8)], "image": images}, features=features).to_parquet(str(path))
     cfg = TrainConfig(dataset=str(path), train_split="train", eval_split="train", max_steps=2, global_batch_size=4,
                       eval_before=False, eval_after=False, on_bad_image="skip", checkpoint_every=100,
-                      output_dir=str(tmp_path / "run"), data_cache=str(tmp_path / "cache"))
+                      output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache))
     train(cfg)  # one process: 2 steps of 4 cover all 8 pairs once
     err = capfd.readouterr().err
     assert err.count("skipped example 'train-5'") == 1 and "cannot be decoded" in err

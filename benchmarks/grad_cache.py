@@ -23,7 +23,7 @@ Sizes are chosen so the default sweep finishes in about ten minutes on a loaded 
 The default budget (768) holds 32 queries, so chunks are full from the smallest batch on.
 
 Usage: python benchmarks/grad_cache.py [--head bi_encoder|late_interaction]
-       [--batches 32 64 128 256 512] [--budget 768] [--steps 2]
+       [--batches 32 64 128 256 512] [--budget 768] [--steps 2] [--block-elements N]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import sys
 import time
 
 TEXT_TOKENS = {"query": 24, "doc": 48}
+DEFAULT_BLOCK_ELEMENTS = 1 << 23  # raggedvl.losses.scoring.DEFAULT_BLOCK_ELEMENTS (not imported: keeps the parent light)
 
 
 def _status_mb(field: str) -> float:
@@ -104,7 +105,7 @@ def _setup(args):
         info_nce = InfoNCELoss(temperature=0.02)
         loss_fn = lambda q, d: info_nce(q.embeddings, d.embeddings)  # noqa: E731
     else:
-        maxsim = LateInteractionLoss(temperature=0.02)
+        maxsim = LateInteractionLoss(temperature=0.02, block_elements=args.block_elements)
         loss_fn = lambda q, d: maxsim(q.embeddings, q.mask, d.embeddings, d.mask)  # noqa: E731
 
     def step(mode: str, queries, docs) -> float:
@@ -144,7 +145,8 @@ def child_time(args) -> None:
 
 def _run(args, batch: int, kind: str, mode: str = "cached") -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--batch", str(batch), "--mode", mode, "--head", args.head,
-           "--budget", str(args.budget), "--steps", str(args.steps), "--grid", str(args.grid)]
+           "--budget", str(args.budget), "--steps", str(args.steps), "--grid", str(args.grid),
+           "--block-elements", str(args.block_elements)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if kind == "memory":
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
@@ -159,6 +161,8 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=768, help="GradCache chunk budget, patches + tokens")
     p.add_argument("--steps", type=int, default=2, help="timed steps per mode and batch (the fastest is kept)")
     p.add_argument("--grid", type=int, default=8, help="document image grid h = w, in patches")
+    p.add_argument("--block-elements", type=int, default=DEFAULT_BLOCK_ELEMENTS,
+                   help="late interaction: MaxSim similarity entries per block (the loss's working memory)")
     p.add_argument("--child", choices=("memory", "time"), help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=("cached", "plain"), default="cached", help=argparse.SUPPRESS)
@@ -172,7 +176,8 @@ def main() -> None:
           f"torch {torch.__version__}; one thread per run")
     print(f"model: tiny Qwen2-VL retriever (text 4x128, MLP 1024, vision 2x64), {args.head} head, float32; documents: one "
           f"{args.grid}x{args.grid}-patch image + ~{TEXT_TOKENS['doc']} tokens; queries ~{TEXT_TOKENS['query']} tokens; "
-          f"GradCache budget {args.budget} patches + tokens per chunk; memory: VmHWM of a fresh subprocess")
+          f"GradCache budget {args.budget} patches + tokens per chunk; memory: VmHWM of a fresh subprocess"
+          + (f"; MaxSim block {args.block_elements} entries" if args.head == "late_interaction" else ""))
     rows = []
     for batch in args.batches:
         row = {"cached": _run(args, batch, "memory", "cached"), "plain": _run(args, batch, "memory", "plain"),

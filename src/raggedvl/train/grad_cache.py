@@ -200,6 +200,7 @@ def grad_cache_step(
     del outputs
     loss = loss_fn(cached["q"], cached["d"])
     loss.backward()
+    loss = loss.detach()  # drops the loss graph, whose AccumulateGrad nodes would keep the cache alive
     grads = {k: v.embeddings.grad if v.embeddings.grad is not None else torch.zeros_like(v.embeddings)
              for k, v in cached.items()}
     del cached
@@ -218,4 +219,4 @@ def grad_cache_step(
                     grad = torch.zeros_like(grad)
                 torch.autograd.backward(out.embeddings, grad.to(out.embeddings.dtype))
         del grad_all
-    return GradCacheStep(loss.detach(), len(plans["q"]), len(plans["d"]), forwards["q"], forwards["d"], encode_s)
+    return GradCacheStep(loss, len(plans["q"]), len(plans["d"]), forwards["q"], forwards["d"], encode_s)

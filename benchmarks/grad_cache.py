@@ -48,14 +48,21 @@ def _status_mb(field: str) -> float:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _model_and_tokens(head: str):
+MODEL_SIZES = {  # TinySizes keyword arguments
+    "tiny": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024,
+                 vision_depth=2, vision_embed_dim=64, vision_heads=4),
+    "wide": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=2048,
+                 vision_depth=4, vision_embed_dim=256, vision_heads=8),
+}
+
+
+def _model_and_tokens(head: str, model_size: str = "tiny"):
     from raggedvl.batch import TokenIds
     from raggedvl.data import build_processor
     from raggedvl.models import TinySizes, build_retriever
 
     processor = build_processor("tiny")
-    sizes = TinySizes(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024,
-                      vision_depth=2, vision_embed_dim=64, vision_heads=4)
+    sizes = TinySizes(**MODEL_SIZES[model_size])
     model = build_retriever("tiny", processor=processor, head=head, dim=128, tiny_sizes=sizes, seed=0).train()
     tok = processor.tokenizer
     ids = TokenIds(*(tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|video_pad|>")))
@@ -100,7 +107,7 @@ def _setup(args):
     from raggedvl.train.grad_cache import grad_cache_step
 
     torch.set_num_threads(1)
-    model, ids, tok = _model_and_tokens(args.head)
+    model, ids, tok = _model_and_tokens(args.head, args.model_size)
     if args.head == "bi_encoder":
         info_nce = InfoNCELoss(temperature=0.02)
         loss_fn = lambda q, d: info_nce(q.embeddings, d.embeddings)  # noqa: E731
@@ -146,7 +153,7 @@ def child_time(args) -> None:
 def _run(args, batch: int, kind: str, mode: str = "cached") -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--batch", str(batch), "--mode", mode, "--head", args.head,
            "--budget", str(args.budget), "--steps", str(args.steps), "--grid", str(args.grid),
-           "--block-elements", str(args.block_elements)]
+           "--block-elements", str(args.block_elements), "--model-size", args.model_size]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if kind == "memory":
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
@@ -163,6 +170,12 @@ def main() -> None:
     p.add_argument("--grid", type=int, default=8, help="document image grid h = w, in patches")
     p.add_argument("--block-elements", type=int, default=DEFAULT_BLOCK_ELEMENTS,
                    help="late interaction: MaxSim similarity entries per block (the loss's working memory)")
+    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny",
+                   help="tiny: text 4x128, vision 2x64; wide: text 8x512, vision 4x256 (activations per chunk "
+                        "grow with the model, the O(B) embedding-gradient cache and loss memory do not)")
+    p.add_argument("--cached-memory-only", action="store_true",
+                   help="measure only the cached step's memory (the plain step of a wide model at B = 512 "
+                        "needs tens of GB)")
     p.add_argument("--child", choices=("memory", "time"), help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=("cached", "plain"), default="cached", help=argparse.SUPPRESS)
@@ -174,11 +187,22 @@ def main() -> None:
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start; "
           f"torch {torch.__version__}; one thread per run")
-    print(f"model: tiny Qwen2-VL retriever (text 4x128, MLP 1024, vision 2x64), {args.head} head, float32; documents: one "
+    print(f"model: {args.model_size} Qwen2-VL retriever ({MODEL_SIZES[args.model_size]}), {args.head} head, float32; documents: one "
           f"{args.grid}x{args.grid}-patch image + ~{TEXT_TOKENS['doc']} tokens; queries ~{TEXT_TOKENS['query']} tokens; "
           f"GradCache budget {args.budget} patches + tokens per chunk; memory: VmHWM of a fresh subprocess"
           + (f"; MaxSim block {args.block_elements} entries" if args.head == "late_interaction" else ""))
     rows = []
+    if args.cached_memory_only:
+        peaks = []
+        print("| global batch | cached step peak MB | x smallest batch | cached peak RSS MB |")
+        print("|---:|---:|---:|---:|")
+        for batch in args.batches:
+            c = _run(args, batch, "memory", "cached")
+            peaks.append(c["step_peak_mb"])
+            print(f"| {batch} | {c['step_peak_mb']:.0f} | {c['step_peak_mb'] / peaks[0]:.2f} | {c['peak_mb']:.0f} |", flush=True)
+        print(f"cached step peak, largest / smallest over global batch {args.batches[0]}..{args.batches[-1]}: "
+              f"{max(peaks) / min(peaks):.2f}x (goal <= 1.2x); load average {os.getloadavg()[0]:.1f} at end")
+        return
     for batch in args.batches:
         row = {"cached": _run(args, batch, "memory", "cached"), "plain": _run(args, batch, "memory", "plain"),
                "time": _run(args, batch, "time")}

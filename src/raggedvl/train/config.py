@@ -93,7 +93,8 @@ class TrainConfig:
                 f"head={self.head!r} does not go with loss={self.loss!r}: use loss='infonce' with the "
                 "bi-encoder head, and 'late_interaction' or 'pairwise' with the multi-vector head"
             )
-        for name in ("global_batch_size", "epochs", "dim", "checkpoint_every", "log_every", "eval_batch_size"):
+        for name in ("global_batch_size", "epochs", "dim", "checkpoint_every", "log_every", "eval_batch_size",
+                     "grad_cache_budget", "keep_checkpoints", "collective_timeout_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature <= 0 or self.lr <= 0 or (self.head_lr is not None and self.head_lr <= 0):

@@ -63,11 +63,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def evaluate(trainer: RaggedTrainer, dev, collate, head: str) -> dict[str, float] | None:
+def evaluate(trainer: RaggedTrainer, dev, collate) -> dict[str, float] | None:
     if dev is None or not trainer.is_world_process_zero():
         return None
     model = trainer.accelerator.unwrap_model(trainer.model)
-    return evaluate_retrieval(model.eval(), dev, collate, batch_size=8, device=trainer.args.device, head=head)
+    return evaluate_retrieval(model.eval(), dev, collate, batch_size=8, device=trainer.args.device)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -93,9 +93,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         data_collator=RetrievalWireCollator(collate),  # ragged batches that survive every launch mode
     )
     # --- end README ---
-    before = evaluate(trainer, dev, collate, args.head)
+    before = evaluate(trainer, dev, collate)
     trainer.train()
-    after = evaluate(trainer, dev, collate, args.head)
+    after = evaluate(trainer, dev, collate)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if trainer.is_world_process_zero():
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {args.max_steps} steps "

@@ -95,7 +95,6 @@ def evaluate_retrieval(
     *,
     batch_size: int,
     device: torch.device,
-    head: str = "late_interaction",
     autocast: Any = None,
 ) -> dict[str, float]:
     """nDCG@5, Recall@1, Recall@5, MRR@10 of ``model`` on ``dataset`` (query i's relevant

@@ -46,7 +46,7 @@ def evaluate_checkpoint(path: str | Path, *, split: str | None = None, batch_siz
         c = build_components(cfg, info)
         model = c.model.to(info.device)
         load_full_state_dicts(model, None, ckpt.model, None)
-        metrics = evaluate_retrieval(model, c.eval_set, c.collate, batch_size=batch_size, device=info.device, head=cfg.head)
+        metrics = evaluate_retrieval(model, c.eval_set, c.collate, batch_size=batch_size, device=info.device)
         if info.is_main:
             n = int(metrics["n"])
             print(f"{ckpt.path} (step {ckpt.state['step']}), split {cfg.eval_split!r}, {n} query-document pairs")

@@ -174,7 +174,7 @@ class Trainer:
         for name, ds in (("train", self.c.train_eval_set), ("dev", self.c.eval_set)):
             out[name] = evaluate_retrieval(
                 model, ds, self.c.collate, batch_size=self.cfg.eval_batch_size, device=self.info.device,
-                head=self.cfg.head, autocast=self.autocast,
+                autocast=self.autocast,
             )
         return out
 

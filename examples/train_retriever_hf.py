@@ -64,7 +64,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def evaluate(trainer: RaggedTrainer, dev, collate) -> dict[str, float] | None:
-    if dev is None or not trainer.is_world_process_zero():
+    """Every process calls this: encoding is sharded over the processes and gathered (a collective)."""
+    if dev is None:
         return None
     model = trainer.accelerator.unwrap_model(trainer.model)
     return evaluate_retrieval(model.eval(), dev, collate, batch_size=8, device=trainer.args.device)

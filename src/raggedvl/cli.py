@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -15,6 +16,9 @@ def _train(args, argv: Sequence[str]) -> int:
     from raggedvl.train.launch import run_torchrun, strip_torchrun_arguments, torchrun_command, under_torchrun
 
     cfg = config_from_args(args)  # validate before starting any process
+    from raggedvl.train.setup import check_output_dir
+
+    check_output_dir(cfg)
     if under_torchrun():
         from raggedvl.train.loop import train
 
@@ -22,10 +26,34 @@ def _train(args, argv: Sequence[str]) -> int:
         return 0
     from raggedvl.train.setup import prepare_data
 
-    prepare_data(cfg)  # build / cache the dataset once, before the ranks start
     cmd = torchrun_command(args, strip_torchrun_arguments(argv))
+    check_world_fits(cfg, cmd)
+    prepare_data(cfg)  # build / cache the dataset once, before the ranks start
     print("+ " + " ".join(cmd), flush=True)
     return run_torchrun(cmd)
+
+
+def check_world_fits(cfg, cmd: list[str]) -> None:
+    """Raise ``ValueError`` before starting torchrun when the processes cannot all get a sample."""
+    def opt(name: str, default: int) -> int:
+        if name not in cmd:
+            return default
+        value = cmd[cmd.index(name) + 1]
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+        if number < 1:
+            raise ValueError(f"{name} must be >= 1, got {number}")
+        return number
+
+    nnodes = cmd[cmd.index("--nnodes") + 1] if "--nnodes" in cmd else "1"
+    world = opt("--nproc-per-node", 1) * (int(nnodes) if nnodes.isdigit() else 1)
+    if cfg.global_batch_size < world:
+        raise ValueError(
+            f"global_batch_size {cfg.global_batch_size} < {world} processes: every rank needs at least one "
+            f"sample per step; use --global-batch-size {world} or more"
+        )
 
 
 def _eval(args) -> int:
@@ -76,11 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if args.command == "train":
-        return _train(args, argv[1:])
-    if args.command == "eval":
-        return _eval(args)
-    return _data(args)
+    from raggedvl.train.checkpoint import CheckpointError
+
+    try:
+        if args.command == "train":
+            return _train(args, argv[1:])
+        if args.command == "eval":
+            return _eval(args)
+        return _data(args)
+    except (ValueError, CheckpointError) as exc:
+        if "LOCAL_RANK" in os.environ:  # inside torchrun: the rank's own report already named it
+            raise
+        print(f"raggedvl: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def test_a_skipped_bad_image_is_counted_in_the_log_and_the_summary(tmp_path, cap
     path = tmp_path / "pairs.parquet"
     datasets.Dataset.from_dict({"query": [f"question {i}" for i in range(8)], "image": images}, features=features).to_parquet(str(path))
     cfg = TrainConfig(dataset=str(path), train_split="train", eval_split="train", max_steps=2, global_batch_size=4,
-                      eval_before=False, eval_after=False, on_bad_image="skip", checkpoint_every=100,
+                      eval_before=False, eval_after=True, on_bad_image="skip", checkpoint_every=100,
                       output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache))
     train(cfg)  # one process: 2 steps of 4 cover all 8 pairs once
     err = capfd.readouterr().err
@@ -37,3 +37,5 @@ def test_a_skipped_bad_image_is_counted_in_the_log_and_the_summary(tmp_path, cap
     assert [r["skipped_examples"] for r in steps][-1] == 1
     assert sum(sum(r["rank_samples"]) for r in steps) == 7  # the skipped pair is not counted as trained
     assert "examples skipped for bad images (on_bad_image='skip'): 1" in (tmp_path / "run" / "summary.md").read_text()
+    # evaluation drops the bad pair with its query: 7 queries ranked among 7 documents
+    assert "random ranker (7 docs)" in (tmp_path / "run" / "summary.md").read_text()

@@ -58,3 +58,21 @@ def test_default_job_uses_the_tiny_recipe():
         r.max_train_samples, r.temperature, r.weight_decay, r.max_grad_norm)
     assert cfg.resolved_max_pixels == r.max_pixels
     assert TrainConfig(model="Qwen/Qwen2-VL-2B-Instruct").resolved_max_pixels is None  # the checkpoint's own
+
+
+def test_yaml_values_are_type_checked_naming_the_key(tmp_path):
+    for text, key in (('resume: "false"\n', "resume"), ("max_steps: 3.7\n", "max_steps"), ('lr: "abc"\n', "lr")):
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"config key '{key}' must be"):
+            TrainConfig.from_yaml(path)
+    assert TrainConfig.from_dict({"lr": 1, "max_train_samples": None}).lr == 1  # ints are valid floats
+
+
+def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path, capsys):
+    from raggedvl.cli import main
+
+    (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
+    assert main(["train", "--output-dir", str(tmp_path)]) == 2
+    assert "--resume true" in capsys.readouterr().err
+    assert main(["train", "--output-dir", str(tmp_path), "--global-batch-size", "1"]) == 2  # checked before torchrun

@@ -97,6 +97,8 @@ class TrainConfig:
                      "grad_cache_budget", "keep_checkpoints", "collective_timeout_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 (or none to train `epochs` epochs), got {self.max_steps}")
         if self.temperature <= 0 or self.lr <= 0 or (self.head_lr is not None and self.head_lr <= 0):
             raise ValueError(f"temperature, lr and head_lr must be > 0, got {self.temperature}, {self.lr}, {self.head_lr}")
 
@@ -116,10 +118,14 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        """Raises ``ValueError`` for an unknown key or a value of the wrong type (a quoted
+        ``"false"`` is a string, not a boolean), naming the key."""
+        fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(fields))
         if unknown:
-            raise ValueError(f"unknown config keys {unknown}; known keys: {sorted(known)}")
+            raise ValueError(f"unknown config keys {unknown}; known keys: {sorted(fields)}")
+        for key, value in values.items():
+            _check_type(key, value, fields[key])
         return cls(**values)
 
     @classmethod
@@ -133,6 +139,24 @@ class TrainConfig:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _check_type(key: str, value: Any, hint: str) -> None:
+    if value is None:
+        if "None" not in hint:
+            raise ValueError(f"config key {key!r} may not be null")
+        return
+    if "bool" in hint:
+        ok = isinstance(value, bool)
+    elif "int" in hint:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif "float" in hint:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        want = hint.replace(" | None", " or null")
+        raise ValueError(f"config key {key!r} must be {want}, got {value!r} ({type(value).__name__})")
 
 
 def _parse_bool(text: str) -> bool:

@@ -102,8 +102,10 @@ def evaluate_retrieval(
     cosine of the documents' mean-pooled embeddings: near 1 means collapse)."""
     queries, docs = encode_pairs(model, dataset, collate, batch_size=batch_size, device=device, autocast=autocast)
     scores = score_pairs(queries, docs)
-    metrics = retrieval_metrics(scores, torch.arange(len(dataset)))
+    # Pairs whose image was skipped (on_bad_image="skip") drop out with their query: query i's
+    # relevant document is still document i of what was encoded.
+    metrics = retrieval_metrics(scores, torch.arange(len(queries)))
     pooled = torch.stack([d if d.ndim == 1 else d.mean(dim=0) for d in docs])
     metrics["doc_mean_cosine"] = mean_pairwise_cosine(pooled)
-    metrics["n"] = len(dataset)
+    metrics["n"] = len(queries)
     return metrics

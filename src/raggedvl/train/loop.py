@@ -40,7 +40,7 @@ from raggedvl.train.grad_cache import grad_cache_step
 from raggedvl.train.report import MetricsLog, format_metrics_table, plot_run
 from raggedvl.train.rng import capture_rng_state, restore_rng_state
 from raggedvl.train.schedule import warmup_cosine
-from raggedvl.train.setup import build_components
+from raggedvl.train.setup import build_components, check_output_dir
 
 
 @dataclass
@@ -61,6 +61,7 @@ class Trainer:
         self.watchdog = StallWatchdog(info.rank, cfg.collective_timeout_s, enabled=info.world_size > 1)
         self.run_dir = Path(cfg.output_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
+        check_output_dir(cfg)  # every rank sees the same directory: all raise, before any collective
         if info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.run_dir / "config.json")

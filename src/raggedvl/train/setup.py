@@ -8,6 +8,7 @@ differs by rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -58,8 +59,6 @@ def prepare_data(cfg: TrainConfig) -> None:
     if cfg.dataset != "rdocs":
         return
     root = default_cache_root() if cfg.data_cache is None else cfg.data_cache
-    from pathlib import Path
-
     Path(root).mkdir(parents=True, exist_ok=True)
     with FileLock(str(Path(root) / "rdocs.lock")):
         build_rdocs(root, train_limit=cfg.max_train_samples, dev_limit=cfg.max_eval_samples)
@@ -89,7 +88,25 @@ def make_loss(cfg: TrainConfig) -> Callable[[EmbeddingOutput, EmbeddingOutput], 
     return lambda q, d: fn(q.embeddings, q.mask, d.embeddings, d.mask)
 
 
+def check_output_dir(cfg: TrainConfig) -> None:
+    """Refuse to start a fresh run in a directory that holds another run's checkpoints (they
+    would be mixed with this run's). Raises ``ValueError`` naming the fix."""
+    from raggedvl.train.checkpoint import list_checkpoints
+
+    found = list_checkpoints(Path(cfg.output_dir) / "checkpoints")
+    if found and not cfg.resume:
+        raise ValueError(
+            f"{cfg.output_dir} already holds checkpoints of a run ({', '.join(p.name for p in found)}); "
+            "pass --resume true to continue it, or choose a new --output-dir"
+        )
+
+
 def make_sampler(cfg: TrainConfig, train_set, processor, info: DistInfo) -> BalancedDistributedBatchSampler:
+    if len(train_set) < cfg.global_batch_size:
+        raise ValueError(
+            f"the training split has {len(train_set)} pairs, fewer than global_batch_size {cfg.global_batch_size}; "
+            f"lower --global-batch-size or use more data (--max-train-samples)"
+        )
     sizes = train_set.image_sizes()
     costs = estimate_costs(sizes, text_tokens=32, resize=ResizeRule.from_processor(processor))
     if cfg.sampler == "equal":  # equal sample counts per rank, for comparison: all costs equal

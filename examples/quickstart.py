@@ -25,6 +25,7 @@ def make_pages() -> list[Image.Image]:
 def main() -> dict:
     pages = make_pages()
     # --- README: quickstart ---
+    # pages: a list of PIL images (examples/quickstart.py makes three synthetic ones)
     from raggedvl import LateInteractionLoss, RaggedBatch, build_processor, build_retriever, scatter_batch
 
     processor = build_processor("tiny")  # or build_processor("Qwen/Qwen2-VL-2B-Instruct")

@@ -99,7 +99,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     after = evaluate(trainer, dev, collate)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if trainer.is_world_process_zero():
-        print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {args.max_steps} steps "
+        trend = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else f"no loss logged (--logging-steps {args.logging_steps})"
+        print(f"{trend} over {args.max_steps} steps "
               f"({trainer.args.world_size} process(es), {trainer.args.n_gpu} GPU(s) per process)")
         for name, metrics in (("before", before), ("after", after)):
             if metrics:

@@ -88,3 +88,16 @@ def test_pickle_payload_is_refused(tmp_path):
         load_checkpoint(path)
     assert not os.path.exists("/tmp/raggedvl-pwned")
     assert isinstance(pickle.UnpicklingError("x"), Exception)
+
+
+def test_eval_resolves_a_run_dir_to_the_newest_checkpoint_that_verifies(tmp_path):
+    from raggedvl.train.evaluate_checkpoint import resolve_checkpoint
+
+    older = _save(tmp_path, 1, 1.0)
+    newest = _save(tmp_path, 2, 2.0)
+    assert resolve_checkpoint(tmp_path) == newest
+    (newest / "MANIFEST.json").unlink()
+    assert resolve_checkpoint(tmp_path) == older
+    (older / "MANIFEST.json").unlink()
+    with pytest.raises(CheckpointError, match="no checkpoint verifies"):
+        resolve_checkpoint(tmp_path)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
 
 from raggedvl.parallel.runtime import init_distributed, shutdown
 from raggedvl.parallel.wrap import load_full_state_dicts
-from raggedvl.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from raggedvl.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
 from raggedvl.train.config import TrainConfig
 from raggedvl.train.evaluate import evaluate_retrieval
 from raggedvl.train.metrics import random_ranker_metrics
@@ -17,7 +18,8 @@ from raggedvl.train.report import format_metrics_table
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder as given, or the newest one of a run directory.
+    """A checkpoint folder as given, or the newest checkpoint of a run directory that verifies
+    (a torn or corrupt newer one is reported and skipped, as ``--resume`` does).
     Raises :class:`CheckpointError` when there is none."""
     path = Path(path)
     if (path / "MANIFEST.json").exists() or (path / "model.safetensors").exists():
@@ -25,7 +27,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
     found = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
     if not found:
         raise CheckpointError(f"{path}: neither a checkpoint folder nor a run directory with checkpoints/step-*")
-    return found[0]
+    problems = []
+    for candidate in found:
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            print(f"warning: skipped checkpoint: {exc}", file=sys.stderr)
+            continue
+        return candidate
+    raise CheckpointError(f"{path}: no checkpoint verifies: " + "; ".join(problems))
 
 
 def evaluate_checkpoint(path: str | Path, *, split: str | None = None, batch_size: int = 16, max_samples: int | None = None) -> dict[str, float]:

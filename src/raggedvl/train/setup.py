@@ -7,6 +7,7 @@ differs by rank.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -75,6 +76,14 @@ def load_splits(cfg: TrainConfig) -> tuple[Sequence[dict[str, Any]], Sequence[di
         )
     train = load_retrieval_dataset(cfg.dataset, split=cfg.train_split, limit=cfg.max_train_samples, on_bad_image=cfg.on_bad_image)
     dev = load_retrieval_dataset(cfg.dataset, split=cfg.eval_split, limit=cfg.max_eval_samples, on_bad_image=cfg.on_bad_image)
+    shared = set(train.ids()) & set(dev.ids())
+    if shared:
+        print(
+            f"warning: {len(shared)} of the {len(dev)} evaluation pairs of {cfg.dataset!r} (split {cfg.eval_split!r}) are "
+            f"also training pairs (split {cfg.train_split!r}): dev metrics measure memorisation, not generalisation. "
+            "A single parquet file or image folder holds one split; point --dataset at a folder with a file per split.",
+            file=sys.stderr,
+        )
     return train, dev
 
 

@@ -19,7 +19,7 @@ import torch
 from raggedvl.losses import late_interaction_scores
 from raggedvl.parallel.runtime import get_rank, get_world_size
 from raggedvl.parallel.wrap import all_gather_objects
-from raggedvl.train.metrics import mean_pairwise_cosine, retrieval_metrics
+from raggedvl.evaluation.metrics import mean_pairwise_cosine, score_metrics
 
 
 def _valid_rows(emb: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
@@ -104,7 +104,8 @@ def evaluate_retrieval(
     scores = score_pairs(queries, docs)
     # Pairs whose image was skipped (on_bad_image="skip") drop out with their query: query i's
     # relevant document is still document i of what was encoded.
-    metrics = retrieval_metrics(scores, torch.arange(len(queries)))
+    # Ties are ranked as trec_eval ranks them (score, then id descending), not pessimistically.
+    metrics = score_metrics(scores, [{i: 1} for i in range(len(queries))], [f"{i:08d}" for i in range(len(queries))])
     pooled = torch.stack([d if d.ndim == 1 else d.mean(dim=0) for d in docs])
     metrics["doc_mean_cosine"] = mean_pairwise_cosine(pooled)
     metrics["n"] = len(queries)

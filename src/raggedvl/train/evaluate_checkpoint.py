@@ -13,7 +13,7 @@ from raggedvl.parallel.wrap import load_full_state_dicts
 from raggedvl.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
 from raggedvl.train.config import TrainConfig
 from raggedvl.train.evaluate import evaluate_retrieval
-from raggedvl.train.metrics import random_ranker_metrics
+from raggedvl.evaluation.metrics import random_ranker_metrics
 from raggedvl.train.report import format_metrics_table
 
 

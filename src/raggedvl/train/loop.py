@@ -235,7 +235,7 @@ class Trainer:
         return summary
 
     def _report(self, log: MetricsLog, before, after) -> dict[str, Any]:
-        from raggedvl.train.metrics import random_ranker_metrics
+        from raggedvl.evaluation.metrics import random_ranker_metrics
 
         records = log.read()
         if after is not None:

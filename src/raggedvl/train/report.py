@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from raggedvl.train.metrics import METRICS
+from raggedvl.evaluation.metrics import METRICS
 
 
 class MetricsLog:

@@ -1,6 +1,6 @@
 """``raggedvl`` command line: ``train``, ``eval``, ``data``.
 
-``main(argv)`` is the whole CLI, so tests call it in-process.
+``main(argv)`` is the whole CLI (it returns the exit code), so tests call it in-process.
 """
 
 from __future__ import annotations
@@ -34,21 +34,13 @@ def _train(args, argv: Sequence[str]) -> int:
 
 
 def check_world_fits(cfg, cmd: list[str]) -> None:
-    """Raise ``ValueError`` before starting torchrun when the processes cannot all get a sample."""
-    def opt(name: str, default: int) -> int:
-        if name not in cmd:
-            return default
-        value = cmd[cmd.index(name) + 1]
-        try:
-            number = int(value)
-        except ValueError:
-            raise ValueError(f"{name} must be an integer, got {value!r}") from None
-        if number < 1:
-            raise ValueError(f"{name} must be >= 1, got {number}")
-        return number
+    """Raise ``ValueError`` before starting torchrun when the processes cannot all get a sample
+    (or ``--nproc-per-node`` is not a value torchrun accepts)."""
+    from raggedvl.train.launch import local_world_size
 
+    nproc = local_world_size(cmd[cmd.index("--nproc-per-node") + 1]) if "--nproc-per-node" in cmd else 1
     nnodes = cmd[cmd.index("--nnodes") + 1] if "--nnodes" in cmd else "1"
-    world = opt("--nproc-per-node", 1) * (int(nnodes) if nnodes.isdigit() else 1)
+    world = nproc * (int(nnodes) if nnodes.isdigit() else 1)
     if cfg.global_batch_size < world:
         raise ValueError(
             f"global_batch_size {cfg.global_batch_size} < {world} processes: every rank needs at least one "
@@ -71,34 +63,89 @@ def _data(args) -> int:
     return 0
 
 
+DESCRIPTION = """\
+Train and evaluate visual document retrievers (ColQwen-style late interaction or a bi-encoder)
+on Qwen2-VL-family models, on one process or many (torchrun: DDP / FSDP2), with exact
+cross-rank negatives and cost-balanced batches of dynamic-resolution images.
+"""
+
+EPILOG = """\
+examples:
+  raggedvl train                                   the default job: tiny model, embedded rdocs data, 2 processes on CPU
+  raggedvl train --config my.yaml --lr 1e-4        YAML keys, overridden by flags (see raggedvl train --help)
+  raggedvl train --output-dir runs/a --resume      continue from the newest valid checkpoint
+  raggedvl eval runs/a --split dev                 nDCG@5, Recall@1/5, MRR@10 of the newest checkpoint
+  raggedvl data rdocs                              build the embedded dataset once and print its path
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors in one line and suggests the closest flag for an unknown one."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    parser = action.choices.get(getattr(namespace, action.dest, None), self)
+            from raggedvl.options import did_you_mean
+
+            flags = [flag for flag in parser._option_string_actions if flag.startswith("--")]
+            unknown = next((tok.split("=", 1)[0] for tok in extras if tok.startswith("--")), None)
+            hint = did_you_mean(unknown, flags) if unknown else ""
+            parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return namespace
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from raggedvl import __version__
     from raggedvl.train.config import add_config_arguments
     from raggedvl.train.launch import add_torchrun_arguments
 
-    parser = argparse.ArgumentParser(prog="raggedvl", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="raggedvl", description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"raggedvl {__version__} ({_stack_versions()})")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,eval,data}")
 
     p_train = sub.add_parser(
         "train",
-        help="train a ColQwen-style retriever (starts torchrun itself; the default job needs no arguments)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="train a retriever (starts torchrun itself; the default job needs no arguments)",
+        description="Train a retriever. Every config key is a flag; precedence: defaults < --config YAML < flags. "
+                    "Started from a shell, raggedvl starts torchrun with the torchrun options below.",
     )
-    p_train.add_argument("--config", default=None, help="YAML file of config keys; flags override it")
+    p_train.add_argument("--config", default=None, metavar="YAML",
+                         help="YAML file of config keys (the flag names with _ for -); flags override it")
     add_config_arguments(p_train)
     add_torchrun_arguments(p_train)
 
     p_eval = sub.add_parser("eval", help="nDCG@5, Recall@1/5, MRR@10 of a checkpoint on a split")
     p_eval.add_argument("checkpoint", help="a checkpoint folder (run/checkpoints/step-N) or a run directory (newest checkpoint)")
-    p_eval.add_argument("--split", default=None, help="default: the run's eval split")
-    p_eval.add_argument("--batch-size", type=int, default=16)
-    p_eval.add_argument("--max-samples", type=int, default=None)
+    p_eval.add_argument("--split", default=None, help="dataset split (default: the run's eval split)")
+    p_eval.add_argument("--batch-size", type=int, default=16, help="samples per forward pass (default: 16)")
+    p_eval.add_argument("--max-samples", type=int, default=None, help="evaluate on at most this many pairs (default: all)")
 
-    p_data = sub.add_parser("data", help="build an embedded dataset")
-    p_data.add_argument("name", choices=["rdocs"])
-    p_data.add_argument("--cache-dir", default=None)
+    p_data = sub.add_parser("data", help="build an embedded dataset and print its path")
+    p_data.add_argument("name", choices=["rdocs"], help="dataset name")
+    p_data.add_argument("--cache-dir", default=None, help="where to build it (default: ~/.cache/raggedvl)")
     p_data.add_argument("--train-limit", type=int, default=None, help="build at most this many training pairs")
     p_data.add_argument("--dev-limit", type=int, default=None, help="build at most this many dev pairs")
     return parser
+
+
+def _stack_versions() -> str:
+    from importlib import metadata
+
+    found = []
+    for name in ("torch", "transformers", "accelerate", "peft"):
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} missing")
+    return ", ".join(found)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -74,5 +74,5 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path, capsys):
 
     (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
     assert main(["train", "--output-dir", str(tmp_path)]) == 2
-    assert "--resume true" in capsys.readouterr().err
+    assert "pass --resume to continue" in capsys.readouterr().err
     assert main(["train", "--output-dir", str(tmp_path), "--global-batch-size", "1"]) == 2  # checked before torchrun

@@ -8,99 +8,97 @@ see that module and benchmarks/results/tiny_recipe.md for why). For a pretrained
 
 Precedence: dataclass defaults (the embedded default job) < YAML file (``--config``) <
 command-line flags. Every field is a flag: ``global_batch_size`` is ``--global-batch-size``.
+Each field is declared once with :func:`raggedvl.options.option` (help text with units, bounds;
+``Literal`` types list the choices): ``raggedvl train --help`` and the checks come from there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import yaml
+from raggedvl.options import add_arguments, check_fields, check_known_keys, load_yaml, option, values_from
 
 
 @dataclass
 class TrainConfig:
     # model
-    model: str = "tiny"  # "tiny" (built from a config, no download) | hub id | local directory
-    head: str = "late_interaction"  # "late_interaction" (ColQwen-style multi-vector) | "bi_encoder"
-    pooling: str = "last"  # bi-encoder pooling: "last" | "mean"
-    dim: int = 128  # embedding dimension of the projection head
-    lora: bool | None = None  # None: LoRA for pretrained checkpoints, full training for "tiny"
-    lora_r: int = 32
-    lora_alpha: int = 32
-    lora_dropout: float = 0.1
-    gradient_checkpointing: bool = False
-    attn_implementation: str | None = None  # None: sdpa; "flash_attention_2" when installed
+    model: str = option("tiny", "backbone: 'tiny' (built from a config, no download), a hub id or a local directory")
+    head: Literal["late_interaction", "bi_encoder"] = option(
+        "late_interaction", "embedding head: ColQwen-style multi-vector (late_interaction) or one vector (bi_encoder)")
+    pooling: Literal["last", "mean"] = option("last", "bi-encoder pooling over the last hidden states")
+    dim: int = option(128, "embedding dimension of the projection head", at_least=1)
+    lora: bool | None = option(None, "train LoRA adapters on the language model (none: yes for pretrained "
+                                     "checkpoints, full training for 'tiny')")
+    lora_r: int = option(32, "LoRA rank (inner dimension of the adapters)", at_least=1)
+    lora_alpha: int = option(32, "LoRA alpha (the update is scaled by alpha / r)", at_least=1)
+    lora_dropout: float = option(0.1, "LoRA dropout probability", at_least=0)
+    gradient_checkpointing: bool = option(False, "recompute the backbone's activations in backward (less memory)")
+    attn_implementation: str | None = option(
+        None, "transformers attention implementation, e.g. sdpa, eager, flash_attention_2 (none: sdpa)")
     # data
-    dataset: str = "rdocs"  # "rdocs" (embedded) | hub id | local parquet / image folder
-    train_split: str = "train"
-    eval_split: str = "dev"
-    max_train_samples: int | None = 256  # rdocs: pairs built and used (None: all ~1,300)
-    max_eval_samples: int | None = 128
-    min_pixels: int | None = None  # None: the processor's default for the model
-    max_pixels: int | None = None  # None: 100,352 for "tiny" (the recipe), else the checkpoint's
-    max_length: int | None = None  # token cap per sample (never cuts through image placeholders)
-    on_bad_image: str = "error"  # "error" | "skip" (skips are counted in the run summary)
+    dataset: str = option("rdocs", "training data: 'rdocs' (embedded), a hub id, a local parquet file or image folder")
+    train_split: str = option("train", "dataset split to train on")
+    eval_split: str = option("dev", "dataset split to evaluate on")
+    max_train_samples: int | None = option(
+        256, "training pairs used (rdocs: also built), in samples (none: all; rdocs has ~1,300)", at_least=1)
+    max_eval_samples: int | None = option(128, "evaluation pairs used, in samples (none: all)", at_least=1)
+    min_pixels: int | None = option(None, "smallest image area after resize, in pixels (none: the processor's)",
+                                    at_least=1)
+    max_pixels: int | None = option(
+        None, "largest image area after resize, in pixels (none: 100352 for 'tiny', else the checkpoint's)",
+        at_least=1)
+    max_length: int | None = option(
+        None, "token cap per sample; never cuts through image placeholders (none: no cap)", at_least=1)
+    on_bad_image: Literal["error", "skip"] = option(
+        "error", "an unreadable image stops the run (error) or is skipped and counted in the summary (skip)")
     # objective
-    loss: str = "late_interaction"  # "late_interaction" | "pairwise" | "infonce" (bi-encoder)
-    temperature: float = 0.02  # logits = score / temperature
+    loss: Literal["late_interaction", "pairwise", "infonce"] = option(
+        "late_interaction", "contrastive loss: late_interaction or pairwise (multi-vector head), infonce (bi-encoder)")
+    temperature: float = option(0.02, "softmax temperature: logits = score / temperature", above=0)
     # optimisation
-    global_batch_size: int = 8  # G: samples per optimizer step over all ranks (the negatives pool)
-    epochs: int = 1
-    max_steps: int | None = 600  # overrides epochs when set (none: train `epochs` epochs)
-    lr: float = 2e-4  # AdamW peak learning rate of the backbone (warmup, then cosine decay)
-    head_lr: float | None = 2e-3  # of the projection head (none: same as lr)
-    weight_decay: float = 0.0
-    warmup_steps: int = 10
-    max_grad_norm: float = 1.0
-    sampler: str = "balanced"  # "balanced" (cost-balanced ranks) | "equal" (equal sample counts)
-    seed: int = 0
-    precision: str = "auto"  # "auto" (bf16 autocast on CUDA, fp32 on CPU) | "bf16" (also on CPU) | "fp32"
-    strategy: str = "ddp"  # "ddp" | "fsdp2"
-    grad_cache: bool = False
-    grad_cache_budget: int = 4096  # GradCache chunk budget, in patches + tokens per chunk
+    global_batch_size: int = option(
+        8, "samples per optimizer step over all ranks (the in-batch negatives pool)", at_least=1)
+    epochs: int = option(1, "passes over the training set (when max_steps is none)", at_least=1)
+    max_steps: int | None = option(600, "optimizer steps; overrides epochs (none: train `epochs` epochs)", at_least=1)
+    lr: float = option(2e-4, "AdamW peak learning rate of the backbone (linear warmup, then cosine decay)", above=0)
+    head_lr: float | None = option(2e-3, "peak learning rate of the projection head (none: same as lr)", above=0)
+    weight_decay: float = option(0.0, "AdamW weight decay", at_least=0)
+    warmup_steps: int = option(10, "linear warmup, in optimizer steps", at_least=0)
+    max_grad_norm: float = option(1.0, "gradient clipping threshold on the global L2 norm (0: no clipping)", at_least=0)
+    sampler: Literal["balanced", "equal"] = option(
+        "balanced", "how a global batch is split over ranks: by cost (balanced) or equal sample counts (equal)")
+    seed: int = option(0, "seed of model init, sampler order and dropout")
+    precision: Literal["auto", "bf16", "fp32"] = option(
+        "auto", "auto: bf16 autocast on CUDA, fp32 on CPU; bf16: autocast also on CPU; fp32: none")
+    strategy: Literal["ddp", "fsdp2"] = option("ddp", "data parallelism: DDP or FSDP2 (fully_shard)")
+    grad_cache: bool = option(False, "GradCache: embed in chunks, so memory does not grow with the global batch")
+    grad_cache_budget: int = option(4096, "GradCache chunk size, in patches + tokens per chunk", at_least=1)
     # run
-    output_dir: str = "runs/default"
-    checkpoint_every: int = 50  # steps; a final checkpoint is always written
-    keep_checkpoints: int = 2
-    log_every: int = 1
-    eval_before: bool = True
-    eval_after: bool = True
-    eval_train_samples: int = 128  # train pairs scored to show memorisation
-    eval_batch_size: int = 16
-    resume: bool = False  # continue from the newest valid checkpoint in output_dir
-    collective_timeout_s: int = 300  # every collective fails after this many seconds
-    data_cache: str | None = None  # where built datasets are cached (default ~/.cache/raggedvl)
+    output_dir: str = option("runs/default", "run directory: checkpoints, metrics.jsonl, summary.md, report.png")
+    checkpoint_every: int = option(50, "checkpoint interval, in optimizer steps (a final one is always written)",
+                                   at_least=1)
+    keep_checkpoints: int = option(2, "newest checkpoints kept on disk", at_least=1)
+    log_every: int = option(1, "metrics interval, in optimizer steps", at_least=1)
+    eval_before: bool = option(True, "evaluate before training (nDCG@5, Recall@1/5, MRR@10)")
+    eval_after: bool = option(True, "evaluate after training")
+    eval_train_samples: int = option(128, "training pairs also scored at evaluation, to show memorisation",
+                                     at_least=0)
+    eval_batch_size: int = option(16, "samples per forward pass at evaluation", at_least=1)
+    resume: bool = option(False, "continue from the newest valid checkpoint in output_dir")
+    collective_timeout_s: int = option(300, "every collective fails after this many seconds", at_least=1)
+    data_cache: str | None = option(None, "where built datasets are cached (none: ~/.cache/raggedvl)")
 
     def __post_init__(self) -> None:
-        choices = {
-            "head": ("late_interaction", "bi_encoder"),
-            "pooling": ("last", "mean"),
-            "loss": ("late_interaction", "pairwise", "infonce"),
-            "sampler": ("balanced", "equal"),
-            "precision": ("auto", "bf16", "fp32"),
-            "strategy": ("ddp", "fsdp2"),
-            "on_bad_image": ("error", "skip"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        check_fields(self)
         if (self.head == "bi_encoder") != (self.loss == "infonce"):
             raise ValueError(
                 f"head={self.head!r} does not go with loss={self.loss!r}: use loss='infonce' with the "
                 "bi-encoder head, and 'late_interaction' or 'pairwise' with the multi-vector head"
             )
-        for name in ("global_batch_size", "epochs", "dim", "checkpoint_every", "log_every", "eval_batch_size",
-                     "grad_cache_budget", "keep_checkpoints", "collective_timeout_s"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1 (or none to train `epochs` epochs), got {self.max_steps}")
-        if self.temperature <= 0 or self.lr <= 0 or (self.head_lr is not None and self.head_lr <= 0):
-            raise ValueError(f"temperature, lr and head_lr must be > 0, got {self.temperature}, {self.lr}, {self.head_lr}")
 
     @property
     def resolved_max_pixels(self) -> int | None:
@@ -118,22 +116,15 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
-        """Raises ``ValueError`` for an unknown key or a value of the wrong type (a quoted
-        ``"false"`` is a string, not a boolean), naming the key."""
-        fields = {f.name: str(f.type) for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(fields))
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}; known keys: {sorted(fields)}")
-        for key, value in values.items():
-            _check_type(key, value, fields[key])
+        """Raises ``ValueError`` for an unknown key (with the closest known one) or a value of the
+        wrong type (a quoted ``"false"`` is a string, not a boolean), naming the key."""
+        check_known_keys(cls, values)
         return cls(**values)
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "TrainConfig":
-        with open(path, encoding="utf-8") as f:
-            values = yaml.safe_load(f) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"{path}: expected a mapping of config keys, got {type(values).__name__}")
+        """The YAML file's keys, then ``overrides``; numbers in any notation (``1e-4``) are numbers."""
+        values = load_yaml(path)
         values.update(overrides or {})
         return cls.from_dict(values)
 
@@ -141,69 +132,15 @@ class TrainConfig:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _check_type(key: str, value: Any, hint: str) -> None:
-    if value is None:
-        if "None" not in hint:
-            raise ValueError(f"config key {key!r} may not be null")
-        return
-    if "bool" in hint:
-        ok = isinstance(value, bool)
-    elif "int" in hint:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif "float" in hint:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, str)
-    if not ok:
-        want = hint.replace(" | None", " or null")
-        raise ValueError(f"config key {key!r} must be {want}, got {value!r} ({type(value).__name__})")
-
-
-def _parse_bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean (true/false), got {text!r}")
-
-
-def _nullable(conv):
-    def parse(text: str):
-        return None if text.lower() in ("none", "null") else conv(text)
-
-    parse.__name__ = conv.__name__
-    return parse
-
-
 def add_config_arguments(parser) -> None:
     """Add one ``--flag`` per config field to an argparse parser (absent unless given;
-    ``none`` sets an optional field to None)."""
-    import argparse
-
-    hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
-    for f in dataclasses.fields(TrainConfig):
-        hint = str(hints[f.name])
-        if "bool" in hint:
-            conv = _parse_bool
-        elif "int" in hint:
-            conv = int
-        elif "float" in hint:
-            conv = float
-        else:
-            conv = str
-        if "None" in hint:
-            conv = _nullable(conv)
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"), dest=f.name, type=conv, default=argparse.SUPPRESS, metavar=f.name.upper(),
-            help=f"(default: {f.default!r})",
-        )
+    ``none`` sets an optional field to None; booleans are also bare flags, ``--no-X`` for false)."""
+    add_arguments(parser, TrainConfig)
 
 
 def config_from_args(args) -> TrainConfig:
     """Defaults < ``--config`` YAML < flags that were given."""
-    given = vars(args)
-    overrides = {f.name: given[f.name] for f in dataclasses.fields(TrainConfig) if f.name in given}
+    overrides = values_from(args, TrainConfig)
     if getattr(args, "config", None):
         return TrainConfig.from_yaml(args.config, overrides)
     return TrainConfig.from_dict(overrides)

@@ -16,10 +16,20 @@ import subprocess
 import sys
 from typing import Sequence
 
-TORCHRUN_OPTIONS = (
-    "nproc_per_node", "nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id",
-    "master_addr", "master_port", "max_restarts",
-)
+TORCHRUN_HELP = {  # name: (metavar, help)
+    "nproc_per_node": ("N", "processes on this node: a number, or gpu (one per CUDA device), auto (one per accelerator, "
+                      "else one per CPU core) or cpu (one per CPU core), as torchrun reads them "
+                      "(default: the number of CUDA devices, or 2 on a CPU-only machine)"),
+    "nnodes": ("N", "number of nodes, or MIN:MAX for an elastic job (default: 1)"),
+    "node_rank": ("RANK", "this node's rank, 0 to nnodes-1 (static rendezvous)"),
+    "rdzv_backend": ("BACKEND", "torchrun rendezvous backend, e.g. c10d"),
+    "rdzv_endpoint": ("HOST:PORT", "rendezvous address HOST:PORT, the same on every node"),
+    "rdzv_id": ("ID", "job id shared by the nodes of one job"),
+    "master_addr": ("HOST", "address of the rank-0 node (static rendezvous)"),
+    "master_port": ("PORT", "port on the rank-0 node (static rendezvous)"),
+    "max_restarts": ("N", "times torchrun restarts the workers after a failure (default: 0)"),
+}
+TORCHRUN_OPTIONS = tuple(TORCHRUN_HELP)
 
 
 def under_torchrun() -> bool:
@@ -29,13 +39,36 @@ def under_torchrun() -> bool:
 def add_torchrun_arguments(parser) -> None:
     group = parser.add_argument_group("torchrun (passed through when raggedvl starts torchrun itself)")
     for name in TORCHRUN_OPTIONS:
-        group.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
+        metavar, text = TORCHRUN_HELP[name]
+        group.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar=metavar, help=text)
 
 
 def default_nproc() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def local_world_size(nproc_per_node: str) -> int:
+    """Processes torchrun starts for ``--nproc-per-node`` (a number, ``gpu``, ``auto``, ``cpu``;
+    torchrun's ``determine_local_world_size`` rules). Raises ``ValueError`` for anything else,
+    for a number < 1, and for ``gpu`` without a CUDA device."""
+    import torch
+
+    if nproc_per_node.lstrip("-").isdigit():
+        number = int(nproc_per_node)
+        if number < 1:
+            raise ValueError(f"--nproc-per-node must be >= 1, got {number}")
+        return number
+    if nproc_per_node == "gpu":
+        if not torch.cuda.is_available():
+            raise ValueError("--nproc-per-node gpu: no CUDA device is visible; give a number of processes or auto")
+        return torch.cuda.device_count()
+    if nproc_per_node == "auto" and torch.accelerator.is_available():
+        return torch.accelerator.device_count()
+    if nproc_per_node in ("auto", "cpu"):
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    raise ValueError(f"--nproc-per-node must be a number, gpu, auto or cpu, got {nproc_per_node!r}")
 
 
 def torchrun_command(args, train_argv: Sequence[str]) -> list[str]:

@@ -106,7 +106,7 @@ def check_output_dir(cfg: TrainConfig) -> None:
     if found and not cfg.resume:
         raise ValueError(
             f"{cfg.output_dir} already holds checkpoints of a run ({', '.join(p.name for p in found)}); "
-            "pass --resume true to continue it, or choose a new --output-dir"
+            "pass --resume to continue it, or choose a new --output-dir"
         )
 
 

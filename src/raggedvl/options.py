@@ -1,0 +1,207 @@
+"""Typed option dataclasses: one field declaration gives the flag, its help, its checks.
+
+A config dataclass declares each field once, with :func:`option`::
+
+    lr: float = option(2e-4, "AdamW peak learning rate", above=0)
+    head: Literal["late_interaction", "bi_encoder"] = option("late_interaction", "embedding head")
+
+and everything else is derived from that declaration:
+
+- :func:`check_fields` (call it from ``__post_init__``): types (``bool`` / ``int`` / ``float`` /
+  ``str``, ``X | None`` allows null; an ``int`` is a valid ``float``; a boolean is never a number),
+  ``Literal`` choices, and bounds (``at_least=``, ``above=``). Raises ``ValueError`` naming the key.
+- :func:`add_arguments`: one ``--flag`` per field for argparse, with the help text, the choices
+  and the default in ``--help``; boolean fields are also bare flags (``--lora`` sets true,
+  ``--no-lora`` false; ``--lora false`` still works); ``none`` sets a nullable field to null.
+- :func:`values_from`: the fields given on the command line, for the dataclass constructor.
+- :func:`load_yaml`: YAML with numbers in any notation read as numbers (PyYAML follows YAML 1.1,
+  where ``1e-4`` without a dot is a string).
+- :func:`check_known_keys`: unknown keys are refused with a "did you mean" suggestion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+_SCALARS = (bool, int, float, str)
+
+
+def option(default: Any, help: str, *, at_least: float | None = None, above: float | None = None) -> Any:
+    """A dataclass field with its one-line ``help`` (units and meaning) and optional bounds:
+    ``at_least`` (value >= bound) or ``above`` (value > bound); null values skip the bounds."""
+    return field(default=default, metadata={"help": help, "at_least": at_least, "above": above})
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """What a field's type hint and :func:`option` metadata say about its values."""
+
+    name: str
+    kind: type  # bool, int, float or str
+    nullable: bool
+    choices: tuple | None
+    default: Any
+    help: str
+    at_least: float | None
+    above: float | None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def describe(self) -> str:
+        """The ``--help`` text: meaning and units, allowed values, default."""
+        parts = [self.help.rstrip(".")]
+        if self.choices:
+            parts.append("one of " + ", ".join(map(str, self.choices)) + (", none" if self.nullable else ""))
+        elif self.kind is bool:
+            parts.append(f"bare {self.flag} sets true, --no-{self.flag[2:]} false")
+        default = "none" if self.default is None else str(self.default).lower() if self.kind is bool else self.default
+        return ("; ".join(parts) + f" (default: {default})").replace("%", "%%")
+
+    def check(self, value: Any) -> None:
+        """Raise ``ValueError`` naming the key when ``value`` is not allowed for this field."""
+        if value is None:
+            if not self.nullable:
+                raise ValueError(f"config key {self.name!r} may not be null")
+            return
+        if self.kind is bool:
+            ok = isinstance(value, bool)
+        elif self.kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif self.kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            want = self.kind.__name__ + (" or null" if self.nullable else "")
+            raise ValueError(f"config key {self.name!r} must be {want}, got {value!r} ({type(value).__name__})")
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{self.name}={value!r} is not one of {self.choices}")
+        if self.at_least is not None and value < self.at_least:
+            raise ValueError(f"{self.name} must be >= {self.at_least}, got {value}")
+        if self.above is not None and value <= self.above:
+            raise ValueError(f"{self.name} must be > {self.above}, got {value}")
+
+    def parse(self, text: str) -> Any:
+        """A command-line string as a value of this field (``ValueError`` when it is none)."""
+        if self.nullable and text.lower() in ("none", "null"):
+            return None
+        if self.kind is bool:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"expected a boolean (true/false), got {text!r}")
+        return self.kind(text)
+
+
+def field_specs(cls: type) -> dict[str, FieldSpec]:
+    """``{name: FieldSpec}`` for every field of the dataclass ``cls``, in declaration order.
+
+    Raises ``TypeError`` for a hint that is not a scalar, ``X | None`` or a ``Literal``."""
+    hints = typing.get_type_hints(cls)
+    specs = {}
+    for f in dataclasses.fields(cls):
+        hint, nullable, choices = hints[f.name], False, None
+        args = typing.get_args(hint)
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+            nullable = type(None) in args
+            rest = [a for a in args if a is not type(None)]
+            if len(rest) != 1:
+                raise TypeError(f"{cls.__name__}.{f.name}: unsupported type {hint}")
+            hint = rest[0]
+        if typing.get_origin(hint) is Literal:
+            choices = typing.get_args(hint)
+            hint = type(choices[0])
+        if hint not in _SCALARS:
+            raise TypeError(f"{cls.__name__}.{f.name}: unsupported type {hint}")
+        meta = f.metadata
+        specs[f.name] = FieldSpec(f.name, hint, nullable, choices, f.default, meta.get("help", ""),
+                                  meta.get("at_least"), meta.get("above"))
+    return specs
+
+
+def check_fields(obj: Any) -> None:
+    """Check every field of the dataclass instance ``obj`` against its declaration."""
+    for name, spec in field_specs(type(obj)).items():
+        spec.check(getattr(obj, name))
+
+
+def did_you_mean(name: str, known: typing.Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest known name, or ``""`` when none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_known_keys(cls: type, keys: typing.Iterable[str]) -> None:
+    """Raise ``ValueError`` for keys that are not fields of ``cls``, suggesting the closest."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(keys) - set(known))
+    if unknown:
+        hints = "".join(did_you_mean(k, known) for k in unknown[:1])
+        raise ValueError(f"unknown config keys {unknown}{hints} (`raggedvl train --help` lists every key)")
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that reads ``1e-4``, ``5E3`` and ``+1.5e-3`` as floats (YAML 1.2)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML mapping from ``path`` (``ValueError`` when the file holds something else)."""
+    with open(path, encoding="utf-8") as f:
+        values = yaml.load(f, Loader=_YamlLoader) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of config keys, got {type(values).__name__}")
+    return values
+
+
+class _NegateAction(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, False)
+
+
+def add_arguments(parser: argparse.ArgumentParser | Any, cls: type) -> None:
+    """One ``--flag`` per field of ``cls`` (absent from the namespace unless given)."""
+    for spec in field_specs(cls).values():
+        kwargs: dict[str, Any] = dict(dest=spec.name, default=argparse.SUPPRESS, help=spec.describe())
+
+        def convert(text: str, spec: FieldSpec = spec) -> Any:
+            return spec.parse(text)
+
+        convert.__name__ = spec.kind.__name__  # argparse names it in "invalid int value"
+        if spec.kind is bool:
+            parser.add_argument(spec.flag, type=convert, nargs="?", const=True, metavar="BOOL", **kwargs)
+            parser.add_argument(f"--no-{spec.flag[2:]}", dest=spec.name, nargs=0, action=_NegateAction,
+                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            continue
+        if spec.choices is not None:
+            kwargs["choices"] = spec.choices + ((None,) if spec.nullable else ())
+            kwargs["metavar"] = spec.kind.__name__.upper()
+        else:
+            kwargs["metavar"] = spec.kind.__name__.upper()
+        parser.add_argument(spec.flag, type=convert, **kwargs)
+
+
+def values_from(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of ``cls`` that were given on the command line."""
+    given = vars(args)
+    return {f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given}

@@ -1,0 +1,131 @@
+"""The command line explains itself: help per flag, bare booleans, YAML numbers, choices,
+"did you mean", torchrun's gpu/auto, --version (issue 13 item 7, issue 16 item 4)."""
+
+import argparse
+import dataclasses
+import os
+import re
+
+import pytest
+import torch
+
+from raggedvl import __version__
+from raggedvl.cli import build_parser, check_world_fits, main
+from raggedvl.options import field_specs
+from raggedvl.train.config import TrainConfig, config_from_args
+from raggedvl.train.launch import TORCHRUN_OPTIONS, local_world_size, strip_torchrun_arguments, torchrun_command
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["train"]
+
+
+def _config(*argv: str) -> TrainConfig:
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_train_help_describes_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    shown = [a for a in _train_parser()._actions if a.option_strings and a.help != argparse.SUPPRESS]
+    assert len(shown) == len(dataclasses.fields(TrainConfig)) + len(TORCHRUN_OPTIONS) + 2  # + --help, --config
+    for action in shown:
+        flag = action.option_strings[-1]
+        assert flag in text, flag
+        help_text = action.help.split("(default:")[0].strip()
+        assert len(help_text.split()) >= 3, f"{flag} has no description: {action.help!r}"
+    for spec in field_specs(TrainConfig).values():
+        if spec.choices:  # allowed values are listed next to the flag
+            entry = text[text.index("\n  " + spec.flag + " "):]
+            entry = " ".join(entry[: entry.index("(default:")].split())
+            assert "one of " + ", ".join(spec.choices) in entry, spec.flag
+
+
+def test_top_level_help_and_version_speak_to_users(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert all(word in text for word in ("train", "eval", "data", "examples:", "retriever"))
+    assert "test" not in text.lower()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"raggedvl {__version__} (torch {torch.__version__}")
+
+
+def test_yaml_numbers_in_any_notation_are_numbers(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 1e-4\nhead_lr: 5E-3\ntemperature: +2.5e-2\nweight_decay: .1e-1\nmax_pixels: 1_003_520\n")
+    cfg = TrainConfig.from_yaml(path)
+    assert (cfg.lr, cfg.head_lr, cfg.temperature, cfg.weight_decay, cfg.max_pixels) == (1e-4, 5e-3, 2.5e-2, 0.01, 1003520)
+    path.write_text('lr: "1e-4"\n')  # quoted: a string, as a quoted "false" is
+    with pytest.raises(ValueError, match="config key 'lr' must be float"):
+        TrainConfig.from_yaml(path)
+    path.write_text("max_steps: 1e3\n")  # a float is not an int
+    with pytest.raises(ValueError, match="config key 'max_steps' must be int"):
+        TrainConfig.from_yaml(path)
+
+
+def test_bare_boolean_flags():
+    cfg = _config("--lora", "--resume", "--no-eval-before", "--grad-cache")
+    assert (cfg.lora, cfg.resume, cfg.eval_before, cfg.grad_cache) == (True, True, False, True)
+    cfg = _config("--no-lora", "--eval-before", "false", "--resume", "yes")
+    assert (cfg.lora, cfg.eval_before, cfg.resume) == (False, False, True)
+    assert _config("--lora", "none").lora is None
+    assert _config("--resume", "--lr", "1e-4").lr == 1e-4  # a bare flag does not swallow the next one
+    assert (_config().lora, _config().resume, _config().eval_before) == (None, False, True)
+
+
+def test_choices_are_checked(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["train", "--head", "colbert"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'colbert'" in err and "'bi_encoder'" in err and err.count("\n") == 1
+    with pytest.raises(ValueError, match=r"sampler='random' is not one of \('balanced', 'equal'\)"):
+        TrainConfig(sampler="random")
+    with pytest.raises(ValueError, match="lora_r must be >= 1, got 0"):
+        TrainConfig(lora_r=0)
+
+
+def test_unknown_flags_and_keys_suggest_the_closest(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--global-batch-sise", "4"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --global-batch-sise 4; did you mean '--global-batch-size'?" in err
+    assert err.count("\n") == 1  # one line, no usage dump
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 1e-3\nwarmup_step: 3\n")
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config keys ['warmup_step']; did you mean 'warmup_steps'?" in err
+    assert "max_eval_samples" not in err  # not a list of all keys
+
+
+@pytest.mark.parametrize("value", ["gpu", "auto", "cpu"])
+def test_nproc_per_node_words_reach_torchrun(value):
+    argv = ["--nproc-per-node", value, "--lr", "0.1"]
+    cmd = torchrun_command(build_parser().parse_args(["train", *argv]), strip_torchrun_arguments(argv))
+    assert cmd[cmd.index("--nproc-per-node") + 1] == value and cmd[-2:] == ["--lr", "0.1"]
+    if value == "gpu" and not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--nproc-per-node gpu: no CUDA device is visible"):
+            check_world_fits(TrainConfig(), cmd)
+        return
+    on_cuda = value != "cpu" and torch.cuda.is_available()
+    expected = torch.cuda.device_count() if on_cuda else len(os.sched_getaffinity(0))
+    assert local_world_size(value) == expected
+    check_world_fits(TrainConfig(global_batch_size=expected), cmd)
+    if expected > 1:
+        with pytest.raises(ValueError, match=re.escape(f"global_batch_size {expected - 1} < {expected} processes")):
+            check_world_fits(TrainConfig(global_batch_size=expected - 1), cmd)
+
+
+def test_nproc_per_node_rejects_what_torchrun_would():
+    for value, message in (("0", "must be >= 1"), ("two", "a number, gpu, auto or cpu")):
+        with pytest.raises(ValueError, match=message):
+            local_world_size(value)

@@ -1,10 +1,11 @@
-# Two set-up commands (README): `make train` runs the main job, `make test` runs the tests.
+# Two set-up commands (README): `make train` runs the main job, `make test` runs the linter
+# (ruff, settings in pyproject.toml), then the tests.
 # Both create .venv and install everything on first use (CPU torch from constraints.txt).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: train test install
+.PHONY: train test lint install
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -16,5 +17,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 train: install
 	$(BIN)/raggedvl train
 
-test: install
+lint: install
+	$(BIN)/ruff check
+
+test: lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q

@@ -120,7 +120,7 @@ def part_env(rep: Report, args) -> bool:
     return not missing
 
 
-def describe_device(rep: Report, args, torch) -> "torch.device":
+def describe_device(rep: Report, args, torch) -> "torch.device":  # noqa: F821 - torch is imported late, passed in
     cuda = torch.cuda.is_available() and not args.dry_run
     if not cuda:
         why = "--dry-run" if args.dry_run else "no CUDA device: CPU-safe parts only, at dry-run sizes"

@@ -139,7 +139,8 @@ def run_mix(name, size_fn, args):
             shipped, pad_rows, rows = fn(per_image, grids, args.replicas)
             elapsed = time.perf_counter() - start
             s = stats[method]
-            s[0] += shipped; s[1] += pad_rows; s[2] += rows; s[3] += elapsed
+            for i, value in enumerate((shipped, pad_rows, rows, elapsed)):
+                s[i] += value
     return stats
 
 
@@ -158,7 +159,7 @@ def main(argv=None) -> None:
     print(f"machine: {platform.machine()} {platform.processor() or ''} | {os.cpu_count()} CPUs | "
           f"torch {torch.__version__} | threads 1 | {args.batches} batches x {args.batch_size} samples -> "
           f"{args.replicas} replicas, float32 pixel_values")
-    header = f"| mix | method | MB moved / batch | padding rows | ms / batch (collate+split+unpad) | bytes ratio padded/ragged | time ratio padded/ragged |"
+    header = "| mix | method | MB moved / batch | padding rows | ms / batch (collate+split+unpad) | bytes ratio padded/ragged | time ratio padded/ragged |"
     print(header)
     print("|" + "---|" * 7)
     for name, fn in mixes:

@@ -107,7 +107,7 @@ def check_attention(device) -> tuple[str, str]:
     import warnings
 
     from raggedvl.models import build_retriever
-    from raggedvl.models.build import resolve_attn_implementation
+    from raggedvl.models import resolve_attn_implementation
 
     processor, model, docs, torch = _setup(device)
     with warnings.catch_warnings():

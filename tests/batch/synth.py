@@ -30,9 +30,8 @@ def sample_tokens(sample: dict, layout, ids: TokenIds, gen: torch.Generator) -> 
         types.extend([0] * n)
 
     def run(n: int, token: int, type_id: int) -> None:
-        toks.append(ids.vision_start); types.append(0)
-        toks.extend([token] * n); types.extend([type_id] * n)
-        toks.append(VISION_END); types.append(0)
+        toks.extend([ids.vision_start, *[token] * n, VISION_END])
+        types.extend([0, *[type_id] * n, 0])
 
     text(1)
     for t, h, w in sample.get("images", []):

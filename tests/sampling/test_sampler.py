@@ -85,7 +85,7 @@ def test_resume_mid_epoch_continues_identically(w, n, g):
     reference = _epoch(full)
     cut = len(reference) // 2
     states = []
-    for s in (first := _ranks(costs, g, w, seed=5)):
+    for s in _ranks(costs, g, w, seed=5):
         s.set_epoch(2)
         it = iter(s)
         for _ in range(cut):

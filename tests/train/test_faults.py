@@ -33,6 +33,24 @@ def test_report_failure_without_a_group_prints_and_annotates(capfd):
     assert text in capfd.readouterr().err
 
 
+def test_report_failure_never_raises(monkeypatch):
+    class Unprintable(RuntimeError):
+        def __str__(self):
+            raise TypeError("no text")
+
+    class ClosedStream:
+        def write(self, _):
+            raise ValueError("I/O operation on closed file")
+
+        flush = write
+
+    monkeypatch.setattr("sys.stderr", ClosedStream())
+    exc = Unprintable()
+    text = report_failure(0, "in step 1", exc)
+    assert text == "raggedvl: rank 0 failed in step 1: Unprintable: <str() failed>"
+    assert exc.__notes__ == [text]
+
+
 def _stalled_phase(watchdog, phase, seconds, watch=True):
     watchdog.enter(phase, watch=watch)
     time.sleep(seconds)

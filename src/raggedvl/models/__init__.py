@@ -1,6 +1,7 @@
 """raggedvl.models: ColQwen-style and bi-encoder retrievers over Qwen-VL backbones."""
 
-from .build import build_retriever, load_backbone, resolve_attn_implementation
+from .attention import resolve_attn_implementation
+from .build import build_retriever, load_backbone
 from .dummy_vision import dummy_vision_inputs, dummy_vision_term, missing_modalities
 from .families import FAMILIES, Family, TinySizes, family_of, special_token_ids, tiny_backbone_config
 from .heads import EmbeddingOutput, RetrievalHead, pool_hidden

@@ -11,39 +11,15 @@ A checkpoint that leaves any base-model weight uninitialised is refused (``Value
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .attention import resolve_attn_implementation
 from .families import FAMILIES, TinySizes, family_of, special_token_ids, tiny_backbone_config
 from .lora import LoraSettings
 from .retriever import Retriever, RetrieverConfig, is_saved_retriever
-
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-
-
-def resolve_attn_implementation(requested: str | None) -> str:
-    """``None`` -> "sdpa"; "flash_attention_2" falls back to "sdpa" with a warning when
-    flash-attn or CUDA is missing; anything else outside ``ATTN_IMPLEMENTATIONS`` is a ``ValueError``."""
-    if requested is None:
-        return "sdpa"
-    if requested not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS} or None, got {requested!r}")
-    if requested == "flash_attention_2":
-        from transformers.utils import is_flash_attn_2_available
-
-        if not (torch.cuda.is_available() and is_flash_attn_2_available()):
-            warnings.warn(
-                "attn_implementation='flash_attention_2' requested but flash-attn or CUDA is unavailable; "
-                "using 'sdpa' instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return "sdpa"
-    return requested
-
 
 def _as_dtype(torch_dtype: torch.dtype | str | None) -> torch.dtype | None:
     if torch_dtype is None or isinstance(torch_dtype, torch.dtype):

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .attention import resolve_attn_implementation
 from .dummy_vision import MODALITY_KEYS, dummy_vision_term, missing_modalities
 from .families import FAMILIES, family_of
 from .heads import EmbeddingOutput, RetrievalHead
@@ -194,8 +195,6 @@ class Retriever(nn.Module):
         Raises ``ValueError`` when the directory is not a raggedvl retriever or when the weights
         do not match the architecture (listing missing / unexpected keys).
         """
-        from .build import resolve_attn_implementation
-
         path = Path(directory)
         meta = read_retriever_meta(path)
         family = FAMILIES[meta["family"]]

@@ -18,5 +18,25 @@ from raggedvl.parallel.distributed import (
     is_distributed,
     shutdown,
 )
-from raggedvl.parallel.dataparallel import RaggedDataParallel, ScatteredBatch, gather_outputs, scatter_batch  # noqa: E402
-from raggedvl.parallel.dispatch import RaggedDispatchSlicer, prepare_ragged_data_loader  # noqa: E402
+from raggedvl.parallel.dataparallel import RaggedDataParallel, ScatteredBatch, gather_outputs, scatter_batch
+from raggedvl.parallel.dispatch import RaggedDispatchSlicer, prepare_ragged_data_loader
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DistInfo",
+    "PaddedGather",
+    "RaggedDataParallel",
+    "RaggedDispatchSlicer",
+    "ScatteredBatch",
+    "VariableGather",
+    "all_gather_padded",
+    "all_gather_variable",
+    "gather_outputs",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_distributed",
+    "prepare_ragged_data_loader",
+    "scatter_batch",
+    "shutdown",
+]

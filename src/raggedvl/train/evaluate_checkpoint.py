@@ -6,7 +6,6 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import torch
 
 from raggedvl.parallel.runtime import init_distributed, shutdown
 from raggedvl.parallel.wrap import load_full_state_dicts

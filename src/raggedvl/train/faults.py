@@ -36,7 +36,10 @@ FAULT_KINDS = ("raise", "kill", "hang")
 
 
 def _first_line(exc: BaseException, limit: int = 300) -> str:
-    text = str(exc).strip().splitlines()
+    try:
+        text = str(exc).strip().splitlines()
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails is still reported by type
+        text = ["<str() failed>"]
     line = text[0] if text else ""
     return f"{type(exc).__name__}: {line[:limit]}"
 
@@ -55,8 +58,11 @@ def report_failure(rank: int, where: str, exc: BaseException) -> str:
     lines = [f"raggedvl: {own}"]
     lines += [f"raggedvl:   rank {n.rank} reported {now - n.time:.1f} s earlier: {n.text}" for n in peer_notes(rank)]
     text = "\n".join(lines)
-    print(text, file=sys.stderr, flush=True)
-    exc.add_note(text)
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr closed: the note and exc.__notes__ still carry the text
+        pass
+    exc.add_note(text)  # BaseException.add_note: Python 3.11+, the project's requires-python
     abort()
     return text
 

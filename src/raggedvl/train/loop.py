@@ -11,7 +11,6 @@ checkpoints; all ranks run the same number of steps (the sampler guarantees it).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 import time
@@ -169,7 +168,7 @@ class Trainer:
         n_skipped = len(batch.get("skipped", ()))
         return StepResult(global_loss, len(indices) - n_skipped, t2 - t1, time.perf_counter() - t0, n_skipped)
 
-    def evaluate(self, tag: str) -> dict[str, dict[str, float]]:
+    def evaluate(self) -> dict[str, dict[str, float]]:
         model = unwrap_model(self.model) if self.cfg.strategy == "ddp" else self.model
         out = {}
         for name, ds in (("train", self.c.train_eval_set), ("dev", self.c.eval_set)):
@@ -189,7 +188,7 @@ class Trainer:
         before = None
         self.watchdog.enter("in evaluation before training", watch=False)
         if cfg.eval_before and not resumed:
-            before = self.evaluate("before")
+            before = self.evaluate()
             if info.is_main:
                 log.write({"event": "eval_before", "step": 0, **{f"{s}/{k}": v for s, m in before.items() for k, v in m.items() if k != "n"}, "raw": before})
         if info.is_main:
@@ -227,7 +226,7 @@ class Trainer:
                 self.save()
         bar.close()
         self.watchdog.enter("in evaluation after training", watch=False)
-        after = self.evaluate("after") if cfg.eval_after else None
+        after = self.evaluate() if cfg.eval_after else None
         summary: dict[str, Any] = {}
         if info.is_main:
             summary = self._report(log, before, after)

@@ -28,7 +28,8 @@ import time
 import numpy as np
 import torch
 
-from raggedvl.sampling import BalancedDistributedBatchSampler, ResizeRule, estimate_costs, global_batches, partition_costs
+from raggedvl.images import ImagePolicy
+from raggedvl.sampling import BalancedDistributedBatchSampler, estimate_costs, global_batches, partition_costs
 
 RDOCS_MAX_PIXELS = 1_003_520
 
@@ -241,8 +242,8 @@ def main(argv: list[str] | None = None) -> None:
           f"python {platform.python_version()}, torch {torch.__version__}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
     sizes, text, plans = rdocs_sizes()
-    rdocs = estimate_costs(sizes, text, resize=ResizeRule(max_pixels=RDOCS_MAX_PIXELS)).costs
-    heavy = estimate_costs(heavy_sizes(4000), 24, resize=ResizeRule(max_pixels=16 * 1024 * 1024)).costs
+    rdocs = estimate_costs(sizes, text, policy=ImagePolicy(max_pixels=RDOCS_MAX_PIXELS)).costs
+    heavy = estimate_costs(heavy_sizes(4000), 24, policy=ImagePolicy(max_pixels=16 * 1024 * 1024)).costs
     print(f"rdocs: {len(rdocs)} pairs, cost max/median {rdocs.max() / np.median(rdocs):.1f}; "
           f"heavy: {len(heavy)} samples, cost max/median {heavy.max() / np.median(heavy):.1f}\n")
     print_balance(balance_rows("rdocs", rdocs, args.steps) + balance_rows("heavy", heavy, args.steps))

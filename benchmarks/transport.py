@@ -13,7 +13,7 @@ image decoding and resizing are not timed) and end with each replica holding mod
   inside each replica a per-image loop cuts the padding off again.
 
 Bytes moved: the bytes of all tensors the replicas receive. Padding fraction: padding patch rows
-over all patch rows shipped. Grids come from transformers' ``smart_resize`` (factor 28,
+over all patch rows shipped. Grids come from ``raggedvl.images.ImagePolicy`` (transformers' ``smart_resize``, factor 28,
 max_pixels 1,003,520, the ColQwen2 default). Image sizes are synthesised (seeded):
 document pages = US letter / A4 at 60-150 dpi as full pages (60 %), section crops from heading
 to heading (aspect 0.7-7.5, 25 %) and two-page spreads (15 %); natural images = icons, phone
@@ -31,9 +31,9 @@ import random
 import time
 
 import torch
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from raggedvl.batch import RaggedBatch, TokenIds
+from raggedvl.images import ImagePolicy
 from raggedvl.parallel import scatter_batch
 
 MAX_PIXELS = 1_003_520
@@ -80,8 +80,7 @@ def rdocs_size_fn():
 
 
 def grid_of(h: int, w: int) -> tuple[int, int, int]:
-    rh, rw = smart_resize(h, w, factor=28, min_pixels=56 * 56, max_pixels=MAX_PIXELS)
-    return 1, rh // 14, rw // 14
+    return ImagePolicy(min_pixels=56 * 56, max_pixels=MAX_PIXELS).geometry(w, h).grid
 
 
 def tokens(grids: list[tuple[int, int, int]], text: int = 24) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

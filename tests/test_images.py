@@ -1,4 +1,4 @@
-"""Image hardening: every hostile kind of file is processed into a valid grid or rejected."""
+"""Image hardening (raggedvl.images): every hostile kind of file is processed into a valid grid or rejected."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import pytest
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from raggedvl.data.images import BadImageError, ImageLimits, check_resize, fit_image, load_image, prepare_image
+from raggedvl.images import BadImageError, ImagePolicy, load_image
 
-LIMITS = ImageLimits(min_pixels=56 * 56, max_pixels=200_704)
+LIMITS = ImagePolicy(min_pixels=56 * 56, max_pixels=200_704)
 
 
-def _processor_grid(image: Image.Image, limits: ImageLimits) -> tuple[int, int, int]:
+def _processor_grid(image: Image.Image, limits: ImagePolicy) -> tuple[int, int, int]:
     proc = Qwen2VLImageProcessorPil(min_pixels=limits.min_pixels, max_pixels=limits.max_pixels)
     out = proc(images=[image], return_tensors="pt")
     t, h, w = (int(v) for v in out["image_grid_thw"][0])
@@ -24,14 +24,14 @@ def _processor_grid(image: Image.Image, limits: ImageLimits) -> tuple[int, int, 
     return t, h, w
 
 
-def _assert_valid_grid(image: Image.Image, limits: ImageLimits = LIMITS) -> None:
+def _assert_valid_grid(image: Image.Image, limits: ImagePolicy = LIMITS) -> None:
     assert image.mode == "RGB"
     _, gh, gw = _processor_grid(image, limits)
     h_px, w_px = gh * limits.patch_size, gw * limits.patch_size
     assert min(h_px, w_px) >= limits.factor
     assert limits.min_pixels <= h_px * w_px <= limits.max_pixels
     assert gh % limits.merge_size == 0 and gw % limits.merge_size == 0
-    assert (w_px, h_px) == check_resize(image.width, image.height, limits)
+    assert (w_px, h_px) == image.size == limits.geometry(*image.size).target  # the processor keeps the size
 
 
 def _save(image: Image.Image, path, **kwargs):
@@ -47,13 +47,15 @@ def test_geometry_always_gives_a_valid_grid(tmp_path, size):
     rng = np.random.default_rng(sum(size))
     pixels = rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
     path = _save(Image.fromarray(pixels), tmp_path / "x.png")
-    _assert_valid_grid(prepare_image(path, LIMITS))
+    _assert_valid_grid(LIMITS.prepare(path))
 
 
 def test_extreme_aspect_is_padded_not_distorted():
     strip = Image.new("RGB", (2000, 2), (0, 0, 0))
-    fitted = fit_image(strip, LIMITS)
-    assert max(fitted.size) / min(fitted.size) <= LIMITS.max_aspect
+    geometry = LIMITS.geometry(2000, 2)
+    assert geometry.canvas == (2000, 16) and max(geometry.canvas) / min(geometry.canvas) <= LIMITS.max_aspect
+    fitted = LIMITS.prepare(strip)
+    assert fitted.size == geometry.target
     array = np.asarray(fitted)
     row_means = array.mean(axis=(1, 2))
     assert row_means[0] == 255 and row_means[-1] == 255  # white padding above and below
@@ -61,9 +63,9 @@ def test_extreme_aspect_is_padded_not_distorted():
 
 
 def test_small_max_pixels_still_valid():
-    limits = ImageLimits(min_pixels=28 * 28, max_pixels=2 * 28 * 28 * 8)
+    limits = ImagePolicy(min_pixels=28 * 28, max_pixels=2 * 28 * 28 * 8)
     for size in [(1, 1), (20, 3900), (3900, 20), (700, 700)]:
-        _assert_valid_grid(prepare_image(Image.new("RGB", size, (9, 9, 9)), limits), limits)
+        _assert_valid_grid(limits.prepare(Image.new("RGB", size, (9, 9, 9))), limits)
 
 
 def test_modes_convert_to_rgb(tmp_path):
@@ -94,7 +96,7 @@ def test_modes_convert_to_rgb(tmp_path):
     assert load_image(path16).getpixel((0, 0)) == (127, 127, 127)
 
     for path in (gray, cmyk, path16):
-        _assert_valid_grid(prepare_image(path, LIMITS))
+        _assert_valid_grid(LIMITS.prepare(path))
 
 
 def test_exif_orientation_is_applied(tmp_path):
@@ -123,9 +125,9 @@ def test_decompression_bomb_rejected_before_decoding():
     bomb = _png_with_header_size(100_000, 100_000)
     with pytest.raises(BadImageError, match="max_source_pixels"):
         load_image(bomb, name="row 7")
-    limits = ImageLimits(max_pixels=200_704, max_source_pixels=10_000)
+    limits = ImagePolicy(max_pixels=200_704, max_source_pixels=10_000)
     with pytest.raises(BadImageError, match="row 3"):
-        prepare_image(Image.new("RGB", (200, 100)), limits, name="row 3")
+        limits.prepare(Image.new("RGB", (200, 100)), name="row 3")
 
 
 def test_truncated_and_corrupt_files_are_rejected(tmp_path):
@@ -147,7 +149,7 @@ def test_truncated_and_corrupt_files_are_rejected(tmp_path):
 
 def test_limits_from_processor_and_validation():
     proc = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=250_000)
-    limits = ImageLimits.from_processor(proc)
+    limits = ImagePolicy.from_processor(proc)
     assert (limits.min_pixels, limits.max_pixels, limits.factor) == (3136, 250_000, 28)
     with pytest.raises(ValueError, match="min_pixels"):
-        ImageLimits(min_pixels=10_000, max_pixels=5_000)
+        ImagePolicy(min_pixels=10_000, max_pixels=5_000)

@@ -7,7 +7,10 @@ Public API (imported lazily, so ``import raggedvl`` stays cheap):
 - ``RaggedDataParallel``, ``scatter_batch``: whole-sample DataParallel (``raggedvl.parallel``);
 - ``InfoNCELoss``, ``LateInteractionLoss``, ``PairwiseLoss``, ``late_interaction_scores``:
   exact cross-rank contrastive losses (``raggedvl.losses``);
-- ``BalancedDistributedBatchSampler``: cost-balanced sharding (``raggedvl.sampling``);
+- ``BalancedDistributedBatchSampler``, ``estimate_costs``: cost-balanced sharding from image
+  headers (``raggedvl.sampling``);
+- ``ImagePolicy``: what every image becomes before the processor, for the size estimate and
+  the collators alike (``raggedvl.images``);
 - ``build_retriever``, ``build_processor``, ``RetrievalCollator``, ``build_rdocs``: model and
   data building blocks of ``raggedvl train`` (``raggedvl.models``, ``raggedvl.data``).
 """
@@ -35,6 +38,8 @@ _EXPORTS = {
     "late_interaction_scores": "raggedvl.losses",
     "BalancedDistributedBatchSampler": "raggedvl.sampling",
     "estimate_costs": "raggedvl.sampling",
+    "ImagePolicy": "raggedvl.images",
+    "BadImageError": "raggedvl.images",
     "build_retriever": "raggedvl.models",
     "Retriever": "raggedvl.models",
     "build_processor": "raggedvl.data",

@@ -1,26 +1,36 @@
-"""Image loading and hardening for the data path (issue 7 item 2).
+"""What a document image becomes before a Qwen2-VL-family processor sees it: one policy for
+every entry point (size estimate, retrieval and SFT collators, evaluation).
 
-Every document image goes through ``load_image`` (decode, orientation, colour) and then
-``fit_image`` (geometry) before the Qwen2-VL image processor sees it. Policy, per input kind:
+``ImagePolicy`` holds the processor's resize limits and decides, in one place:
 
 | input | result |
 |---|---|
 | grayscale ("L", "1"), palette ("P"), CMYK, YCbCr, LAB, HSV | converted to RGB |
 | RGBA / LA / palette with transparency | composited on white, then RGB |
 | 16-bit ("I;16*", "I") / float ("F") | scaled to 8 bits (value / 257 for 16-bit, clipped to 0..255 for float) |
-| EXIF orientation tag | applied (pixels rotated/flipped), tag consumed |
-| a side under ``factor`` px (28 for Qwen2/2.5-VL; e.g. 1x1) | upscaled (bicubic, aspect kept) so the short side is ``factor`` |
-| aspect ratio above ``max_aspect`` (e.g. a 1:1000 strip) | padded with white on the short side up to ``max_aspect`` |
-| more than ``max_source_pixels`` in the file header (decompression bomb) | rejected before decoding |
+| EXIF orientation tag (or XMP ``tiff:Orientation``) stored before the pixel data | applied (pixels rotated/flipped), tag consumed |
+| aspect ratio above ``max_aspect`` (e.g. a 1:1000 strip) | padded with white on the short side up to ``max_aspect`` (centred) |
+| a side under ``factor`` px (28 for Qwen2/2.5-VL, 32 for Qwen3-VL; e.g. 1x1) | scaled up (aspect kept) so the short side is ``factor`` |
+| then | resized (bicubic) to transformers' ``smart_resize`` size: both sides multiples of ``factor``, area in ``[min_pixels, max_pixels]`` |
+| more than ``max_source_pixels`` (decompression bomb), or an empty side | rejected before decoding |
 | truncated, corrupt or unidentifiable file | rejected |
 
-Rejected images raise ``BadImageError`` (a ``ValueError``) naming the source; callers offer
-``on_bad_image="error"|"skip"``, where skip drops the example and counts it (never silently).
+Every step is a function of the (oriented) size alone, so ``ImagePolicy.inspect`` predicts the
+grid from a file's header (no pixel is decoded) and ``ImagePolicy.prepare`` produces an image of
+exactly that size; the processor then leaves the size unchanged. Downscales under 3x equal the
+PIL processor's own resize pixel for pixel; larger ones first box-reduce by an integer factor
+(PIL ``reducing_gap=3``). An orientation stored after the pixel data (a PNG ``eXIf`` chunk
+after ``IDAT``) is not read by either path.
 
-After ``fit_image``, transformers' ``smart_resize`` (Qwen2-VL's resize rule) gives a size with
-both sides multiples of ``factor = patch_size * merge_size`` (>= factor px) and total pixels within
-``[min_pixels, max_pixels]``; ``resized_size`` exposes that rule and ``check_resize`` verifies it.
-Sizes are (width, height) in pixels, as PIL reports them, unless a name says otherwise.
+Input forms (``ImageSource``): a path (str or ``os.PathLike``), encoded bytes, a ``{"bytes",
+"path"}`` dict (``datasets``' ``Image(decode=False)``), or a PIL image (also what ``datasets``'
+``Image()`` feature decodes a row to). A ``(width, height)`` pair of ints stands for an image of
+that size wherever only the size matters (``inspect``).
+
+Rejected images raise ``BadImageError`` (a ``ValueError``) naming the source and the numbers;
+callers offer ``on_bad_image="error"|"skip"``, where skip drops the example and counts it
+(never silently). Sizes are (width, height) in pixels, as PIL reports them, unless a name says
+otherwise; grids are (t, h, w) in patches.
 """
 
 from __future__ import annotations
@@ -29,30 +39,67 @@ import io
 import math
 import os
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Union
+from typing import Any, Iterator, Literal, Union
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 ImageSource = Union[str, os.PathLike, bytes, Image.Image, dict]
 BadImagePolicy = Literal["error", "skip"]
 _SMART_RESIZE_MAX_ASPECT = 200.0  # transformers' smart_resize raises above this
+_SWAPS_SIDES = {5, 6, 7, 8}  # EXIF orientations that rotate by 90 degrees
+_DECODE_ERRORS = (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError)
 
 
 class BadImageError(ValueError):
     """An image that cannot be decoded or is outside the documented limits."""
 
 
-@dataclass(frozen=True)
-class ImageLimits:
-    """Resize limits of a Qwen2-VL-family image processor, in pixels.
+def check_bad_image_policy(on_bad_image: str) -> None:
+    """Raises ValueError unless ``on_bad_image`` is "error" or "skip"."""
+    if on_bad_image not in ("error", "skip"):
+        raise ValueError(f"on_bad_image must be 'error' or 'skip', got {on_bad_image!r}")
 
-    min_pixels/max_pixels bound the resized image's area; ``factor`` (patch_size *
-    merge_size, 28 for Qwen2/2.5-VL, 32 for Qwen3-VL) is the granularity of both sides;
-    ``max_source_pixels`` bounds the decoded file (decompression-bomb guard).
+
+def _smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' Qwen2-VL resize rule (the one import of it in this package); (h, w) px."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    return smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+@dataclass(frozen=True)
+class ImageGeometry:
+    """The sizes one image goes through, (width, height) in pixels.
+
+    ``source``: as oriented for display (EXIF applied); ``canvas``: after white padding of an
+    extreme aspect ratio; ``target``: what the processor receives (multiples of ``factor``);
+    ``grid``: (t, h, w) in patches, ``patches = t*h*w`` rows of ``pixel_values``."""
+
+    source: tuple[int, int]
+    canvas: tuple[int, int]
+    target: tuple[int, int]
+    grid: tuple[int, int, int]
+
+    @property
+    def patches(self) -> int:
+        t, h, w = self.grid
+        return t * h * w
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    """Resize limits of a Qwen2-VL-family image processor and what they make of an image.
+
+    ``min_pixels``/``max_pixels`` bound the resized image's area; ``factor = patch_size *
+    merge_size`` (28 for Qwen2/2.5-VL, 32 for Qwen3-VL) is the granularity of both sides;
+    ``max_source_pixels`` bounds the source image (decompression-bomb guard). Defaults are
+    transformers 5's ``Qwen2VLImageProcessor`` (patch 14, merge 2, 56*56 .. 28*28*1280 pixels).
+    Raises ValueError for limits under which no image fits (``min_pixels > max_pixels`` or
+    ``max_pixels < 2 * factor**2``).
     """
 
     min_pixels: int = 56 * 56
@@ -75,19 +122,24 @@ class ImageLimits:
 
     @property
     def max_aspect(self) -> float:
-        """Largest long/short side ratio that still resizes to a short side >= factor within
-        max_pixels (with a 2x margin for rounding), capped below smart_resize's 200."""
+        """Largest long/short side ratio kept unpadded: one that still resizes to a short side
+        >= factor within max_pixels (with a 2x margin for rounding), capped below smart_resize's 200."""
         return min(_SMART_RESIZE_MAX_ASPECT - 1.0, self.max_pixels / (2.0 * self.factor**2))
 
     @classmethod
-    def from_processor(cls, processor, max_source_pixels: int = 64_000_000) -> "ImageLimits":
-        """Limits of a transformers Qwen2-VL processor or image processor (PIL or torchvision)."""
+    def from_processor(cls, processor: Any, max_source_pixels: int = 64_000_000) -> "ImagePolicy":
+        """The policy of a transformers Qwen2-VL-family processor or image processor (PIL or
+        torchvision backend; ``size`` holds ``shortest_edge`` = min_pixels and ``longest_edge`` =
+        max_pixels in transformers 5). Raises TypeError when it has no pixel limits."""
         image_processor = getattr(processor, "image_processor", processor)
-        size = dict(getattr(image_processor, "size", None) or {})
-        min_pixels = size.get("shortest_edge", getattr(image_processor, "min_pixels", None))
-        max_pixels = size.get("longest_edge", getattr(image_processor, "max_pixels", None))
-        if min_pixels is None or max_pixels is None:
-            raise TypeError(f"{type(image_processor).__name__} has no min/max pixel limits; is it a Qwen2-VL image processor?")
+        size = getattr(image_processor, "size", None) or {}
+        size = dict(size) if not isinstance(size, dict) else size
+        min_pixels = size.get("shortest_edge") or getattr(image_processor, "min_pixels", None)
+        max_pixels = size.get("longest_edge") or getattr(image_processor, "max_pixels", None)
+        if min_pixels is None or max_pixels is None or not hasattr(image_processor, "patch_size"):
+            raise TypeError(
+                f"{type(image_processor).__name__} has no min/max pixel limits or patch size; is it a Qwen2-VL-family image processor?"
+            )
         return cls(
             min_pixels=int(min_pixels),
             max_pixels=int(max_pixels),
@@ -96,29 +148,150 @@ class ImageLimits:
             max_source_pixels=max_source_pixels,
         )
 
+    # ------------------------------------------------------------------ sizes only
+    def geometry(self, width: int, height: int, *, name: str = "image") -> ImageGeometry:
+        """What an image of ``width`` x ``height`` pixels (oriented) becomes; no pixels involved.
 
-def _describe(source: ImageSource, name: str | None) -> str:
+        Raises:
+            BadImageError: an empty side, more than ``max_source_pixels`` pixels, or (never for
+                valid limits) a size the processor's rule cannot resize.
+        """
+        width, height = int(width), int(height)
+        if width < 1 or height < 1:
+            raise BadImageError(f"{name} has an empty size {width}x{height}")
+        if width * height > self.max_source_pixels:
+            raise BadImageError(
+                f"{name} is {width}x{height} = {width * height} pixels, above the limit "
+                f"max_source_pixels={self.max_source_pixels}; downscale it or raise the limit"
+            )
+        canvas = (width, height)
+        short, long = min(canvas), max(canvas)
+        if long / short > self.max_aspect:  # pad the short side
+            new_short = math.ceil(long / self.max_aspect)
+            canvas = (new_short, height) if width < height else (width, new_short)
+            short = new_short
+        scaled = canvas
+        if short < self.factor:  # scale up so the short side is factor
+            scale = self.factor / short
+            scaled = (max(self.factor, round(canvas[0] * scale)), max(self.factor, round(canvas[1] * scale)))
+        try:
+            new_h, new_w = _smart_resize(scaled[1], scaled[0], self.factor, self.min_pixels, self.max_pixels)
+        except ValueError as exc:
+            raise BadImageError(f"{name} of size {width}x{height} cannot be resized: {exc}") from exc
+        if min(new_w, new_h) < self.factor or not self.min_pixels <= new_w * new_h <= self.max_pixels:
+            raise BadImageError(
+                f"{name} of size {width}x{height} resizes to {new_w}x{new_h} = {new_w * new_h} pixels, outside "
+                f"[{self.min_pixels}, {self.max_pixels}] or with a side under {self.factor}; widen min_pixels/max_pixels"
+            )
+        grid = (1, new_h // self.patch_size, new_w // self.patch_size)
+        return ImageGeometry(source=(width, height), canvas=canvas, target=(new_w, new_h), grid=grid)
+
+    def inspect(self, image: ImageSource | tuple[int, int], *, name: str | None = None) -> ImageGeometry:
+        """``geometry`` of an image given as a (width, height) pair or any ``ImageSource``,
+        reading only the file header (size and orientation), never the pixel data.
+
+        Raises ``BadImageError`` (unreadable header, limits; see ``geometry``) and
+        ``TypeError`` (unsupported source)."""
+        if _is_size_pair(image):
+            return self.geometry(*image, name=name or "image")
+        label = describe_source(image, name)
+        return self.geometry(*read_size(image, name=label), name=label)
+
+    # ------------------------------------------------------------------ pixels
+    def prepare(self, image: ImageSource, *, name: str | None = None) -> Image.Image:
+        """Decode (if needed), orient, convert to RGB, pad, and resize to ``geometry(...).target``:
+        an RGB image the processor keeps at its size, giving ``inspect(image).grid``.
+
+        Raises ``BadImageError`` naming ``name`` (or the path) and ``TypeError`` as ``load_image``."""
+        label = describe_source(image, name)
+        rgb = load_image(image, max_source_pixels=self.max_source_pixels, name=label)
+        geom = self.geometry(*rgb.size, name=label)
+        if geom.canvas != rgb.size:
+            canvas = Image.new("RGB", geom.canvas, (255, 255, 255))
+            canvas.paste(rgb, ((geom.canvas[0] - rgb.width) // 2, (geom.canvas[1] - rgb.height) // 2))
+            rgb = canvas
+        if geom.target != rgb.size:
+            rgb = rgb.resize(geom.target, Image.Resampling.BICUBIC, reducing_gap=3.0)
+        return rgb
+
+
+def _is_size_pair(value: Any) -> bool:
+    return (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
+    )
+
+
+def describe_source(source: Any, name: str | None = None) -> str:
+    """How errors refer to an image: ``name`` when given, else its path or its type."""
     if name is not None:
         return name
     if isinstance(source, (str, os.PathLike)):
-        return str(source)
+        return f"image {source}"
+    if isinstance(source, dict) and source.get("path"):
+        return f"image {source['path']}"
     return f"<{type(source).__name__} image>"
 
 
-def _open(source: ImageSource) -> Image.Image:
+@contextmanager
+def _opened(source: ImageSource) -> Iterator[Image.Image]:
+    """A lazily opened PIL image (header read, pixels not decoded); closed on exit unless the
+    caller passed the PIL image itself."""
     if isinstance(source, Image.Image):
-        return source
+        yield source
+        return
     if isinstance(source, dict):  # datasets' Image feature without decoding: {"bytes", "path"}
         if source.get("bytes") is not None:
-            return Image.open(io.BytesIO(source["bytes"]))
-        if source.get("path"):
-            return Image.open(source["path"])
-        raise BadImageError("image dict has neither 'bytes' nor 'path'")
-    if isinstance(source, (bytes, bytearray)):
-        return Image.open(io.BytesIO(bytes(source)))
-    if isinstance(source, (str, os.PathLike)):
-        return Image.open(Path(source))
-    raise TypeError(f"unsupported image source {type(source).__name__}; pass a path, bytes, a PIL image or a datasets image dict")
+            target: Any = io.BytesIO(source["bytes"])
+        elif source.get("path"):
+            target = Path(source["path"])
+        else:
+            raise BadImageError("image dict has neither 'bytes' nor 'path'")
+    elif isinstance(source, (bytes, bytearray)):
+        target = io.BytesIO(bytes(source))
+    elif isinstance(source, (str, os.PathLike)):
+        target = Path(source)
+    else:
+        raise TypeError(
+            f"unsupported image source {type(source).__name__}; pass a path, bytes, a PIL image or a datasets image dict"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        image = Image.open(target)
+    with image:
+        yield image
+
+
+def _orientation(image: Image.Image) -> int:
+    """EXIF orientation (1..8) from the metadata read with the header, 1 when absent or invalid.
+
+    Uses the base ``Image.getexif`` (PNG's own override decodes the pixels to look for a late
+    ``eXIf`` chunk); the result is cached on the image, so ``ImageOps.exif_transpose`` later
+    applies the same orientation."""
+    try:
+        value = Image.Image.getexif(image).get(ExifTags.Base.Orientation, 1)
+    except Exception:  # noqa: BLE001 - malformed metadata: treat as unrotated, like viewers do
+        return 1
+    return int(value) if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def read_size(source: ImageSource, *, name: str | None = None) -> tuple[int, int]:
+    """(width, height) in pixels as displayed (EXIF orientation applied), from the header only.
+
+    Raises ``BadImageError`` (unreadable header) and ``TypeError`` (unsupported source)."""
+    label = describe_source(source, name)
+    try:
+        with _opened(source) as image:
+            width, height = image.size
+            swap = _orientation(image) in _SWAPS_SIDES
+    except BadImageError:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise BadImageError(f"{label} is above PIL's decompression-bomb limit ({exc}); downscale it") from exc
+    except _DECODE_ERRORS as exc:
+        raise BadImageError(f"{label}: cannot read the image header ({type(exc).__name__}: {exc}); fix or remove the file") from exc
+    return (height, width) if swap else (width, height)
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -140,100 +313,47 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def load_image(source: ImageSource, *, max_source_pixels: int = 64_000_000, name: str | None = None) -> Image.Image:
-    """Decode an image, apply its EXIF orientation and convert it to 8-bit RGB.
+    """Decode an image, apply its EXIF orientation and convert it to 8-bit RGB (no resizing).
 
     Args:
-        source: path, encoded bytes, PIL image, or a datasets Image dict ({"bytes", "path"}).
+        source: any ``ImageSource``.
         max_source_pixels: images whose header announces more pixels are rejected before
             their pixels are decoded.
         name: how errors refer to the image (e.g. "row 12 (id doc-3)").
 
+    Returns a PIL image passed in unchanged when it is already RGB and unrotated, else a new
+    image without metadata (so its orientation is never applied twice).
+
     Raises:
-        BadImageError: unidentifiable, truncated or corrupt data, or too many pixels.
+        BadImageError: unidentifiable, truncated or corrupt data, an empty size or too many pixels.
         TypeError: an unsupported source type.
     """
-    label = _describe(source, name)
+    label = describe_source(source, name)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = _open(source)
+        with _opened(source) as image:
             width, height = image.size
             if width * height > max_source_pixels:
                 raise BadImageError(
-                    f"image {label} is {width}x{height} = {width * height} pixels, above the limit "
+                    f"{label} is {width}x{height} = {width * height} pixels, above the limit "
                     f"max_source_pixels={max_source_pixels}; downscale it or raise the limit"
                 )
             if width < 1 or height < 1:
-                raise BadImageError(f"image {label} has an empty size {width}x{height}")
+                raise BadImageError(f"{label} has an empty size {width}x{height}")
+            orientation = _orientation(image)  # before load(): what read_size sees
             image.load()
-            image = ImageOps.exif_transpose(image)
-            return _to_rgb(image)
+            out = ImageOps.exif_transpose(image) if orientation != 1 else image
+            out = _to_rgb(out)
+            if out is image and image is not source:
+                out = image.copy()  # the file is closed on leaving this block
+            if out is not source:
+                out.info = {}
+            return out
     except BadImageError:
         raise
     except Image.DecompressionBombError as exc:
         raise BadImageError(
-            f"image {label} is above PIL's decompression-bomb limit and above max_source_pixels="
+            f"{label} is above PIL's decompression-bomb limit and above max_source_pixels="
             f"{max_source_pixels} ({exc}); downscale it"
         ) from exc
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise BadImageError(f"image {label} cannot be decoded ({type(exc).__name__}: {exc}); fix or remove the file") from exc
-
-
-def fit_image(image: Image.Image, limits: ImageLimits) -> Image.Image:
-    """Make an RGB image safe for Qwen2-VL's resize rule (see the module table).
-
-    Short side < factor: upscale (bicubic, aspect kept) so the short side is ``factor``.
-    Long/short > ``limits.max_aspect``: pad the short side with white (centred).
-    Otherwise the image is returned unchanged (the processor resizes it).
-    """
-    width, height = image.size
-    short, long = min(width, height), max(width, height)
-    if long / short > limits.max_aspect:
-        new_short = math.ceil(long / limits.max_aspect)
-        size = (new_short, height) if width < height else (width, new_short)
-        canvas = Image.new("RGB", size, (255, 255, 255))
-        canvas.paste(image, ((size[0] - width) // 2, (size[1] - height) // 2))
-        image, (width, height) = canvas, size
-        short = min(width, height)
-    if short < limits.factor:
-        scale = limits.factor / short
-        size = (max(limits.factor, round(width * scale)), max(limits.factor, round(height * scale)))
-        image = image.resize(size, Image.Resampling.BICUBIC)
-    return image
-
-
-def resized_size(width: int, height: int, limits: ImageLimits) -> tuple[int, int]:
-    """(width, height) in pixels that the Qwen2-VL processor resizes this image to.
-
-    Qwen2-VL's rule (transformers ``smart_resize``): round both sides to multiples of
-    ``factor``, then rescale keeping the aspect ratio into [min_pixels, max_pixels].
-    Raises ValueError when the aspect ratio is above 200 (call ``fit_image`` first).
-    """
-    new_h, new_w = smart_resize(height, width, factor=limits.factor, min_pixels=limits.min_pixels, max_pixels=limits.max_pixels)
-    return new_w, new_h
-
-
-def check_resize(width: int, height: int, limits: ImageLimits, name: str = "image") -> tuple[int, int]:
-    """``resized_size`` plus a check that both sides are >= factor and the area is in range.
-
-    Raises:
-        BadImageError: the processor would produce an invalid grid for this size.
-    """
-    try:
-        new_w, new_h = resized_size(width, height, limits)
-    except ValueError as exc:
-        raise BadImageError(f"{name} of size {width}x{height} cannot be resized: {exc}") from exc
-    if min(new_w, new_h) < limits.factor or not limits.min_pixels <= new_w * new_h <= limits.max_pixels:
-        raise BadImageError(
-            f"{name} of size {width}x{height} resizes to {new_w}x{new_h} = {new_w * new_h} pixels, outside "
-            f"[{limits.min_pixels}, {limits.max_pixels}] or with a side under {limits.factor}; "
-            "widen min_pixels/max_pixels"
-        )
-    return new_w, new_h
-
-
-def prepare_image(source: ImageSource, limits: ImageLimits, *, name: str | None = None) -> Image.Image:
-    """``load_image`` + ``fit_image`` + ``check_resize``: an RGB image the processor accepts."""
-    image = fit_image(load_image(source, max_source_pixels=limits.max_source_pixels, name=name), limits)
-    check_resize(image.width, image.height, limits, name=_describe(source, name))
-    return image
+    except _DECODE_ERRORS as exc:
+        raise BadImageError(f"{label} cannot be decoded ({type(exc).__name__}: {exc}); fix or remove the file") from exc

@@ -11,7 +11,8 @@ import torch
 from PIL import Image
 
 from raggedvl.batch.costs import FEATURES, CostModel, cost_features
-from raggedvl.sampling import ResizeRule, calibrate, estimate_costs, fit_cost_model
+from raggedvl.images import BadImageError, ImagePolicy
+from raggedvl.sampling import calibrate, estimate_costs, fit_cost_model
 
 
 def _processor(min_pixels, max_pixels):
@@ -22,20 +23,20 @@ def _processor(min_pixels, max_pixels):
 
 def test_grids_match_the_processor_without_decoding():
     proc = _processor(min_pixels=56 * 56, max_pixels=128 * 28 * 28)
-    rule = ResizeRule.from_processor(proc)
+    rule = ImagePolicy.from_processor(proc)
     assert (rule.min_pixels, rule.max_pixels, rule.patch_size, rule.merge_size) == (3136, 100352, 14, 2)
     rng = random.Random(0)
     sizes = [(rng.randint(20, 900), rng.randint(20, 900)) for _ in range(12)] + [(30, 600), (700, 90)]
     images = [Image.new("RGB", size) for size in sizes]
     expected = proc(images=images, return_tensors="pt")["image_grid_thw"].tolist()
-    assert [list(rule.grid(w, h)) for w, h in sizes] == expected
-    est = estimate_costs(sizes, 0, resize=rule)
+    assert [list(rule.geometry(w, h).grid) for w, h in sizes] == expected
+    est = estimate_costs(sizes, 0, policy=rule)
     assert est.patches.tolist() == [t * h * w for t, h, w in expected]
 
 
 def test_estimate_costs_multi_image_text_only_and_lengths():
-    rule = ResizeRule()
-    est = estimate_costs([None, (448, 448), [(448, 448), (56, 56)]], [7, 3, 5], resize=rule)
+    rule = ImagePolicy()
+    est = estimate_costs([None, (448, 448), [(448, 448), (56, 56)]], [7, 3, 5], policy=rule)
     # 448x448 -> 32x32 patches = 1024 patches = 256 placeholder tokens (+2 markers)
     assert est.patches.tolist() == [0, 1024, 1024 + 16]
     assert est.seq_lens.tolist() == [7, 3 + 256 + 2, 5 + 256 + 2 + 4 + 2]
@@ -46,9 +47,9 @@ def test_estimate_costs_multi_image_text_only_and_lengths():
         m.per_sample + m.per_patch * 1040 + m.per_patch_pair * (1024**2 + 16**2) + m.per_token * 269,
     ]
     np.testing.assert_allclose(est.costs, manual, rtol=1e-12)
-    with pytest.raises(ValueError, match="sample 1: image size"):
+    with pytest.raises(BadImageError, match="sample 1: image has an empty size 0x5"):
         estimate_costs([(10, 10), (0, 5)], 1)
-    with pytest.raises(ValueError, match="image_sizes has 2 samples but text_tokens has 3"):
+    with pytest.raises(ValueError, match="images has 2 samples but text_tokens has 3"):
         estimate_costs([(10, 10), (5, 5)], [1, 2, 3])
 
 

@@ -140,10 +140,10 @@ def test_c08_uneven_naive_shards_still_give_equal_steps():
 
 def _c10_dataset(copies):
     """Per copy: one 4-megapixel two-page spread and seven thumbnails (max_pixels uncapped)."""
-    from raggedvl.sampling import ResizeRule
+    from raggedvl.images import ImagePolicy
 
     sizes = ([(2400, 1700)] + [(160, 120)] * 7) * copies
-    return estimate_costs(sizes, 16, resize=ResizeRule(max_pixels=16 * 1024 * 1024))
+    return estimate_costs(sizes, 16, policy=ImagePolicy(max_pixels=16 * 1024 * 1024))
 
 
 def test_c10_spread_isolated_on_its_rank_and_patch_cap_holds():

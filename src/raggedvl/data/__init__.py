@@ -1,9 +1,10 @@
-"""raggedvl.data: the embedded rdocs dataset, retrieval datasets and loaders, processors, collator,
-image hardening."""
+"""raggedvl.data: the embedded rdocs dataset, retrieval datasets and loaders, processors, collator
+(image hardening: ``raggedvl.images``, re-exported here)."""
 
 from .collator import DOC_TEMPLATE, IMAGE_BLOCK, QUERY_AUGMENTATION, QUERY_TEMPLATE, RetrievalCollator
 from .dataset import RetrievalDataset, load_retrieval_dataset
-from .images import BadImageError, ImageLimits, check_resize, fit_image, load_image, prepare_image, resized_size
+from raggedvl.images import BadImageError, ImagePolicy, load_image
+
 from .processing import (
     QWEN2_VL_SPECIAL_TOKENS,
     TINY_MAX_PIXELS,
@@ -21,7 +22,7 @@ __all__ = [
     "DEFAULT_JOB_TRAIN_PAIRS",
     "DOC_TEMPLATE",
     "IMAGE_BLOCK",
-    "ImageLimits",
+    "ImagePolicy",
     "QUERY_AUGMENTATION",
     "QUERY_TEMPLATE",
     "QWEN2_VL_SPECIAL_TOKENS",
@@ -33,13 +34,9 @@ __all__ = [
     "build_processor",
     "build_rdocs",
     "build_tiny_tokenizer",
-    "check_resize",
     "default_cache_root",
-    "fit_image",
     "load_image",
     "load_retrieval_dataset",
-    "prepare_image",
-    "resized_size",
     "set_pixel_limits",
     "verify_manuals",
 ]

@@ -6,11 +6,11 @@ processor expands to ``t*h*w / merge_size**2`` ``<|image_pad|>`` tokens; a query
 ``"Query: {query}"`` followed by ``QUERY_AUGMENTATION`` (ten ``<|endoftext|>`` tokens that give
 late interaction extra query vectors). Both are plain strings, configurable.
 
-Each image is resized here to exactly the size the processor's own rule (``smart_resize``)
-would choose (bicubic, PIL ``reducing_gap=3``), so the processor leaves the size unchanged with
-the PIL or the torchvision backend. For downscales under 3x the pixels equal the PIL
-processor's own resize; larger ones (150 dpi spreads) first box-reduce by an integer factor,
-which is faster and differs slightly. No image is padded: ``pixel_values`` stays one flat [sum t*h*w, patch_dim] tensor owned per
+Each image goes through ``raggedvl.images.ImagePolicy.prepare`` (the policy the sampler's size
+estimate uses: orientation, RGB, padding of extreme strips, resize to exactly the size the
+processor's own rule chooses), so the processor leaves the size unchanged with the PIL or the
+torchvision backend and each document's patch rows equal ``estimate_costs``'s count. No image
+is padded to the batch: ``pixel_values`` stays one flat [sum t*h*w, patch_dim] tensor owned per
 sample through ``RaggedBatch``. Text is padded on the right to the batch's longest row.
 
 Truncation (case C09): queries are text only and are truncated to ``max_length`` tokens.
@@ -23,10 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from PIL import Image
-
 from raggedvl.batch import RaggedBatch, TokenIds
-from raggedvl.data.images import BadImageError, BadImagePolicy, ImageLimits, check_resize, fit_image, load_image
+from raggedvl.images import BadImageError, BadImagePolicy, ImagePolicy, check_bad_image_policy
 
 IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
 DOC_TEMPLATE = "<|im_start|>user\n" + IMAGE_BLOCK + "Describe the image.<|im_end|><|endoftext|>"
@@ -94,8 +92,7 @@ class RetrievalCollator:
             raise ValueError(f"doc_template must contain {IMAGE_BLOCK!r} exactly once, got {doc_template!r}")
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1 or None, got {max_length}")
-        if on_bad_image not in ("error", "skip"):
-            raise ValueError(f"on_bad_image must be 'error' or 'skip', got {on_bad_image!r}")
+        check_bad_image_policy(on_bad_image)
         self.processor = processor
         self.max_length = max_length
         self.query_template = query_template
@@ -103,7 +100,7 @@ class RetrievalCollator:
         self.on_bad_image = on_bad_image
         self.layout = layout or layout_for(processor)
         self.token_ids = token_ids_for(processor)
-        self.limits = ImageLimits.from_processor(processor)
+        self.image_policy = ImagePolicy.from_processor(processor)
 
     def _prepare(self, examples: Sequence[dict[str, Any]]):
         kept, images, skipped = [], [], []
@@ -125,12 +122,7 @@ class RetrievalCollator:
                 image = example["image"]
                 if image is None:
                     raise BadImageError(example.get("image_error", f"example {ident!r} has no image"))
-                if not isinstance(image, Image.Image) or image.mode != "RGB":
-                    image = load_image(image, max_source_pixels=self.limits.max_source_pixels, name=f"image of example {ident!r}")
-                image = fit_image(image, self.limits)
-                size = check_resize(image.width, image.height, self.limits, name=f"image of example {ident!r}")
-                if size != image.size:  # same target as the processor's rule, reached faster
-                    image = image.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0)
+                image = self.image_policy.prepare(image, name=f"image of example {ident!r}")
             except BadImageError as exc:
                 if self.on_bad_image == "error":
                     raise

@@ -10,7 +10,7 @@ Bad input policy:
 - an empty or non-string query: ValueError at construction naming the row and id, or with
   ``on_empty_query="skip"`` the row is left out and listed in ``dataset.skipped_rows``
   (``{"row", "id", "reason"}``; e.g. ViDoRe corpora hold documents without a query);
-- an unreadable, corrupt or oversized image (see ``raggedvl.data.images``): with
+- an unreadable, corrupt or oversized image (see ``raggedvl.images``): with
   ``on_bad_image="error"`` a ``BadImageError`` naming the row and id when the item is read;
   with ``"skip"`` the item comes back with ``image=None`` and ``image_error`` set, and
   ``RetrievalCollator`` drops it and lists it under ``"skipped"`` in its output (counted in the
@@ -20,23 +20,15 @@ Bad input policy:
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
-
-from raggedvl.data.images import BadImageError, BadImagePolicy, load_image
+from raggedvl.images import BadImageError, BadImagePolicy, check_bad_image_policy, load_image, read_size
 
 _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
-
-
-def _check_policy(on_bad_image: str) -> None:
-    if on_bad_image not in ("error", "skip"):
-        raise ValueError(f"on_bad_image must be 'error' or 'skip', got {on_bad_image!r}")
 
 
 def _limit_order(ids: list[str], limit: int | None) -> list[int]:
@@ -100,7 +92,7 @@ class RetrievalDataset(Sequence):
         max_source_pixels: int = 64_000_000,
         where: str = "dataset",
     ) -> None:
-        _check_policy(on_bad_image)
+        check_bad_image_policy(on_bad_image)
         if len(records) != len(image_sources):
             raise ValueError(f"{len(records)} records but {len(image_sources)} image sources")
         _bad_query_rows([r.get("query") for r in records], [r.get("id", "") for r in records], where, "error")
@@ -111,7 +103,8 @@ class RetrievalDataset(Sequence):
         self.on_bad_image = on_bad_image
         self.max_source_pixels = max_source_pixels
         self.where = where
-        self._sizes = sizes
+        self._sizes = sizes  # from the manifest
+        self._read_sizes: list[tuple[int, int] | None] | None = None  # from the headers, cached
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -198,37 +191,47 @@ class RetrievalDataset(Sequence):
         if isinstance(index, slice):
             raise TypeError("RetrievalDataset does not support slices; index one row at a time")
         record = dict(self.records[index])
-        name = f"{self.where} row {record.get('row', index)} (id {record['id']!r})"
         try:
-            record["image"] = load_image(self.image_sources[index], max_source_pixels=self.max_source_pixels, name=name)
+            record["image"] = load_image(self.image_sources[index], max_source_pixels=self.max_source_pixels, name=self.row_name(index))
         except BadImageError as exc:
             if self.on_bad_image == "error":
                 raise
             record["image"], record["image_error"] = None, str(exc)
         return record
 
+    def row_name(self, index: int) -> str:
+        """How errors refer to item ``index``: its source, row and id."""
+        record = self.records[index]
+        return f"{self.where} row {record.get('row', index)} (id {record['id']!r})"
+
     def ids(self) -> list[str]:
         return [r["id"] for r in self.records]
 
+    def image_inputs(self) -> Sequence[Any]:
+        """Per item, what a size estimate reads (``raggedvl.sampling.estimate_costs``): the
+        manifest's (width, height) when it has one, else the undecoded image source (a path or a
+        ``{"bytes", "path"}`` dict, of which only the header is read). Lazy: rows are read on
+        access."""
+        return self._sizes if self._sizes is not None else self.image_sources
+
     def image_sizes(self) -> list[tuple[int, int] | None]:
-        """(width, height) of each document image in pixels, without decoding pixels (from the
-        manifest, else from each file's header, cached). An unreadable image gives None under
-        ``on_bad_image="skip"`` and raises BadImageError under "error"."""
-        if self._sizes is None:
-            self._sizes = [self._header_size(i) for i in range(len(self))]
-        return list(self._sizes)
+        """(width, height) of each document image in pixels as displayed (EXIF orientation
+        applied), without decoding pixels (from the manifest, else from each file's header,
+        cached). An unreadable header gives None under ``on_bad_image="skip"`` and raises
+        BadImageError naming the row under "error"."""
+        if self._sizes is not None:
+            return list(self._sizes)
+        if self._read_sizes is None:
+            self._read_sizes = [self._header_size(i) for i in range(len(self))]
+        return list(self._read_sizes)
 
     def _header_size(self, index: int) -> tuple[int, int] | None:
-        source = self.image_sources[index]
         try:
-            if isinstance(source, dict):
-                source = io.BytesIO(source["bytes"]) if source.get("bytes") is not None else source.get("path")
-            with Image.open(source) as image:
-                return image.size
-        except (OSError, ValueError, TypeError) as exc:
+            return read_size(self.image_sources[index], name=self.row_name(index))
+        except BadImageError:
             if self.on_bad_image == "skip":
                 return None
-            raise BadImageError(f"{self.where} row {index} (id {self.records[index]['id']!r}): cannot read the image header ({exc})") from exc
+            raise
 
 
 def _looks_like_image_folder(path: Path) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from raggedvl.batch import RaggedBatch
+from raggedvl.images import ImagePolicy
 
 from .wire import pack
 
@@ -60,8 +61,11 @@ def _chat_text(n_images: int, prompt: str, answer: str) -> tuple[str, str]:
 class SFTCollator:
     """Supervised fine-tuning batches for a Qwen2-VL-family ``*ForConditionalGeneration``.
 
-    Each example is ``{"images": [PIL.Image, ...] (0 or more), "prompt": str, "answer": str}``,
-    rendered in the Qwen chat format (images first in the user turn). ``labels`` [B, L] equal
+    Each example is ``{"images": [image, ...] (0 or more), "prompt": str, "answer": str}``,
+    rendered in the Qwen chat format (images first in the user turn). An image is any
+    ``raggedvl.images.ImageSource`` (path, bytes, ``{"bytes", "path"}`` dict, PIL image, a
+    ``datasets`` ``Image()`` value) and goes through the same ``ImagePolicy`` as retrieval
+    (orientation, RGB, padding of extreme strips, resize to the processor's size). ``labels`` [B, L] equal
     ``input_ids`` on the answer tokens (and its closing ``<|im_end|>``) and are ``-100`` on the
     prompt, the image placeholders and the padding, so the model's causal-LM loss (which shifts
     labels itself) trains only on the answer. Returns the wire form of the
@@ -70,7 +74,9 @@ class SFTCollator:
 
     Raises ``ValueError`` naming the sample when it is longer than ``max_length`` tokens (never
     truncates: cutting placeholders would misalign images, case C09) or when the tokenizer merged
-    the answer's first token with the prompt; ``TypeError`` for a malformed example.
+    the answer's first token with the prompt; ``BadImageError`` (a ``ValueError``) naming the
+    example and the image for an image that cannot be decoded or is out of limits;
+    ``TypeError`` for a malformed example.
     """
 
     def __init__(self, processor: Any, *, max_length: int | None = None, layout: str | None = None) -> None:
@@ -81,14 +87,17 @@ class SFTCollator:
         self.layout = layout or layout_for(processor)
         self.token_ids = token_ids_for(processor)
         self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.image_policy = ImagePolicy.from_processor(processor)
 
     def _check(self, i: int, ex: dict[str, Any]) -> tuple[list[Any], str, str]:
         images = ex.get("images") or []
         if not isinstance(ex.get("prompt"), str) or not isinstance(ex.get("answer"), str):
             raise TypeError(f"SFT example {i} needs str 'prompt' and 'answer' (and a list 'images'); got keys {sorted(ex)}")
         if not isinstance(images, (list, tuple)):
-            raise TypeError(f"SFT example {i}: 'images' must be a list of PIL images, got {type(images).__name__}")
-        return list(images), ex["prompt"], ex["answer"]
+            raise TypeError(f"SFT example {i}: 'images' must be a list of images, got {type(images).__name__}")
+        which = f"SFT example {i}" + (f" (id {ex['id']!r})" if ex.get("id") is not None else "")
+        prepared = [self.image_policy.prepare(image, name=f"image {j} of {which}") for j, image in enumerate(images)]
+        return prepared, ex["prompt"], ex["answer"]
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         texts, answers, images = [], [], []

@@ -5,13 +5,12 @@ from raggedvl.sampling.calibrate import CalibrationResult, calibrate, fit_cost_m
 from raggedvl.sampling.partition import PartitionInfeasible, partition_costs
 from raggedvl.sampling.plan import epoch_permutation, global_batches, plan_epoch
 from raggedvl.sampling.sampler import BalancedDistributedBatchSampler
-from raggedvl.sampling.sizes import ResizeRule, SampleCosts, estimate_costs
+from raggedvl.sampling.sizes import SampleCosts, estimate_costs
 
 __all__ = [
     "BalancedDistributedBatchSampler",
     "CalibrationResult",
     "PartitionInfeasible",
-    "ResizeRule",
     "SampleCosts",
     "calibrate",
     "epoch_permutation",

@@ -62,6 +62,9 @@ class TrainConfig:
     # optimisation
     global_batch_size: int = option(
         8, "samples per optimizer step over all ranks (the in-batch negatives pool)", at_least=1)
+    max_patches_per_rank: int | None = option(
+        None, "cap on the image patch rows (pixel_values rows, after resizing) one rank encodes per step; a "
+              "global batch that does not fit is split into more steps (none: no cap)", at_least=1)
     epochs: int = option(1, "passes over the training set (when max_steps is none)", at_least=1)
     max_steps: int | None = option(600, "optimizer steps; overrides epochs (none: train `epochs` epochs)", at_least=1)
     lr: float = option(2e-4, "AdamW peak learning rate of the backbone (linear warmup, then cosine decay)", above=0)

@@ -66,6 +66,9 @@ class Trainer:
             cfg.save(self.run_dir / "config.json")
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.c = build_components(cfg, info)
+        for bad in self.c.costs.skipped if info.is_main else ():  # on_bad_image="skip"; same list on every rank
+            print(f"warning: the size estimate rejected {bad['name']}: {bad['reason']} (the collator drops it "
+                  "whenever it is drawn)", file=sys.stderr, flush=True)
         self.model = wrap_model(self.c.model.to(info.device), strategy=cfg.strategy, device=info.device)
         groups = unwrap_model(self.model).parameter_groups(cfg.lr, cfg.head_lr, cfg.weight_decay)
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -185,6 +188,8 @@ class Trainer:
         log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resumed else None) if info.is_main else None
         if info.is_main and not resumed:
             log.write({"event": "config", **cfg.to_dict(), "world_size": info.world_size})
+            log.write({"event": "size_estimate", "pairs": len(self.c.costs.costs), "patches": int(self.c.costs.patches.sum()),
+                       "rejected": [bad["name"] for bad in self.c.costs.skipped]})
         before = None
         self.watchdog.enter("in evaluation before training", watch=False)
         if cfg.eval_before and not resumed:
@@ -262,6 +267,8 @@ class Trainer:
             f"ln(global batch) = {math.log(self.cfg.global_batch_size):.3f}",
             f"training loss: first 5 steps {first:.3f} -> last 10 steps {last:.3f}",
             f"examples skipped for bad images (on_bad_image={self.cfg.on_bad_image!r}): {self.skipped}",
+            f"training pairs rejected by the size estimate (image header unreadable or out of limits): "
+            f"{len(self.c.costs.skipped)} of {len(self.c.costs.costs)}",
             "",
             table,
             "",

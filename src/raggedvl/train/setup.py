@@ -20,7 +20,8 @@ from raggedvl.data.rdocs import default_cache_root
 from raggedvl.losses import InfoNCELoss, LateInteractionLoss, PairwiseLoss
 from raggedvl.models import EmbeddingOutput, LoraSettings, build_retriever
 from raggedvl.parallel.runtime import DistInfo
-from raggedvl.sampling import BalancedDistributedBatchSampler, ResizeRule, estimate_costs
+from raggedvl.images import ImagePolicy
+from raggedvl.sampling import BalancedDistributedBatchSampler, SampleCosts, estimate_costs
 from raggedvl.train.config import TrainConfig
 
 
@@ -33,6 +34,7 @@ class Components:
     collate: Callable[[list[dict[str, Any]]], dict[str, Any]]
     model: torch.nn.Module
     sampler: BalancedDistributedBatchSampler
+    costs: SampleCosts  # the training split's size estimate (``costs.skipped``: pairs it rejected)
     loss: Callable[[EmbeddingOutput, EmbeddingOutput], torch.Tensor]
 
 
@@ -110,25 +112,38 @@ def check_output_dir(cfg: TrainConfig) -> None:
         )
 
 
-def make_sampler(cfg: TrainConfig, train_set, processor, info: DistInfo) -> BalancedDistributedBatchSampler:
-    if len(train_set) < cfg.global_batch_size:
+def estimate_train_costs(cfg: TrainConfig, train_set, policy: ImagePolicy) -> SampleCosts:
+    """Per-pair costs and patch counts of the training split from image headers (no decoding),
+    through the collator's own image ``policy``, so ``patches`` equal the collator's rows.
+    Raises ``BadImageError`` naming the row under ``on_bad_image="error"``; under "skip" the
+    rejected pairs are listed in ``SampleCosts.skipped`` (and later dropped by the collator)."""
+    names = [train_set.row_name(i) for i in range(len(train_set))]
+    return estimate_costs(train_set.image_inputs(), text_tokens=32, policy=policy,
+                          on_bad_image=cfg.on_bad_image, names=names)
+
+
+def make_sampler(cfg: TrainConfig, costs: SampleCosts, info: DistInfo) -> BalancedDistributedBatchSampler:
+    n = len(costs.costs)
+    if n < cfg.global_batch_size:
         raise ValueError(
-            f"the training split has {len(train_set)} pairs, fewer than global_batch_size {cfg.global_batch_size}; "
+            f"the training split has {n} pairs, fewer than global_batch_size {cfg.global_batch_size}; "
             f"lower --global-batch-size or use more data (--max-train-samples)"
         )
-    sizes = train_set.image_sizes()
-    costs = estimate_costs(sizes, text_tokens=32, resize=ResizeRule.from_processor(processor))
     if cfg.sampler == "equal":  # equal sample counts per rank, for comparison: all costs equal
-        weights = [1.0] * len(sizes)
+        weights = [1.0] * n
     else:
         weights = costs.costs.tolist()
-    return BalancedDistributedBatchSampler(weights, cfg.global_batch_size, info.world_size, info.rank, seed=cfg.seed)
+    return BalancedDistributedBatchSampler(
+        weights, cfg.global_batch_size, info.world_size, info.rank, seed=cfg.seed,
+        max_patches_per_rank=cfg.max_patches_per_rank, patches=costs.patches,
+    )
 
 
 def build_components(cfg: TrainConfig, info: DistInfo) -> Components:
     processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels, cache_dir=cfg.data_cache)
     train_set, eval_set = load_splits(cfg)
     collate = RetrievalCollator(processor, max_length=cfg.max_length, on_bad_image=cfg.on_bad_image)
+    costs = estimate_train_costs(cfg, train_set, collate.image_policy)  # before the model: bad pages fail fast
     lora = LoraSettings(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout) if cfg.use_lora else None
     model = build_retriever(
         cfg.model, processor=processor, head=cfg.head, dim=cfg.dim, pooling=cfg.pooling, lora=lora,
@@ -142,6 +157,7 @@ def build_components(cfg: TrainConfig, info: DistInfo) -> Components:
         train_eval_set=_Subset(train_set, cfg.eval_train_samples),
         collate=collate,
         model=model,
-        sampler=make_sampler(cfg, train_set, processor, info),
+        sampler=make_sampler(cfg, costs, info),
+        costs=costs,
         loss=make_loss(cfg),
     )

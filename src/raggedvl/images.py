@@ -9,7 +9,7 @@ every entry point (size estimate, retrieval and SFT collators, evaluation).
 | RGBA / LA / palette with transparency | composited on white, then RGB |
 | 16-bit ("I;16*", "I") / float ("F") | scaled to 8 bits (value / 257 for 16-bit, clipped to 0..255 for float) |
 | EXIF orientation tag (or XMP ``tiff:Orientation``) stored before the pixel data | applied (pixels rotated/flipped), tag consumed |
-| aspect ratio above ``max_aspect`` (e.g. a 1:1000 strip) | padded with white on the short side up to ``max_aspect`` (centred) |
+| aspect ratio above ``max_aspect`` (e.g. a 1:1000 strip), or one that rounding to multiples of ``factor`` would push over smart_resize's 200 | padded with white on the short side (centred), just enough |
 | a side under ``factor`` px (28 for Qwen2/2.5-VL, 32 for Qwen3-VL; e.g. 1x1) | scaled up (aspect kept) so the short side is ``factor`` |
 | then | resized (bicubic) to transformers' ``smart_resize`` size: both sides multiples of ``factor``, area in ``[min_pixels, max_pixels]`` |
 | more than ``max_source_pixels`` (decompression bomb), or an empty side | rejected before decoding |
@@ -165,19 +165,17 @@ class ImagePolicy:
                 f"max_source_pixels={self.max_source_pixels}; downscale it or raise the limit"
             )
         canvas = (width, height)
-        short, long = min(canvas), max(canvas)
-        if long / short > self.max_aspect:  # pad the short side
-            new_short = math.ceil(long / self.max_aspect)
-            canvas = (new_short, height) if width < height else (width, new_short)
-            short = new_short
-        scaled = canvas
-        if short < self.factor:  # scale up so the short side is factor
-            scale = self.factor / short
-            scaled = (max(self.factor, round(canvas[0] * scale)), max(self.factor, round(canvas[1] * scale)))
-        try:
-            new_h, new_w = _smart_resize(scaled[1], scaled[0], self.factor, self.min_pixels, self.max_pixels)
-        except ValueError as exc:
-            raise BadImageError(f"{name} of size {width}x{height} cannot be resized: {exc}") from exc
+        if max(canvas) / min(canvas) > self.max_aspect:  # pad the short side
+            canvas = self._with_short_side(canvas, math.ceil(max(canvas) / self.max_aspect))
+        new_w, new_h = self._resized(canvas, width, height, name)
+        # Rounding both sides to multiples of factor can push a canvas just under the aspect
+        # limit over smart_resize's 200 (29x5615 -> 28x5628); the processor would then raise on
+        # the resized image. Pad a little more until the resized image is within the limit.
+        while max(new_w, new_h) / min(new_w, new_h) > _SMART_RESIZE_MAX_ASPECT:
+            short = min(canvas)
+            ratio = max(new_w, new_h) / min(new_w, new_h) / _SMART_RESIZE_MAX_ASPECT
+            canvas = self._with_short_side(canvas, max(short + 1, math.ceil(short * ratio)))
+            new_w, new_h = self._resized(canvas, width, height, name)
         if min(new_w, new_h) < self.factor or not self.min_pixels <= new_w * new_h <= self.max_pixels:
             raise BadImageError(
                 f"{name} of size {width}x{height} resizes to {new_w}x{new_h} = {new_w * new_h} pixels, outside "
@@ -185,6 +183,25 @@ class ImagePolicy:
             )
         grid = (1, new_h // self.patch_size, new_w // self.patch_size)
         return ImageGeometry(source=(width, height), canvas=canvas, target=(new_w, new_h), grid=grid)
+
+    @staticmethod
+    def _with_short_side(size: tuple[int, int], short: int) -> tuple[int, int]:
+        width, height = size
+        return (short, height) if width < height else (width, short)
+
+    def _resized(self, canvas: tuple[int, int], width: int, height: int, name: str) -> tuple[int, int]:
+        """(width, height) the processor's rule gives a canvas, after scaling a short side under
+        ``factor`` up to ``factor`` (aspect kept)."""
+        short = min(canvas)
+        scaled = canvas
+        if short < self.factor:
+            scale = self.factor / short
+            scaled = (max(self.factor, round(canvas[0] * scale)), max(self.factor, round(canvas[1] * scale)))
+        try:
+            new_h, new_w = _smart_resize(scaled[1], scaled[0], self.factor, self.min_pixels, self.max_pixels)
+        except ValueError as exc:
+            raise BadImageError(f"{name} of size {width}x{height} cannot be resized: {exc}") from exc
+        return new_w, new_h
 
     def inspect(self, image: ImageSource | tuple[int, int], *, name: str | None = None) -> ImageGeometry:
         """``geometry`` of an image given as a (width, height) pair or any ``ImageSource``,

@@ -1,5 +1,7 @@
 """`raggedvl train` with on_bad_image="skip": a corrupt image is dropped, warned about with its
-id, and counted in the metrics log and the run summary (never silently)."""
+id, and counted in the metrics log and the run summary (never silently), by the size estimate
+(header unreadable) and by the collator (pixel data truncated); an extreme strip is not bad.
+And the issue-12 reproduction: a parquet with a 2000x2 page trains (it died at startup)."""
 
 import io
 import json
@@ -8,10 +10,12 @@ import datasets
 import pytest
 from PIL import Image
 
+from raggedvl.cli import main
+from raggedvl.data import RetrievalCollator, build_processor
 from raggedvl.train.config import TrainConfig
 from raggedvl.train.loop import train
 
-pytestmark = pytest.mark.slow  # builds the tiny tokenizer and trains 2 steps (~30 s)
+pytestmark = pytest.mark.slow  # builds the tiny tokenizer and trains 2-3 steps (~30 s each)
 
 
 def _png(size, value) -> bytes:
@@ -20,22 +24,64 @@ def _png(size, value) -> bytes:
     return buffer.getvalue()
 
 
+def _parquet(path, images) -> str:
+    features = datasets.Features({"query": datasets.Value("string"), "image": datasets.Image()})
+    rows = {"query": [f"question {i}" for i in range(len(images))], "image": images}
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(str(path))
+    return str(path)
+
+
 def test_a_skipped_bad_image_is_counted_in_the_log_and_the_summary(tmp_path, capfd, small_data_cache):
     images = [{"bytes": _png((56 + 8 * i, 56), 20 * i), "path": None} for i in range(8)]
-    images[5] = {"bytes": b"\x89PNG\r\n\x1a\n not a png", "path": None}
-    features = datasets.Features({"query": datasets.Value("string"), "image": datasets.Image()})
-    path = tmp_path / "pairs.parquet"
-    datasets.Dataset.from_dict({"query": [f"question {i}" for i in range(8)], "image": images}, features=features).to_parquet(str(path))
-    cfg = TrainConfig(dataset=str(path), train_split="train", eval_split="train", max_steps=2, global_batch_size=4,
+    images[5] = {"bytes": b"\x89PNG\r\n\x1a\n not a png", "path": None}  # header unreadable
+    whole = _png((300, 200), 7)
+    images[3] = {"bytes": whole[: len(whole) // 2], "path": None}  # header fine, pixel data cut
+    images[1] = {"bytes": _png((2000, 2), 0), "path": None}  # a strip: padded, never skipped
+    path = _parquet(tmp_path / "pairs.parquet", images)
+    cfg = TrainConfig(dataset=path, train_split="train", eval_split="train", max_steps=2, global_batch_size=4,
                       eval_before=False, eval_after=True, on_bad_image="skip", checkpoint_every=100,
                       output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache))
     train(cfg)  # one process: 2 steps of 4 cover all 8 pairs once
     err = capfd.readouterr().err
-    assert err.count("skipped example 'train-5'") == 1 and "cannot be decoded" in err
+    assert err.count("the size estimate rejected dataset split 'train' row 5 (id 'train-5')") == 1
+    assert "cannot read the image header" in err
+    assert err.count("skipped example 'train-5'") == 1 and err.count("skipped example 'train-3'") == 1
+    assert "cannot be decoded" in err and "train-1" not in err
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    estimate = next(r for r in records if r.get("event") == "size_estimate")
+    assert estimate["rejected"] == ["dataset split 'train' row 5 (id 'train-5')"]
     steps = [r for r in records if r.get("event") == "train"]
-    assert [r["skipped_examples"] for r in steps][-1] == 1
-    assert sum(sum(r["rank_samples"]) for r in steps) == 7  # the skipped pair is not counted as trained
-    assert "examples skipped for bad images (on_bad_image='skip'): 1" in (tmp_path / "run" / "summary.md").read_text()
-    # evaluation drops the bad pair with its query: 7 queries ranked among 7 documents
-    assert "random ranker (7 docs)" in (tmp_path / "run" / "summary.md").read_text()
+    assert [r["skipped_examples"] for r in steps][-1] == 2
+    assert sum(sum(r["rank_samples"]) for r in steps) == 6  # the skipped pairs are not counted as trained
+    summary = (tmp_path / "run" / "summary.md").read_text()
+    assert "examples skipped for bad images (on_bad_image='skip'): 2" in summary
+    assert "training pairs rejected by the size estimate (image header unreadable or out of limits): 1 of 8" in summary
+    # evaluation drops the bad pairs with their queries: 6 queries ranked among 6 documents
+    assert "random ranker (6 docs)" in summary
+
+
+def test_a_strip_page_trains_from_the_cli_and_the_patch_cap_applies(tmp_path, monkeypatch, small_data_cache):
+    """`raggedvl train --dataset strip.parquet` (8 rows, one 2000x2 page) died at startup with
+    the estimate's aspect-ratio error. Now it trains; the estimate's patch counts equal the
+    collator's rows, and --max-patches-per-rank splits the step that holds the strip."""
+    images = [{"bytes": _png((56 + 8 * i, 56), 20 * i), "path": None} for i in range(8)]
+    images[2] = {"bytes": _png((2000, 2), 0), "path": None}
+    path = _parquet(tmp_path / "strip.parquet", images)
+    processor = build_processor("tiny", max_pixels=100_352, cache_dir=small_data_cache)  # the tiny recipe's limit
+    collate = RetrievalCollator(processor)
+    rows = [int(collate([{"query": "q", "image": image["bytes"], "id": str(i)}])["docs"]["pixel_values"].shape[0])
+            for i, image in enumerate(images)]
+    cap = max(rows) + 3 * min(rows) - 1  # the strip's step of 4 cannot stay whole under the cap
+    monkeypatch.setenv("LOCAL_RANK", "0")  # as under torchrun: train in this process (world size 1)
+    code = main(["train", "--dataset", path, "--train-split", "train", "--eval-split", "train", "--max-steps", "none",
+                 "--global-batch-size", "4", "--eval-before", "false", "--eval-after", "false",
+                 "--max-patches-per-rank", str(cap), "--output-dir", str(tmp_path / "run"),
+                 "--data-cache", str(small_data_cache)])
+    assert code == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    estimate = next(r for r in records if r.get("event") == "size_estimate")
+    assert estimate["patches"] == sum(rows) and estimate["rejected"] == []
+    steps = [r for r in records if r.get("event") == "train"]
+    assert len(steps) == 3  # 2 global batches of 4; the strip's batch split in two by the cap
+    assert sum(sum(r["rank_samples"]) for r in steps) == 8
+    assert "examples skipped for bad images (on_bad_image='error'): 0" in (tmp_path / "run" / "summary.md").read_text()

@@ -103,17 +103,15 @@ def _batches(n: int, grid: int, ids, tok, seed: int):
 def _setup(args):
     import torch
 
-    from raggedvl.losses import InfoNCELoss, LateInteractionLoss
+    from raggedvl.losses import make_retrieval_loss
     from raggedvl.train.grad_cache import grad_cache_step
 
     torch.set_num_threads(1)
     model, ids, tok = _model_and_tokens(args.head, args.model_size)
     if args.head == "bi_encoder":
-        info_nce = InfoNCELoss(temperature=0.02)
-        loss_fn = lambda q, d: info_nce(q.embeddings, d.embeddings)  # noqa: E731
+        loss_fn = make_retrieval_loss("infonce", temperature=0.02)
     else:
-        maxsim = LateInteractionLoss(temperature=0.02, block_elements=args.block_elements)
-        loss_fn = lambda q, d: maxsim(q.embeddings, q.mask, d.embeddings, d.mask)  # noqa: E731
+        loss_fn = make_retrieval_loss("late_interaction", temperature=0.02, block_elements=args.block_elements)
 
     def step(mode: str, queries, docs) -> float:
         t0 = time.perf_counter()

@@ -112,10 +112,9 @@ def build_model(spec: ModelSpec, processor, device):
 
 
 def _loss_fn() -> Callable:
-    from raggedvl.losses import LateInteractionLoss
+    from raggedvl.losses import make_retrieval_loss
 
-    fn = LateInteractionLoss(temperature=0.02)
-    return lambda q, d: fn(q.embeddings, q.mask, d.embeddings, d.mask)
+    return make_retrieval_loss("late_interaction", temperature=0.02)
 
 
 def time_steps(model, optimizer, batches: list[dict[str, Any]], device, *, grad_cache: bool, budget: int,

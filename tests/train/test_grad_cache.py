@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from raggedvl.batch import RaggedBatch, TokenIds
-from raggedvl.losses import InfoNCELoss, LateInteractionLoss
+from raggedvl.losses import make_retrieval_loss
 from raggedvl.models import EmbeddingOutput, LoraSettings, TinySizes, build_retriever
 from raggedvl.train.chunking import chunk_sizes, plan_chunks, sample_sizes
 from raggedvl.train.grad_cache import grad_cache_step
@@ -62,11 +62,7 @@ def tiny_model(head: str = "late_interaction", *, lora_dropout: float | None = N
 
 
 def make_loss_fn(head: str, **kwargs):
-    if head == "bi_encoder":
-        fn = InfoNCELoss(temperature=0.05, **kwargs)
-        return lambda q, d: fn(q.embeddings, d.embeddings)
-    fn = LateInteractionLoss(temperature=0.05, **kwargs)
-    return lambda q, d: fn(q.embeddings, q.mask, d.embeddings, d.mask)
+    return make_retrieval_loss("infonce" if head == "bi_encoder" else "late_interaction", temperature=0.05, **kwargs)
 
 
 def grads(model) -> dict[str, torch.Tensor]:

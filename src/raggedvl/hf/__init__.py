@@ -9,7 +9,7 @@ wire-form batches (``raggedvl.hf.wire``) that accelerate can dispatch by whole s
 from .collator import IGNORE_INDEX, RetrievalWireCollator, SFTCollator
 from .dispatch import install_ragged_dispatch, ragged_slice_fn
 from .lora import apply_generation_lora
-from .trainer import RaggedTrainer, default_retrieval_loss, retrieval_loss_value
+from .trainer import RaggedTrainer, default_retrieval_loss
 from .wire import is_wire, pack, slice_samples, unpack
 
 __all__ = [
@@ -23,7 +23,6 @@ __all__ = [
     "is_wire",
     "pack",
     "ragged_slice_fn",
-    "retrieval_loss_value",
     "slice_samples",
     "unpack",
 ]

@@ -48,7 +48,7 @@ from torch import nn
 from transformers import Trainer
 
 from raggedvl.batch import RaggedBatch
-from raggedvl.losses import InfoNCELoss, LateInteractionLoss, PairwiseLoss
+from raggedvl.losses import RetrievalLoss, make_retrieval_loss
 from raggedvl.parallel import RaggedDataParallel
 
 from .dispatch import install_ragged_dispatch
@@ -69,17 +69,11 @@ def _token_ids_of(processor: Any):
     return token_ids_for(processor)
 
 
-def default_retrieval_loss(model: nn.Module, temperature: float = 0.02) -> nn.Module:
-    """``LateInteractionLoss`` for a late-interaction retriever, ``InfoNCELoss`` for a bi-encoder."""
+def default_retrieval_loss(model: nn.Module, temperature: float = 0.02) -> RetrievalLoss:
+    """The late-interaction loss for a late-interaction retriever, InfoNCE for a bi-encoder
+    (:func:`raggedvl.losses.make_retrieval_loss`)."""
     head = getattr(getattr(model, "config", None), "head", "late_interaction")
-    return InfoNCELoss(temperature=temperature) if head == "bi_encoder" else LateInteractionLoss(temperature=temperature)
-
-
-def retrieval_loss_value(loss: nn.Module, q, d) -> torch.Tensor:
-    """Apply a raggedvl loss to query / document ``EmbeddingOutput`` s (``L_r``, 0-dim)."""
-    if isinstance(loss, InfoNCELoss):
-        return loss(q.embeddings, d.embeddings)
-    return loss(q.embeddings, q.mask, d.embeddings, d.mask)
+    return make_retrieval_loss("infonce" if head == "bi_encoder" else "late_interaction", temperature=temperature)
 
 
 class RaggedTrainer(Trainer):
@@ -90,8 +84,10 @@ class RaggedTrainer(Trainer):
         task: "retrieval" (a :class:`raggedvl.models.Retriever`, batches from
             :class:`~raggedvl.hf.RetrievalWireCollator`) or "sft" (a ``*ForConditionalGeneration``
             model, batches from :class:`~raggedvl.hf.SFTCollator`).
-        loss: retrieval loss module (default :func:`default_retrieval_loss`); it must not own
-            trainable parameters (the optimizer and DDP only see the model's).
+        loss: retrieval loss (default :func:`default_retrieval_loss`): a
+            :class:`~raggedvl.losses.RetrievalLoss` (:func:`~raggedvl.losses.make_retrieval_loss`)
+            or a raggedvl loss module, which is wrapped in one; it must not own trainable
+            parameters (the optimizer and DDP only see the model's).
 
     Raises ``ValueError`` for an unknown task, a loss of the wrong kind or with parameters.
     """
@@ -102,8 +98,11 @@ class RaggedTrainer(Trainer):
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         if task == "retrieval":
             loss = loss if loss is not None else default_retrieval_loss(model)
-            if not isinstance(loss, (InfoNCELoss, LateInteractionLoss, PairwiseLoss)):
-                raise ValueError(f"loss must be a raggedvl InfoNCELoss, LateInteractionLoss or PairwiseLoss, got {type(loss).__name__}")
+            if not isinstance(loss, RetrievalLoss):
+                try:
+                    loss = RetrievalLoss(loss)
+                except TypeError as exc:
+                    raise ValueError(f"loss must be a raggedvl RetrievalLoss or loss module: {exc}") from None
             if any(p.requires_grad for p in loss.parameters()):
                 raise ValueError("the retrieval loss owns trainable parameters (learnable_scale=True); "
                                  "use a fixed temperature with RaggedTrainer")
@@ -182,7 +181,7 @@ class RaggedTrainer(Trainer):
                 q, d = model(inputs["queries"]), model(inputs["docs"])
             else:
                 q, d = model(queries=inputs["queries"], docs=inputs["docs"])
-            loss = retrieval_loss_value(self.retrieval_loss, q, d)
+            loss = self.retrieval_loss(q, d)
             return (loss, {"queries": q, "docs": d}) if return_outputs else loss
         return self._sft_loss(model, inputs, return_outputs, num_items_in_batch)
 

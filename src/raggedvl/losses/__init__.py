@@ -3,7 +3,9 @@
 Pure math lives in :mod:`raggedvl.losses.functional` (targets from gathered counts, per-query
 terms, the ``(W/N) * sum`` scaling) and :mod:`raggedvl.losses.scoring` (blocked MaxSim); the
 ``nn.Module`` wrappers in :mod:`raggedvl.losses.modules` gather embeddings across ranks with
-:mod:`raggedvl.parallel.gather` and return this rank's share ``L_r`` of the global mean loss.
+:mod:`raggedvl.parallel.gather` and return this rank's share ``L_r`` of the global mean loss;
+:func:`make_retrieval_loss` (:mod:`raggedvl.losses.objective`) builds one by name, called on
+the model's embedding outputs: ``loss(queries, docs, negatives=None)``.
 
 Gradient accumulation: a loss sees only the embeddings of the call it is given. With g
 micro-batches per optimizer step, each micro-batch's queries are contrasted against the
@@ -24,17 +26,21 @@ from raggedvl.losses.functional import (
     positive_labels,
 )
 from raggedvl.losses.modules import InfoNCELoss, LateInteractionLoss, PairwiseLoss
+from raggedvl.losses.objective import LOSS_NAMES, RetrievalLoss, make_retrieval_loss
 from raggedvl.losses.scoring import check_late_interaction_inputs, late_interaction_scores
 
 __all__ = [
+    "LOSS_NAMES",
     "InfoNCELoss",
     "LateInteractionLoss",
     "PairwiseLoss",
+    "RetrievalLoss",
     "check_late_interaction_inputs",
     "cross_entropy_terms",
     "exclusive_offsets",
     "global_mean_share",
     "late_interaction_scores",
+    "make_retrieval_loss",
     "pairwise_terms",
     "positive_labels",
 ]

@@ -17,8 +17,8 @@ from filelock import FileLock
 
 from raggedvl.data import RetrievalCollator, build_processor, build_rdocs, load_retrieval_dataset
 from raggedvl.data.rdocs import default_cache_root
-from raggedvl.losses import InfoNCELoss, LateInteractionLoss, PairwiseLoss
-from raggedvl.models import EmbeddingOutput, LoraSettings, build_retriever
+from raggedvl.losses import RetrievalLoss, make_retrieval_loss
+from raggedvl.models import LoraSettings, build_retriever
 from raggedvl.parallel.runtime import DistInfo
 from raggedvl.images import ImagePolicy
 from raggedvl.sampling import BalancedDistributedBatchSampler, SampleCosts, estimate_costs
@@ -35,7 +35,7 @@ class Components:
     model: torch.nn.Module
     sampler: BalancedDistributedBatchSampler
     costs: SampleCosts  # the training split's size estimate (``costs.skipped``: pairs it rejected)
-    loss: Callable[[EmbeddingOutput, EmbeddingOutput], torch.Tensor]
+    loss: RetrievalLoss  # loss(queries, docs) on EmbeddingOutputs -> L_r
 
 
 class _Subset:
@@ -87,16 +87,6 @@ def load_splits(cfg: TrainConfig) -> tuple[Sequence[dict[str, Any]], Sequence[di
             file=sys.stderr,
         )
     return train, dev
-
-
-def make_loss(cfg: TrainConfig) -> Callable[[EmbeddingOutput, EmbeddingOutput], torch.Tensor]:
-    if cfg.loss == "infonce":
-        fn = InfoNCELoss(temperature=cfg.temperature)
-        return lambda q, d: fn(q.embeddings, d.embeddings)
-    cls = LateInteractionLoss if cfg.loss == "late_interaction" else PairwiseLoss
-    kwargs = {"temperature": cfg.temperature} if cfg.loss == "late_interaction" else {}
-    fn = cls(**kwargs)
-    return lambda q, d: fn(q.embeddings, q.mask, d.embeddings, d.mask)
 
 
 def check_output_dir(cfg: TrainConfig) -> None:
@@ -159,5 +149,5 @@ def build_components(cfg: TrainConfig, info: DistInfo) -> Components:
         model=model,
         sampler=make_sampler(cfg, costs, info),
         costs=costs,
-        loss=make_loss(cfg),
+        loss=make_retrieval_loss(cfg.loss, temperature=cfg.temperature),
     )

@@ -22,7 +22,7 @@ def per_sample_parts(batch: RaggedBatch, b: int) -> dict:
     lay = batch.layout
     out = {k: batch[k].select(lay.sample_dims[k], b) for k in batch.keys() if k in lay.sample_dims}
     for s in lay.streams:
-        counts = batch.image_counts if s.name == "image" else batch.video_counts
+        counts = batch.counts(s.name)
         if s.grid_key not in batch.keys() or counts[b] == 0:
             out[s.grid_key] = torch.zeros(0, 3, dtype=torch.int64)
             out[s.patches_key] = torch.zeros(0, lay.patch_dim)

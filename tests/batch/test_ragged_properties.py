@@ -5,6 +5,7 @@ Random batches mix multi-image, zero-image and video samples over all three layo
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -100,3 +101,53 @@ def test_costs_add_up(spec, data):
     halves = batch.split([batch.num_samples // 2, batch.num_samples - batch.num_samples // 2])
     assert torch.allclose(sum(float(h.sample_costs(cm).sum()) for h in halves) * torch.ones(1, dtype=torch.float64),
                           costs.sum().reshape(1))
+
+
+@settings(max_examples=50, deadline=None)
+@given(batch_st, st.data())
+def test_ownership_accessors_match_a_naive_walk(spec, data):
+    batch = build(*spec)
+    idx = data.draw(st.lists(st.integers(0, batch.num_samples - 1), min_size=1, max_size=6))
+    for b_ in (batch, batch.select(idx)):
+        sizes = b_.sample_sizes()
+        assert sizes.dtype == torch.int64
+        for stream, (grid_key, patches_key) in {"image": ("image_grid_thw", "pixel_values"),
+                                                "video": ("video_grid_thw", "pixel_values_videos")}.items():
+            parts = [per_sample_parts(b_, b) for b in range(b_.num_samples)]
+            counts = [p[grid_key].shape[0] for p in parts]
+            assert b_.counts(stream) == counts
+            assert b_.item_offsets(stream).tolist() == [sum(counts[:b]) for b in range(len(counts))]
+            grids = torch.cat([p[grid_key] for p in parts])
+            rows = [int(g.prod()) for g in grids]
+            assert b_.patch_counts(stream).tolist() == rows
+            assert b_.patch_offsets(stream).tolist() == [sum(rows[:i]) for i in range(len(rows))]
+            for i, start in enumerate(b_.patch_offsets(stream).tolist()):  # offsets address the item's rows
+                owner = next(b for b in range(b_.num_samples) if b_.item_offsets(stream)[b] <= i < b_.item_offsets(stream)[b] + counts[b])
+                mine = i - int(b_.item_offsets(stream)[owner])
+                first = sum(int(g.prod()) for g in parts[owner][grid_key][:mine])
+                assert torch.equal(b_[patches_key][start:start + rows[i]], parts[owner][patches_key][first:first + rows[i]])
+        for b in range(b_.num_samples):
+            p = per_sample_parts(b_, b)
+            patches = p["pixel_values"].shape[0] + p["pixel_values_videos"].shape[0]
+            assert int(sizes[b]) == patches + int(p["attention_mask"].sum())
+
+
+def test_to_casts_floating_tensors_and_moves_the_rest_like_batch_feature():
+    from transformers import BatchFeature
+
+    feats = make_features([{"images": [(1, 2, 4)], "videos": [(2, 2, 2)], "text": 3}, {"images": [], "videos": [], "text": 2}],
+                          "qwen2_vl", labels=True)
+    batch = RaggedBatch.from_features(feats, "qwen2_vl", token_ids=SMALL_IDS)
+    for args, kwargs in (((torch.float64,), {}), (("cpu",), {"dtype": torch.bfloat16}), ((), {"device": "cpu"}),
+                         (("cpu", torch.float16), {"non_blocking": True})):
+        moved = batch.to(*args, **kwargs)
+        reference = BatchFeature(dict(feats)).to(*args, **kwargs)
+        assert moved.keys() == batch.keys()
+        for k in batch.keys():
+            assert moved[k].dtype == reference[k].dtype, (k, args, kwargs)
+            assert torch.equal(moved[k].to(batch[k].dtype), batch[k].to(reference[k].dtype).to(batch[k].dtype)), k
+        assert (moved.image_counts, moved.video_counts) == (batch.image_counts, batch.video_counts)
+    assert batch.to(torch.float64)["pixel_values"].dtype == torch.float64
+    assert batch.to(torch.float64)["input_ids"].dtype == torch.int64  # ids are never cast
+    with pytest.raises(ValueError, match="expected a device or a dtype"):
+        batch.to([1, 2])

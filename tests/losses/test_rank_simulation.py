@@ -9,9 +9,9 @@ loss, and their gradients to W times its gradient (what DDP's average turns into
 import pytest
 import torch
 
+from raggedvl.batch import exclusive_cumsum
 from raggedvl.losses import (
     cross_entropy_terms,
-    exclusive_offsets,
     global_mean_share,
     late_interaction_scores,
     positive_labels,
@@ -24,19 +24,20 @@ K = 2  # hard negatives per query
 
 
 def _slices(counts):
-    return [slice(o, o + c) for o, c in zip(exclusive_offsets(counts), counts)]
+    return [slice(o, o + c) for o, c in zip(exclusive_cumsum(counts).tolist(), counts)]
 
 
-def test_exclusive_offsets_and_labels():
-    assert exclusive_offsets([3, 1, 2]) == [0, 3, 4]
-    assert exclusive_offsets([]) == []
+def test_exclusive_cumsum_and_labels():
+    assert exclusive_cumsum([3, 1, 2]).tolist() == [0, 3, 4]
+    assert exclusive_cumsum([]).tolist() == []
+    assert exclusive_cumsum(torch.tensor([0, 2, 0, 1])).tolist() == [0, 0, 2, 2]
     assert positive_labels([3, 1, 2], 2).tolist() == [4, 5]  # rank * local_batch: [4, 5] by luck
     assert positive_labels([3, 1, 2], 1).tolist() == [3]  # rank * local_batch would give [1]
     assert positive_labels([3, 0, 2], 1).tolist() == []
     with pytest.raises(ValueError, match="outside"):
         positive_labels([1, 1], 2)
     with pytest.raises(ValueError, match=">= 0"):
-        exclusive_offsets([1, -1])
+        exclusive_cumsum([1, -1])
 
 
 @pytest.mark.parametrize("world", sorted(COUNTS))

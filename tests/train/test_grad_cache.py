@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from raggedvl.batch import RaggedBatch, TokenIds
 from raggedvl.losses import make_retrieval_loss
 from raggedvl.models import EmbeddingOutput, LoraSettings, TinySizes, build_retriever
-from raggedvl.train.chunking import chunk_sizes, plan_chunks, sample_sizes
+from raggedvl.train.chunking import chunk_sizes, plan_chunks
 from raggedvl.train.grad_cache import grad_cache_step
 from tests.models.helpers import make_batch, tiny_tokenizer
 
@@ -136,14 +136,14 @@ def test_chunk_sizes_greedy_budget_and_oversized_samples():
 def test_sample_sizes_count_patches_and_tokens():
     queries, docs = pair_batches([0, 3, 6])
     expect = [int(docs["attention_mask"][i].sum()) + sum(t * h * w for t, h, w in GRIDS[r]) for i, r in enumerate([0, 3, 6])]
-    assert sample_sizes(docs).tolist() == expect
-    assert sample_sizes(queries).tolist() == queries["attention_mask"].sum(1).tolist()
+    assert docs.sample_sizes().tolist() == expect
+    assert queries.sample_sizes().tolist() == queries["attention_mask"].sum(1).tolist()
 
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])
 def test_plan_chunks_cover_rows_and_trim_padding_columns(padding_side):
     _, docs = pair_batches([0, 1, 2, 3, 4, 5, 6, 7], padding_side=padding_side)
-    sizes = sample_sizes(docs)
+    sizes = docs.sample_sizes()
     chunks = plan_chunks(docs, 120)
     assert [c.rows.start for c in chunks] == [0, *[c.rows.stop for c in chunks[:-1]]]
     assert chunks[-1].rows.stop == docs.num_samples and len(chunks) > 2

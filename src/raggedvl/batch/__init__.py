@@ -2,6 +2,7 @@
 
 from .costs import CostModel
 from .layouts import LAYOUTS, BatchLayout, TokenIds, VisualStream, get_layout
+from .offsets import exclusive_cumsum
 from .padded import pad_patches, unpad_patches
 from .ragged import RaggedBatch
 
@@ -12,6 +13,7 @@ __all__ = [
     "RaggedBatch",
     "TokenIds",
     "VisualStream",
+    "exclusive_cumsum",
     "get_layout",
     "pad_patches",
     "unpad_patches",

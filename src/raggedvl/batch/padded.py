@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .offsets import exclusive_cumsum
+
 
 def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Concatenation of ``arange(starts[i], starts[i] + lengths[i])`` over i, as int64 [sum(lengths)]."""
@@ -20,7 +22,7 @@ def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     total = int(lengths.sum()) if lengths.numel() else 0
     if total == 0:
         return torch.zeros(0, dtype=torch.int64)
-    offsets = torch.cumsum(lengths, 0) - lengths
+    offsets = exclusive_cumsum(lengths)
     return torch.repeat_interleave(starts.to(torch.int64) - offsets, lengths) + torch.arange(total)
 
 

@@ -30,6 +30,7 @@ import torch
 from . import ownership, validation
 from .costs import CostModel
 from .layouts import BatchLayout, TokenIds, get_layout
+from .offsets import exclusive_cumsum
 from .padded import pad_patches, ranges, unpad_patches
 
 
@@ -50,9 +51,9 @@ class _StreamRows:
         counts_t = torch.tensor(self.counts, dtype=torch.int64)
         patch_counts = self.grid.to("cpu", torch.int64).prod(dim=1) if self.grid.numel() else torch.zeros(0, dtype=torch.int64)
         object.__setattr__(self, "counts_t", counts_t)
-        object.__setattr__(self, "item_start", torch.cumsum(counts_t, 0) - counts_t)
+        object.__setattr__(self, "item_start", exclusive_cumsum(counts_t))
         object.__setattr__(self, "patch_counts", patch_counts)
-        object.__setattr__(self, "patch_start", torch.cumsum(patch_counts, 0) - patch_counts)
+        object.__setattr__(self, "patch_start", exclusive_cumsum(patch_counts))
 
     def map(self, fn) -> "_StreamRows":
         """``fn`` applied to every tensor row set; the CPU offsets are reused (no device sync)."""
@@ -76,8 +77,10 @@ class RaggedBatch:
     constructor takes already-checked parts and is used by the operations below).
 
     Properties: ``layout``, ``layout_name``, ``token_ids``, ``num_samples``, ``image_counts``,
-    ``video_counts`` (lists of int), ``num_images``, ``num_videos``. All operations return new
-    batches; tensors are never modified in place.
+    ``video_counts`` (lists of int), ``num_images``, ``num_videos``. Per stream ("image",
+    "video"): ``counts``, ``item_offsets``, ``patch_counts``, ``patch_offsets``; per sample:
+    ``sample_sizes``, ``sample_costs``. All operations return new batches; tensors are never
+    modified in place.
     """
 
     def __init__(self, layout: BatchLayout, token_ids: TokenIds, sample: dict[str, torch.Tensor],
@@ -184,11 +187,11 @@ class RaggedBatch:
 
     @property
     def image_counts(self) -> list[int]:
-        return list(self._streams["image"].counts)
+        return self.counts("image")
 
     @property
     def video_counts(self) -> list[int]:
-        return list(self._streams["video"].counts) if "video" in self._streams else [0] * self.num_samples
+        return self.counts("video")
 
     @property
     def num_images(self) -> int:
@@ -198,9 +201,36 @@ class RaggedBatch:
     def num_videos(self) -> int:
         return self._streams["video"].grid.shape[0] if "video" in self._streams else 0
 
+    def _rows(self, stream: str) -> _StreamRows | None:
+        """The stream's rows; ``None`` for "video" in a layout without videos."""
+        if stream in self._streams:
+            return self._streams[stream]
+        if stream in ("image", "video"):
+            return None
+        raise ValueError(f"unknown stream {stream!r}; layout {self.layout_name!r} has {sorted(self._streams)}")
+
+    def counts(self, stream: str = "image") -> list[int]:
+        """Items of ``stream`` ("image" or "video") per sample, length B (zeros when the layout
+        has no such stream). Raises ``ValueError`` for another stream name."""
+        rows = self._rows(stream)
+        return list(rows.counts) if rows is not None else [0] * self.num_samples
+
+    def item_offsets(self, stream: str = "image") -> torch.Tensor:
+        """Index of each sample's first item of ``stream`` (exclusive cumsum of ``counts``),
+        int64 [B] on CPU."""
+        rows = self._rows(stream)
+        return rows.item_start if rows is not None else torch.zeros(self.num_samples, dtype=torch.int64)
+
     def patch_counts(self, stream: str = "image") -> torch.Tensor:
         """Patch rows per item of ``stream`` ("image" or "video"), int64 [N] on CPU."""
-        return self._streams[stream].patch_counts
+        rows = self._rows(stream)
+        return rows.patch_counts if rows is not None else torch.zeros(0, dtype=torch.int64)
+
+    def patch_offsets(self, stream: str = "image") -> torch.Tensor:
+        """First patch row of each item of ``stream`` in the flat patches (exclusive cumsum of
+        ``patch_counts``), int64 [N] on CPU."""
+        rows = self._rows(stream)
+        return rows.patch_start if rows is not None else torch.zeros(0, dtype=torch.int64)
 
     # ------------------------------------------------------------------ mapping view
     def keys(self) -> list[str]:
@@ -278,30 +308,66 @@ class RaggedBatch:
                 validation.check_token_types(s, ids == token, self._sample["mm_token_type_ids"])
         return self
 
+    def tokens_per_sample(self) -> torch.Tensor:
+        """Real tokens per sample: ``attention_mask.sum(1)`` (L without a mask), int64 [B] on CPU."""
+        mask = self._sample.get("attention_mask")
+        if mask is None:
+            return torch.full((self.num_samples,), self._sample["input_ids"].shape[-1], dtype=torch.int64)
+        return mask.detach().to("cpu", torch.int64).sum(dim=1)
+
+    def _add_per_item(self, totals: torch.Tensor, rows: _StreamRows, per_item: torch.Tensor) -> torch.Tensor:
+        """``totals`` [B] plus each item's ``per_item`` value added to its owning sample."""
+        owner = torch.repeat_interleave(torch.arange(self.num_samples), rows.counts_t)
+        return totals.index_add(0, owner, per_item.to(totals.dtype))
+
+    def sample_sizes(self) -> torch.Tensor:
+        """Patch rows (images and videos) + real tokens of every sample, int64 [B] on CPU: the
+        size GradCache chunks are budgeted in (``raggedvl.train.chunking``)."""
+        sizes = self.tokens_per_sample()
+        for rows in self._streams.values():
+            if rows.grid.numel():
+                sizes = self._add_per_item(sizes, rows, rows.patch_counts)
+        return sizes
+
     def sample_costs(self, cost_model: CostModel | None = None) -> torch.Tensor:
         """Per-sample cost, float64 [B] on CPU (units of ``cost_model``, default ``CostModel()``).
 
         Images and videos both count through ``CostModel.image_costs`` of their grids; the token
-        count is ``attention_mask.sum(1)`` (or L without a mask).
+        count is :meth:`tokens_per_sample`.
         """
         cm = cost_model or CostModel()
-        mask = self._sample.get("attention_mask")
-        seq = mask.sum(dim=1).cpu() if mask is not None else torch.full((self.num_samples,), self._sample["input_ids"].shape[1])
         img = self._streams["image"]
-        costs = cm.sample_costs(img.grid.cpu(), list(img.counts), seq)
+        costs = cm.sample_costs(img.grid.cpu(), list(img.counts), self.tokens_per_sample())
         for name, rows in self._streams.items():
             if name != "image" and rows.grid.numel():
-                owner = torch.repeat_interleave(torch.arange(self.num_samples), rows.counts_t)
-                costs = costs.index_add(0, owner, cm.image_costs(rows.grid.cpu()))
+                costs = self._add_per_item(costs, rows, cm.image_costs(rows.grid.cpu()))
         return costs
 
     # ------------------------------------------------------------------ transforms
     def _with(self, sample: dict[str, torch.Tensor], streams: dict[str, _StreamRows]) -> "RaggedBatch":
         return RaggedBatch(self._layout, self._token_ids, sample, streams, self._order)
 
-    def to(self, device: Any, non_blocking: bool = False) -> "RaggedBatch":
-        """Move every tensor to ``device`` (same signature as accelerate's ``send_to_device`` expects)."""
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+    def to(self, *args: Any, **kwargs: Any) -> "RaggedBatch":
+        """A new batch with its tensors moved and cast as transformers' ``BatchFeature.to`` does:
+        floating-point tensors (``pixel_values``, ...) get ``tensor.to(*args, **kwargs)``, so a
+        dtype casts them; integer and bool tensors (ids, masks, grids) only move to the device
+        given (first argument or ``device=``), never change type. ``non_blocking`` is passed on.
+        The ownership offsets stay on the CPU. Raises ``ValueError`` for a first argument that
+        is neither a device nor a dtype (as ``BatchFeature.to`` does).
+        """
+        device = kwargs.get("device")
+        if device is None and args:
+            if isinstance(args[0], (str, int, torch.device)):
+                device = args[0]
+            elif not isinstance(args[0], torch.dtype):
+                raise ValueError(f"RaggedBatch.to({args[0]!r}): expected a device or a dtype")
+        non_blocking = kwargs.get("non_blocking", False)
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if torch.is_floating_point(t):
+                return t.to(*args, **kwargs)
+            return t if device is None else t.to(device=device, non_blocking=non_blocking)
+
         return self._with({k: move(v) for k, v in self._sample.items()},
                           {n: r.map(move) for n, r in self._streams.items()})
 

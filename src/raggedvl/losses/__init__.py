@@ -20,7 +20,6 @@ replays each micro-batch's backward with the cached embedding gradients.
 
 from raggedvl.losses.functional import (
     cross_entropy_terms,
-    exclusive_offsets,
     global_mean_share,
     pairwise_terms,
     positive_labels,
@@ -37,7 +36,6 @@ __all__ = [
     "RetrievalLoss",
     "check_late_interaction_inputs",
     "cross_entropy_terms",
-    "exclusive_offsets",
     "global_mean_share",
     "late_interaction_scores",
     "make_retrieval_loss",

@@ -19,16 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-
-def exclusive_offsets(counts: Sequence[int]) -> list[int]:
-    """``[0, c0, c0+c1, ...]``: where each rank's rows start in a rank-ordered gather."""
-    out, total = [], 0
-    for c in counts:
-        if c < 0:
-            raise ValueError(f"counts must be >= 0, got {list(counts)}")
-        out.append(total)
-        total += c
-    return out
+from raggedvl.batch.offsets import exclusive_cumsum
 
 
 def positive_labels(counts: Sequence[int], rank: int, device=None) -> torch.Tensor:
@@ -39,7 +30,7 @@ def positive_labels(counts: Sequence[int], rank: int, device=None) -> torch.Tens
     """
     if not 0 <= rank < len(counts):
         raise ValueError(f"rank {rank} is outside [0, {len(counts)}) for counts {list(counts)}")
-    start = exclusive_offsets(counts)[rank]
+    start = int(exclusive_cumsum(counts)[rank])  # where rank's rows start in a rank-ordered gather
     return torch.arange(start, start + counts[rank], device=device, dtype=torch.long)
 
 

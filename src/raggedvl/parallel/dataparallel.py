@@ -42,14 +42,13 @@ class ScatteredBatch:
 
     def item_index(self, stream: str) -> list[torch.Tensor]:
         """Per shard, the original batch index of each of its items of ``stream`` ([N_r] int64)."""
-        counts = torch.tensor(self.source.image_counts if stream == "image" else self.source.video_counts)
-        starts = torch.cumsum(counts, 0) - counts
+        counts = torch.tensor(self.source.counts(stream), dtype=torch.int64)
+        starts = self.source.item_offsets(stream)
         return [ranges(starts[idx], counts[idx]) for idx in map(torch.tensor, self.indices)]
 
     def patch_index(self, stream: str) -> list[torch.Tensor]:
         """Per shard, the original row of each of its patch rows of ``stream`` ([P_r] int64)."""
-        rows = self.source.patch_counts(stream)
-        starts = torch.cumsum(rows, 0) - rows
+        rows, starts = self.source.patch_counts(stream), self.source.patch_offsets(stream)
         return [ranges(starts[items], rows[items]) for items in self.item_index(stream)]
 
 

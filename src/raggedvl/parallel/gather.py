@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from raggedvl.batch.offsets import exclusive_cumsum
 from raggedvl.parallel.agreement import RankShape, exchange_shapes
 from raggedvl.parallel.runtime import is_distributed
 
@@ -50,13 +51,6 @@ class PaddedGather(NamedTuple):
     counts: list[int]
     offsets: list[int]
 
-
-def _offsets(counts: list[int]) -> list[int]:
-    out, total = [], 0
-    for c in counts:
-        out.append(total)
-        total += c
-    return out
 
 
 def _gather_padded_rows(x: torch.Tensor, shapes: list[RankShape], group) -> torch.Tensor:
@@ -129,7 +123,7 @@ def all_gather_variable(
     shapes = exchange_shapes(x, varying_dims=(0,), group=group, tag=tag, debug=debug)
     counts = [s.shape[0] for s in shapes]
     values = _RaggedAllGather.apply(_join_backward(x, shapes), shapes, group, dist.get_rank(group))
-    return VariableGather(values, counts, _offsets(counts))
+    return VariableGather(values, counts, exclusive_cumsum(counts).tolist())
 
 
 def all_gather_padded(
@@ -168,4 +162,4 @@ def all_gather_padded(
     values = _RaggedAllGather.apply(_join_backward(x, shapes), shapes, group, dist.get_rank(group))
     mask_shapes = [RankShape(s.rank, torch.uint8, s.shape[:2], 0, 0, False) for s in shapes]
     gathered_mask = _gather_padded_rows(mask.to(torch.uint8), mask_shapes, group).bool()
-    return PaddedGather(values, gathered_mask, counts, _offsets(counts))
+    return PaddedGather(values, gathered_mask, counts, exclusive_cumsum(counts).tolist())

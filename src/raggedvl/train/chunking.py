@@ -6,7 +6,8 @@ Shape legend: B samples of the batch, b samples of a chunk, L token columns of t
 
 Size of a sample (the budget's unit): the patch rows of its images and videos (sum of t*h*w
 over its ``image_grid_thw`` / ``video_grid_thw`` rows, i.e. ``pixel_values`` rows, before the
-2x2 merge) plus its tokens (``attention_mask`` ones, placeholders included). A chunk is a run
+2x2 merge) plus its tokens (``attention_mask`` ones, placeholders included):
+:meth:`RaggedBatch.sample_sizes`. A chunk is a run
 of consecutive samples whose sizes sum to at most the budget; a sample larger than the budget
 is a chunk of its own. Chunks are cut with :meth:`RaggedBatch.split`, so every image stays with
 its sample.
@@ -45,22 +46,6 @@ class Chunk:
     size: int
 
 
-def sample_sizes(batch: RaggedBatch) -> torch.Tensor:
-    """Patches + tokens of every sample (module docstring), int64 ``[B]`` on CPU."""
-    mask = batch.get("attention_mask")
-    if mask is None:
-        sizes = torch.full((batch.num_samples,), batch["input_ids"].shape[-1], dtype=torch.int64)
-    else:
-        sizes = mask.detach().to("cpu", torch.int64).sum(dim=1)
-    for stream in batch.layout.streams:
-        counts = batch.image_counts if stream.name == "image" else batch.video_counts
-        if sum(counts) == 0:
-            continue
-        owner = torch.repeat_interleave(torch.arange(batch.num_samples), torch.tensor(counts, dtype=torch.int64))
-        sizes = sizes.index_add(0, owner, batch.patch_counts(stream.name).to(torch.int64))
-    return sizes
-
-
 def chunk_sizes(sizes: Sequence[int], budget: int) -> list[int]:
     """Samples per chunk: greedy runs of consecutive samples whose sizes sum to <= ``budget``.
 
@@ -97,7 +82,7 @@ def plan_chunks(batch: RaggedBatch, budget: int) -> list[Chunk]:
 
     Raises ``ValueError`` for a budget below 1. The chunks' ``rows`` cover ``[0, B)`` in order.
     """
-    sizes = sample_sizes(batch)
+    sizes = batch.sample_sizes()
     counts = chunk_sizes(sizes.tolist(), budget)
     length = batch["input_ids"].shape[-1]
     sample_keys = batch.layout.sample_dims

@@ -77,6 +77,12 @@ def test_lora_sft_trains_only_adapters(tmp_path):
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     assert not any("visual" in n for n in trainable)
+    targets = LoraSettings().target_modules  # the retriever's rule: every LM projection, nothing else
+    expected = {f"base_model.model.{n}" for n, m in tiny_generator().named_modules()
+                if isinstance(m, torch.nn.Linear) and ".language_model." in f".{n}" and n.rsplit(".", 1)[-1] in targets}
+    assert {n.split(".lora_")[0] for n in trainable} == expected
+    with pytest.raises(ValueError, match="match no Linear of Qwen2VLForConditionalGeneration's language model"):
+        apply_generation_lora(tiny_generator(), LoraSettings(target_modules=("qkv",)))
     trainer = RaggedTrainer(model, training_args(tmp_path, per_device_train_batch_size=3, max_steps=1),
                             processor=tiny_processor(), task="sft", train_dataset=sft_examples(),
                             data_collator=SFTCollator(tiny_processor()))

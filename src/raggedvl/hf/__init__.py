@@ -6,9 +6,10 @@ wire-form batches (``raggedvl.hf.wire``) that accelerate can dispatch by whole s
 ``apply_generation_lora`` puts peft LoRA on a generative model's language model.
 """
 
+from raggedvl.models.lora import apply_generation_lora
+
 from .collator import IGNORE_INDEX, RetrievalWireCollator, SFTCollator
 from .dispatch import install_ragged_dispatch, ragged_slice_fn
-from .lora import apply_generation_lora
 from .trainer import RaggedTrainer, default_retrieval_loss
 from .wire import is_wire, pack, slice_samples, unpack
 

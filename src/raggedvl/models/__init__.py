@@ -5,7 +5,7 @@ from .build import build_retriever, load_backbone
 from .dummy_vision import dummy_vision_inputs, dummy_vision_term, missing_modalities
 from .families import FAMILIES, Family, TinySizes, family_of, special_token_ids, tiny_backbone_config
 from .heads import EmbeddingOutput, RetrievalHead, pool_hidden
-from .lora import LoraSettings, apply_lora
+from .lora import LoraSettings, apply_generation_lora, apply_lora
 from .recipe import TINY_TRAINING_DEFAULTS, TrainingRecipe
 from .retriever import Retriever, RetrieverConfig
 
@@ -20,6 +20,7 @@ __all__ = [
     "RetrieverConfig",
     "TinySizes",
     "TrainingRecipe",
+    "apply_generation_lora",
     "apply_lora",
     "build_retriever",
     "dummy_vision_inputs",

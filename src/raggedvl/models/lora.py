@@ -1,8 +1,10 @@
-"""LoRA adapters on the backbone's language model, through peft.
+"""LoRA adapters on a Qwen-VL language model, through peft: a retriever's backbone (base model,
+``language_model.*``) or a generative ``*ForConditionalGeneration`` model (one level deeper,
+``model.language_model.*``), one rule for both.
 
 Default targets follow ColQwen2 (colpali-engine): the language model's attention and MLP
-projections (q, k, v, o, gate, up, down); the vision tower stays frozen. The retrieval head is
-not part of the backbone and stays fully trainable.
+projections (q, k, v, o, gate, up, down); the vision tower (and ``lm_head``) stays frozen. The
+retrieval head is not part of the backbone and stays fully trainable.
 """
 
 from __future__ import annotations
@@ -44,23 +46,30 @@ class LoraSettings:
         return cls(**{**data, "target_modules": tuple(data["target_modules"])})
 
 
-def apply_lora(backbone: nn.Module, settings: LoraSettings) -> nn.Module:
-    """Wrap ``backbone`` in a peft ``PeftModel``: LoRA on the language model's projections.
+def apply_lora(model: nn.Module, settings: LoraSettings, *, task_type: str | None = None) -> nn.Module:
+    """Wrap ``model`` in a peft ``PeftModel``: LoRA on the projections of its ``language_model``
+    (at the top, as in a retriever's backbone, or nested, as in a generative model).
 
+    ``task_type``: peft's task (``"CAUSAL_LM"`` for a generative model; ``None`` for a backbone).
     Every base weight is frozen; only the LoRA A/B matrices are trainable. Raises
-    ``ValueError`` when no module of the language model matches ``settings.target_modules``.
+    ``ValueError`` when no Linear of the language model matches ``settings.target_modules``.
     """
     from peft import LoraConfig, get_peft_model
 
-    names = "|".join(settings.target_modules)
-    pattern = rf".*language_model\..*\.({names})"
-    linear_names = {n: n.rsplit(".", 1)[-1] for n, m in backbone.named_modules() if isinstance(m, nn.Linear)}
-    matched = [n for n, leaf in linear_names.items() if n.startswith("language_model.") and leaf in settings.target_modules]
+    linear_names = {n: n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    matched = [n for n, leaf in linear_names.items() if ".language_model." in f".{n}" and leaf in settings.target_modules]
     if not matched:
         raise ValueError(
-            f"LoRA target_modules {list(settings.target_modules)} match no Linear of the language model; "
-            f"the backbone's Linear layers are named {sorted(set(linear_names.values()))}"
+            f"LoRA target_modules {list(settings.target_modules)} match no Linear of {type(model).__name__}'s "
+            f"language model; its Linear layers are named {sorted(set(linear_names.values()))}"
         )
+    pattern = rf"(.*\.)?language_model\..*\.({'|'.join(settings.target_modules)})"
     config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                        target_modules=pattern, bias="none")
-    return get_peft_model(backbone, config)
+                        target_modules=pattern, bias="none", task_type=task_type)
+    return get_peft_model(model, config)
+
+
+def apply_generation_lora(model: nn.Module, settings: LoraSettings | None = None) -> nn.Module:
+    """LoRA for generative fine-tuning: :func:`apply_lora` with peft's ``"CAUSAL_LM"`` task on a
+    ``*ForConditionalGeneration`` model (default :class:`LoraSettings`); same rule and errors."""
+    return apply_lora(model, settings or LoraSettings(), task_type="CAUSAL_LM")

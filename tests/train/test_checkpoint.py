@@ -12,7 +12,7 @@ from raggedvl.train.checkpoint import (
     load_latest_checkpoint,
     save_checkpoint,
 )
-from raggedvl.train.rng import capture_rng_state, restore_rng_state
+from raggedvl.rng import capture_rng_state, restore_rng_state
 
 
 def _save(root, step, value=1.0, keep=2):

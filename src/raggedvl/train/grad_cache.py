@@ -63,6 +63,7 @@ from torch import nn
 from raggedvl.batch import RaggedBatch
 from raggedvl.models import EmbeddingOutput
 from raggedvl.parallel.wrap import all_reduce_max
+from raggedvl.rng import capture_rng_state, replayed_rng_state
 from raggedvl.train.chunking import Chunk, chunk_grad, plan_chunks, scatter_embeddings
 
 LossFn = Callable[[EmbeddingOutput, EmbeddingOutput], torch.Tensor]
@@ -83,29 +84,11 @@ class GradCacheStep:
     encode_s: float
 
 
-@dataclass(frozen=True)
-class _RngState:
-    cpu: torch.Tensor
-    cuda: torch.Tensor | None
-    cuda_index: int | None
-
-
-def _capture_rng(device: torch.device) -> _RngState:
+def _capture_rng(device: torch.device) -> dict[str, Any]:
+    """The RNG state a chunk's forward starts from: CPU, Python and ``device``'s CUDA generator."""
     if device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
-        return _RngState(torch.get_rng_state(), torch.cuda.get_rng_state(index), index)
-    return _RngState(torch.get_rng_state(), None, None)
-
-
-@contextlib.contextmanager
-def _replayed_rng(state: _RngState) -> Iterator[None]:
-    """Run the block with the saved RNG state; the global state is restored afterwards."""
-    devices = [] if state.cuda_index is None else [state.cuda_index]
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(state.cpu)
-        if state.cuda is not None:
-            torch.cuda.set_rng_state(state.cuda, state.cuda_index)
-        yield
+        return capture_rng_state([torch.cuda.current_device() if device.index is None else device.index])
+    return capture_rng_state([])
 
 
 def _is_fsdp2(model: nn.Module) -> bool:
@@ -142,7 +125,7 @@ def _check_inputs(queries: Any, docs: Any) -> None:
 
 
 def _encode_no_grad(model: nn.Module, chunks: list[Chunk], forwards: int, autocast: ContextManager,
-                    device: torch.device) -> tuple[list[EmbeddingOutput], list[_RngState]]:
+                    device: torch.device) -> tuple[list[EmbeddingOutput], list[dict[str, Any]]]:
     """Pass 1 for one kind: ``forwards`` no-grad forwards (the chunks, then padding repeats of
     the last chunk, whose outputs are discarded)."""
     outputs, states = [], []
@@ -211,7 +194,7 @@ def grad_cache_step(
         for i in range(forwards[kind]):
             remaining -= 1
             chunk, state = chunks[min(i, len(chunks) - 1)], states[kind][min(i, len(chunks) - 1)]
-            with _gradient_sync(model, enabled=remaining == 0), _replayed_rng(state):
+            with _gradient_sync(model, enabled=remaining == 0), replayed_rng_state(state):
                 with autocast:
                     out = model(**chunk.inputs)
                 grad = chunk_grad(grad_all, chunk)

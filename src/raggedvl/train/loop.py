@@ -37,7 +37,7 @@ from raggedvl.train.evaluate import evaluate_retrieval
 from raggedvl.train.faults import StallWatchdog, inject_fault, report_failure
 from raggedvl.train.grad_cache import grad_cache_step
 from raggedvl.train.report import MetricsLog, format_metrics_table, plot_run
-from raggedvl.train.rng import capture_rng_state, restore_rng_state
+from raggedvl.rng import capture_rng_state, restore_rng_state
 from raggedvl.train.schedule import warmup_cosine
 from raggedvl.train.setup import build_components, check_output_dir
 

@@ -14,7 +14,8 @@ from .processing import (
     build_tiny_tokenizer,
     set_pixel_limits,
 )
-from .rdocs import DEFAULT_JOB_DEV_PAIRS, DEFAULT_JOB_TRAIN_PAIRS, build_rdocs, default_cache_root, verify_manuals
+from .cache import cache_root
+from .rdocs import DEFAULT_JOB_DEV_PAIRS, DEFAULT_JOB_TRAIN_PAIRS, build_rdocs, verify_manuals
 
 __all__ = [
     "BadImageError",
@@ -34,7 +35,7 @@ __all__ = [
     "build_processor",
     "build_rdocs",
     "build_tiny_tokenizer",
-    "default_cache_root",
+    "cache_root",
     "load_image",
     "load_retrieval_dataset",
     "set_pixel_limits",

@@ -23,13 +23,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoProcessor, AutoTokenizer, Qwen2VLProcessor
 from transformers.processing_utils import ProcessorMixin
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from raggedvl.data.cache import cache_root
 
 TOKENIZER_VERSION = "v1"
 QWEN2_VL_SPECIAL_TOKENS = (
@@ -58,13 +59,6 @@ class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
         if videos is not None:
             raise ValueError("this processor has no video processor (torchvision is missing); install torchvision for videos")
         return super().__call__(images=images, text=text, **kwargs)
-
-
-def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("RAGGEDVL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "raggedvl"
 
 
 def corpus_texts() -> list[str]:
@@ -113,7 +107,7 @@ def train_tiny_tokenizer(texts: list[str], vocab_size: int = TINY_VOCAB_SIZE) ->
 
 def build_tiny_tokenizer(cache_dir: str | os.PathLike | None = None, vocab_size: int = TINY_VOCAB_SIZE):
     """The tiny default's tokenizer, trained on first use and cached (atomic rename)."""
-    target = _cache_root(cache_dir) / f"tiny-tokenizer-{TOKENIZER_VERSION}-{vocab_size}"
+    target = cache_root(cache_dir) / f"tiny-tokenizer-{TOKENIZER_VERSION}-{vocab_size}"
     if not (target / "tokenizer.json").is_file():
         tokenizer = train_tiny_tokenizer(corpus_texts(), vocab_size)
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")

@@ -32,6 +32,7 @@ from pathlib import Path
 import pypdfium2 as pdfium
 from PIL import Image
 
+from raggedvl.data.cache import cache_root
 from raggedvl.data.rdocs_pairs import DEV_FRACTION, MANUALS, RDOCS_VERSION, PairPlan, plan_pairs, select_subset
 
 DEFAULT_JOB_TRAIN_PAIRS = 256  # = TrainConfig.max_train_samples
@@ -42,12 +43,6 @@ _PNG_COMPRESS_LEVEL = 6
 def manuals_dir() -> Path:
     """Directory of the vendored R manual PDFs, SHA256SUMS and debian-copyright.txt."""
     return Path(str(resources.files("raggedvl.data") / "r_manuals"))
-
-
-def default_cache_root() -> Path:
-    """``$RAGGEDVL_CACHE`` if set, else ``~/.cache/raggedvl``."""
-    env = os.environ.get("RAGGEDVL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "raggedvl"
 
 
 def verify_manuals(directory: Path | None = None) -> None:
@@ -172,7 +167,7 @@ def build_rdocs(
     """Build (or reuse) the rdocs dataset and return its directory.
 
     Args:
-        cache_dir: root directory of the cache (default ``default_cache_root()``); the dataset
+        cache_dir: root directory of the cache (default :func:`raggedvl.data.cache.cache_root`); the dataset
             lives in ``<cache_dir>/rdocs-<version>-<subset>``.
         limit: at most this many pairs in all, split like the full set (``dev = round(limit *
             0.2)``, at least 1); cannot be combined with ``train_limit`` / ``dev_limit``.
@@ -187,7 +182,7 @@ def build_rdocs(
         ValueError: a vendored PDF fails its SHA-256 check, or a limit is not a positive int.
     """
     train_limit, dev_limit = _resolve_limits(limit, train_limit, dev_limit)
-    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    root = cache_root(cache_dir)
     final = root / f"rdocs-{RDOCS_VERSION}-{_subset_tag(train_limit, dev_limit)}"
     if (final / "manifest.jsonl").is_file() and not force:
         return final

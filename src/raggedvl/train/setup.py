@@ -16,7 +16,7 @@ import torch
 from filelock import FileLock
 
 from raggedvl.data import RetrievalCollator, build_processor, build_rdocs, load_retrieval_dataset
-from raggedvl.data.rdocs import default_cache_root
+from raggedvl.data.cache import cache_root
 from raggedvl.losses import RetrievalLoss, make_retrieval_loss
 from raggedvl.models import LoraSettings, build_retriever
 from raggedvl.parallel.runtime import DistInfo
@@ -61,16 +61,16 @@ def prepare_data(cfg: TrainConfig) -> None:
     build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels, cache_dir=cfg.data_cache)
     if cfg.dataset != "rdocs":
         return
-    root = default_cache_root() if cfg.data_cache is None else cfg.data_cache
-    Path(root).mkdir(parents=True, exist_ok=True)
-    with FileLock(str(Path(root) / "rdocs.lock")):
+    root = cache_root(cfg.data_cache)
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / "rdocs.lock")):
         build_rdocs(root, train_limit=cfg.max_train_samples, dev_limit=cfg.max_eval_samples)
 
 
 def load_splits(cfg: TrainConfig) -> tuple[Sequence[dict[str, Any]], Sequence[dict[str, Any]]]:
     if cfg.dataset == "rdocs":
         prepare_data(cfg)
-        root = default_cache_root() if cfg.data_cache is None else cfg.data_cache
+        root = cache_root(cfg.data_cache)
         path = build_rdocs(root, train_limit=cfg.max_train_samples, dev_limit=cfg.max_eval_samples)
         return (
             load_retrieval_dataset(path, split=cfg.train_split, on_bad_image=cfg.on_bad_image),

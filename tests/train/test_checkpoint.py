@@ -1,6 +1,7 @@
 import json
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from raggedvl.train.checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_checkpoint,
+    load_checkpoint_or_latest,
     load_latest_checkpoint,
     save_checkpoint,
 )
@@ -91,13 +93,28 @@ def test_pickle_payload_is_refused(tmp_path):
 
 
 def test_eval_resolves_a_run_dir_to_the_newest_checkpoint_that_verifies(tmp_path):
-    from raggedvl.train.evaluate_checkpoint import resolve_checkpoint
-
     older = _save(tmp_path, 1, 1.0)
     newest = _save(tmp_path, 2, 2.0)
-    assert resolve_checkpoint(tmp_path) == newest
+    assert load_checkpoint_or_latest(tmp_path).path == newest
+    assert load_checkpoint_or_latest(older).path == older  # a checkpoint folder is taken as given
     (newest / "MANIFEST.json").unlink()
-    assert resolve_checkpoint(tmp_path) == older
+    assert load_checkpoint_or_latest(tmp_path).path == older
     (older / "MANIFEST.json").unlink()
     with pytest.raises(CheckpointError, match="no checkpoint verifies"):
-        resolve_checkpoint(tmp_path)
+        load_checkpoint_or_latest(tmp_path)
+    with pytest.raises(CheckpointError, match="neither a checkpoint folder nor a run directory"):
+        load_checkpoint_or_latest(tmp_path / "elsewhere")
+
+
+def test_each_checkpoint_is_hashed_once_when_loaded(tmp_path, monkeypatch):
+    import raggedvl.train.checkpoint as checkpoint
+
+    _save(tmp_path, 1, 1.0)
+    newest = _save(tmp_path, 2, 2.0)
+    hashed = []
+    real = checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda p: hashed.append(Path(p)) or real(p))
+    for load in (lambda: load_latest_checkpoint(tmp_path)[0], lambda: load_checkpoint_or_latest(tmp_path)):
+        hashed.clear()
+        assert load().path == newest
+        assert sorted(hashed) == sorted(newest / name for name in checkpoint.FILES)

@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,10 +161,12 @@ def _safe_torch_load(path: Path) -> Any:
         ) from e
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Verify and load one checkpoint folder. Raises :class:`CheckpointError`."""
+def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
+    """Verify (unless the caller just did: ``verify=False``) and load one checkpoint folder.
+    Raises :class:`CheckpointError`."""
     path = Path(path)
-    verify_checkpoint(path)
+    if verify:
+        verify_checkpoint(path)
     return Checkpoint(
         path=path,
         model=load_file(str(path / "model.safetensors")),
@@ -186,5 +189,25 @@ def load_latest_checkpoint(root: str | Path) -> tuple[Checkpoint | None, list[st
         except CheckpointError as e:
             problems.append(str(e))
             continue
-        return load_checkpoint(path), problems
+        return load_checkpoint(path, verify=False), problems  # hashed once, just above
     return None, problems
+
+
+def load_checkpoint_or_latest(path: str | Path) -> Checkpoint:
+    """``path`` itself when it is a checkpoint folder; else the newest checkpoint that verifies
+    in a run directory (``<path>/checkpoints``) or a checkpoints folder, each skipped one
+    reported on stderr (``warning: skipped checkpoint: ...``, as ``--resume`` does).
+
+    Raises :class:`CheckpointError` when there is no checkpoint or none verifies."""
+    path = Path(path)
+    if (path / MANIFEST).exists() or (path / "model.safetensors").exists():
+        return load_checkpoint(path)
+    root = path / "checkpoints" if list_checkpoints(path / "checkpoints") else path
+    ckpt, problems = load_latest_checkpoint(root)
+    for problem in problems:
+        print(f"warning: skipped checkpoint: {problem}", file=sys.stderr)
+    if ckpt is not None:
+        return ckpt
+    if problems:
+        raise CheckpointError(f"{path}: no checkpoint verifies: " + "; ".join(problems))
+    raise CheckpointError(f"{path}: neither a checkpoint folder nor a run directory with checkpoints/step-*")

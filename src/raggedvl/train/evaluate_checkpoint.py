@@ -3,39 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 
 from raggedvl.parallel.runtime import init_distributed, shutdown
 from raggedvl.parallel.wrap import load_full_state_dicts
-from raggedvl.train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
+from raggedvl.train.checkpoint import load_checkpoint_or_latest
 from raggedvl.train.config import TrainConfig
 from raggedvl.train.evaluate import evaluate_retrieval
 from raggedvl.evaluation.metrics import random_ranker_metrics
 from raggedvl.train.report import format_metrics_table
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder as given, or the newest checkpoint of a run directory that verifies
-    (a torn or corrupt newer one is reported and skipped, as ``--resume`` does).
-    Raises :class:`CheckpointError` when there is none."""
-    path = Path(path)
-    if (path / "MANIFEST.json").exists() or (path / "model.safetensors").exists():
-        return path
-    found = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
-    if not found:
-        raise CheckpointError(f"{path}: neither a checkpoint folder nor a run directory with checkpoints/step-*")
-    problems = []
-    for candidate in found:
-        try:
-            verify_checkpoint(candidate)
-        except CheckpointError as exc:
-            problems.append(str(exc))
-            print(f"warning: skipped checkpoint: {exc}", file=sys.stderr)
-            continue
-        return candidate
-    raise CheckpointError(f"{path}: no checkpoint verifies: " + "; ".join(problems))
 
 
 def evaluate_checkpoint(path: str | Path, *, split: str | None = None, batch_size: int = 16, max_samples: int | None = None) -> dict[str, float]:
@@ -44,7 +21,7 @@ def evaluate_checkpoint(path: str | Path, *, split: str | None = None, batch_siz
     torchrun (encoding is sharded over ranks). Prints a table on rank 0 and returns the metrics."""
     from raggedvl.train.setup import build_components
 
-    ckpt = load_checkpoint(resolve_checkpoint(path))
+    ckpt = load_checkpoint_or_latest(path)
     values = dict(ckpt.state["config"])
     if max_samples is not None:
         values["max_eval_samples"] = max_samples

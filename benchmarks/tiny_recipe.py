@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast, get_cosine_schedule_with_warmup
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from PIL import Image
 
@@ -147,13 +147,7 @@ def main() -> None:
     model = build_retriever("tiny", processor=tok, tiny_sizes=TinySizes(initializer_range=args.init_range),
                             eps=args.eps, seed=args.seed)
     opt = torch.optim.AdamW(model.parameter_groups(args.lr, args.head_lr, weight_decay=0.0))
-    base = [g["lr"] for g in opt.param_groups]
-
-    def lr_at(step):
-        if step < args.warmup:
-            return (step + 1) / args.warmup
-        frac = (step - args.warmup) / max(1, args.steps - args.warmup)
-        return 0.5 * (1 + math.cos(math.pi * frac))
+    sched = get_cosine_schedule_with_warmup(opt, min(args.warmup, args.steps - 1), args.steps)  # as raggedvl train
 
     before = evaluate(model, tr_items[:64], tok, image_token_id) + evaluate(model, dev_items, tok, image_token_id)
     print(f"before: train nDCG@5 {before[0]:.3f} (random {before[1]:.3f}) cos {before[2]:.4f} | dev {before[3]:.3f} (random {before[4]:.3f})")
@@ -164,14 +158,13 @@ def main() -> None:
             random.shuffle(perm)
             order += perm
         idx, order = order[: args.batch], order[args.batch:]
-        for g, b in zip(opt.param_groups, base):
-            g["lr"] = b * lr_at(step)
         q, d = encode(model, tr_items, idx, tok, image_token_id)
         loss = F.cross_entropy(maxsim(q, d) / args.temperature, torch.arange(len(idx)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sched.step()
         losses.append(loss.item())
         if step % 25 == 0 or step == args.steps - 1:
             print(f"step {step:4d} loss {sum(losses[-25:]) / len(losses[-25:]):.3f} grad {float(gn):.2e} "

@@ -25,12 +25,32 @@ def _train(run_dir, cache, *extra, fault=None, timeout=240):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _losses(run_dir):
+def _logged(run_dir, key="loss"):
     out = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if rec.get("event") == "train":
-            out[rec["step"]] = rec["loss"]
+            out[rec["step"]] = rec[key]
+    return out
+
+
+def _losses(run_dir):
+    return _logged(run_dir, "loss")
+
+
+def _expected_lrs(steps=6, warmup=10, lr=2e-4):
+    """transformers' cosine-with-warmup, the warmup cut to steps - 1 (train/loop.py); the log
+    holds the learning rate after each step's scheduler.step()."""
+    import torch
+    from transformers import get_cosine_schedule_with_warmup
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = get_cosine_schedule_with_warmup(opt, min(warmup, steps - 1), steps)
+    out = {}
+    for step in range(1, steps + 1):
+        opt.step()
+        sched.step()
+        out[step] = sched.get_last_lr()[0]
     return out
 
 
@@ -40,6 +60,7 @@ def test_kill_one_rank_then_resume_gives_the_same_losses(tmp_path, small_data_ca
     assert full.returncode == 0, full.stderr[-3000:]
     reference = _losses(tmp_path / "full")
     assert sorted(reference) == [1, 2, 3, 4, 5, 6]
+    assert _logged(tmp_path / "full", "lr") == pytest.approx(_expected_lrs(), rel=1e-12)
 
     killed = _train(tmp_path / "resumed", cache, fault="kill:1:5")  # rank 1 dies at the start of step 6
     assert killed.returncode != 0
@@ -54,3 +75,4 @@ def test_kill_one_rank_then_resume_gives_the_same_losses(tmp_path, small_data_ca
     assert sorted(got) == [1, 2, 3, 4, 5, 6]  # each step logged exactly once
     for step in range(1, 7):
         assert got[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), (step, got, reference)
+    assert _logged(tmp_path / "resumed", "lr") == _logged(tmp_path / "full", "lr")  # the schedule resumes exactly

@@ -1,12 +1,9 @@
-import math
-
 import pytest
 import torch
 
 from raggedvl.cli import build_parser
 from raggedvl.train.config import TrainConfig, config_from_args
 from raggedvl.train.launch import strip_torchrun_arguments, torchrun_command
-from raggedvl.train.schedule import warmup_cosine
 
 
 def test_yaml_then_flags_override(tmp_path):
@@ -33,19 +30,6 @@ def test_torchrun_command_defaults_and_pass_through():
     assert cmd[-4:] == ["raggedvl.cli", "train", "--lr", "0.1"]
     single = torchrun_command(build_parser().parse_args(["train"]), [])
     assert "--standalone" in single and single[single.index("--nproc-per-node") + 1] in ("2", str(torch.cuda.device_count()))
-
-
-def test_warmup_cosine_shape():
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = warmup_cosine(opt, warmup_steps=4, total_steps=14)
-    lrs = []
-    for _ in range(14):
-        lrs.append(sched.get_last_lr()[0])
-        opt.step()
-        sched.step()
-    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert lrs[4 + 5] == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
 
 
 def test_default_job_uses_the_tiny_recipe():

@@ -70,7 +70,7 @@ class TrainConfig:
     lr: float = option(2e-4, "AdamW peak learning rate of the backbone (linear warmup, then cosine decay)", above=0)
     head_lr: float | None = option(2e-3, "peak learning rate of the projection head (none: same as lr)", above=0)
     weight_decay: float = option(0.0, "AdamW weight decay", at_least=0)
-    warmup_steps: int = option(10, "linear warmup, in optimizer steps", at_least=0)
+    warmup_steps: int = option(10, "linear warmup, in optimizer steps (at most max_steps - 1)", at_least=0)
     max_grad_norm: float = option(1.0, "gradient clipping threshold on the global L2 norm (0: no clipping)", at_least=0)
     sampler: Literal["balanced", "equal"] = option(
         "balanced", "how a global batch is split over ranks: by cost (balanced) or equal sample counts (equal)")

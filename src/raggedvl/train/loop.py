@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import torch
 from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
 
 from raggedvl.parallel.runtime import DistInfo, init_distributed, shutdown
 from raggedvl.parallel.wrap import (
@@ -38,7 +39,6 @@ from raggedvl.train.faults import StallWatchdog, inject_fault, report_failure
 from raggedvl.train.grad_cache import grad_cache_step
 from raggedvl.train.report import MetricsLog, format_metrics_table, plot_run
 from raggedvl.rng import capture_rng_state, restore_rng_state
-from raggedvl.train.schedule import warmup_cosine
 from raggedvl.train.setup import build_components, check_output_dir
 
 
@@ -74,7 +74,10 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.steps_per_epoch = len(self.c.sampler)
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
-        self.scheduler = warmup_cosine(self.optimizer, cfg.warmup_steps, self.total_steps)
+        # transformers' linear warmup + cosine decay to 0 (the HF Trainer's "cosine"); a warmup
+        # longer than the run is cut so that the peak learning rate is reached at the last step.
+        warmup = min(cfg.warmup_steps, max(0, self.total_steps - 1))
+        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, warmup, self.total_steps)
         self.step = 0
         self.epoch = 0
         self.skipped = 0  # examples dropped by on_bad_image="skip" on all ranks in this process's run

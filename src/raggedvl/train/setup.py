@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from filelock import FileLock
+from torch.utils.data import Subset
 
 from raggedvl.data import RetrievalCollator, build_processor, build_rdocs, load_retrieval_dataset
 from raggedvl.data.cache import cache_root
@@ -36,21 +37,6 @@ class Components:
     sampler: BalancedDistributedBatchSampler
     costs: SampleCosts  # the training split's size estimate (``costs.skipped``: pairs it rejected)
     loss: RetrievalLoss  # loss(queries, docs) on EmbeddingOutputs -> L_r
-
-
-class _Subset:
-    """The first ``n`` items of a dataset (used to score memorisation on training pairs)."""
-
-    def __init__(self, base: Sequence[dict[str, Any]], n: int) -> None:
-        self.base, self.n = base, min(n, len(base))
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        if not 0 <= i < self.n:
-            raise IndexError(i)
-        return self.base[i]
 
 
 def prepare_data(cfg: TrainConfig) -> None:
@@ -144,7 +130,7 @@ def build_components(cfg: TrainConfig, info: DistInfo) -> Components:
         processor=processor,
         train_set=train_set,
         eval_set=eval_set,
-        train_eval_set=_Subset(train_set, cfg.eval_train_samples),
+        train_eval_set=Subset(train_set, range(min(cfg.eval_train_samples, len(train_set)))),
         collate=collate,
         model=model,
         sampler=make_sampler(cfg, costs, info),

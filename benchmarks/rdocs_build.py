@@ -5,7 +5,8 @@ Usage: OMP_NUM_THREADS=1 python benchmarks/rdocs_build.py [--skip-full]
 Builds into a fresh temporary cache (nothing is reused): the default job's subset
 (DEFAULT_JOB_TRAIN_PAIRS + DEFAULT_JOB_DEV_PAIRS), then the full set, then the tiny tokenizer.
 Then collates the subset's train pairs in batches of 8 with ``RetrievalCollator`` (which
-pre-resizes each page with PIL's reducing_gap to the processor's own target size) and with the
+pre-resizes each page to the processor's own target size with transformers' default torchvision kernel,
+computed with torch: ``raggedvl.images.resize_image``) and with the
 bare processor on the same decoded images, and prints the ratio.
 """
 

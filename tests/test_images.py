@@ -153,3 +153,21 @@ def test_limits_from_processor_and_validation():
     assert (limits.min_pixels, limits.max_pixels, limits.factor) == (3136, 250_000, 28)
     with pytest.raises(ValueError, match="min_pixels"):
         ImagePolicy(min_pixels=10_000, max_pixels=5_000)
+
+
+def test_resize_image_equals_torchvision_where_installed():
+    """``resize_image`` is torchvision's uint8 bicubic antialiased resize, computed with torch
+    alone; compared directly where torchvision is importable (a GPU setup), skipped here (the
+    colpali fixture tests compare the resulting embeddings with colpali-engine's instead)."""
+    tv = pytest.importorskip("torchvision.transforms.v2.functional")
+    import numpy as np
+    import torch
+
+    from raggedvl.images import resize_image
+
+    noise = Image.fromarray(np.random.default_rng(1).integers(0, 256, (611, 903, 3), dtype=np.uint8))
+    for size in [(448, 308), (196, 140), (1204, 812)]:
+        ours = torch.from_numpy(np.array(resize_image(noise, size))).permute(2, 0, 1)
+        theirs = tv.resize(torch.from_numpy(np.array(noise)).permute(2, 0, 1), [size[1], size[0]],
+                           interpolation=tv.InterpolationMode.BICUBIC, antialias=True)
+        assert torch.equal(ours, theirs)

@@ -12,7 +12,9 @@ Public API (imported lazily, so ``import raggedvl`` stays cheap):
 - ``ImagePolicy``: what every image becomes before the processor, for the size estimate and
   the collators alike (``raggedvl.images``);
 - ``build_retriever``, ``build_processor``, ``RetrievalCollator``, ``build_rdocs``: model and
-  data building blocks of ``raggedvl train`` (``raggedvl.models``, ``raggedvl.data``).
+  data building blocks of ``raggedvl train`` (``raggedvl.models``, ``raggedvl.data``);
+  ``build_retriever`` also loads colpali-engine and transformers ColQwen2 checkpoints
+  (``raggedvl.models.interop``); ``RetrievalPrompts``: how a retriever's inputs are written.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ _EXPORTS = {
     "build_processor": "raggedvl.data",
     "build_rdocs": "raggedvl.data",
     "RetrievalCollator": "raggedvl.data",
+    "RetrievalPrompts": "raggedvl.prompts",
     "load_retrieval_dataset": "raggedvl.data",
 }
 

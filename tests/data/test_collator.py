@@ -11,6 +11,7 @@ from PIL import Image
 
 from raggedvl.batch import RaggedBatch
 from raggedvl.data import DOC_TEMPLATE, BadImageError, RetrievalCollator
+from raggedvl.prompts import RetrievalPrompts
 
 
 def _examples():
@@ -40,19 +41,26 @@ def test_ragged_output_matches_the_processor(tiny_processor):
     length = int(reference["attention_mask"].sum())
     assert torch.equal(alone["input_ids"][0, :length], reference["input_ids"][0])
     decoded = tiny_processor.tokenizer.decode(queries["input_ids"][2][queries["attention_mask"][2].bool()])
-    assert decoded.startswith("Query: find the page about topic 2") and decoded.count("<|endoftext|>") == 10
+    assert decoded.startswith("find the page about topic 2") and decoded.count("<|endoftext|>") == 10  # colpali prompt
     for i in range(5):  # each sample's placeholders match its own grid
         n_tokens = int((docs["input_ids"][i] == tiny_processor.image_token_id).sum())
         assert n_tokens == int(grids[i].prod()) // 4
 
 
-def test_pre_resize_matches_the_processor_below_3x(tiny_processor):
+def test_pre_resize_uses_the_torchvision_kernel_and_leaves_the_processor_nothing_to_resize(tiny_processor):
+    """The collator resizes with transformers' default (torchvision) kernel (the colpali fixture
+    tests show the resulting document embeddings equal colpali-engine's); the processor then
+    keeps that size, so its pixels are those of the pre-resized image."""
+    from raggedvl.images import resize_image
+
     noise = np.random.default_rng(0).integers(0, 256, (900, 700, 3), dtype=np.uint8)
     image = Image.fromarray(noise)  # smart_resize target: 392 x 504 (a 1.8x downscale)
     ours = RetrievalCollator(tiny_processor)([{"query": "a page", "image": image, "id": "n"}])["docs"]
-    bare = tiny_processor(text=[DOC_TEMPLATE], images=[image], return_tensors="pt")
-    assert ours["image_grid_thw"].tolist() == bare["image_grid_thw"].tolist()
+    bare = tiny_processor(text=[DOC_TEMPLATE], images=[resize_image(image, (392, 504))], return_tensors="pt")
+    assert ours["image_grid_thw"].tolist() == bare["image_grid_thw"].tolist() == [[1, 36, 28]]
     assert torch.equal(ours["pixel_values"], bare["pixel_values"])
+    pil = tiny_processor(text=[DOC_TEMPLATE], images=[image], return_tensors="pt")  # PIL's bicubic differs
+    assert not torch.equal(ours["pixel_values"], pil["pixel_values"])
 
 
 def test_truncation_never_cuts_image_placeholders(tiny_processor):
@@ -102,12 +110,20 @@ def test_layout_follows_the_processor(tiny_processor):
     assert layout_for(patch16) == "qwen3_vl"
 
 
-def test_templates_are_validated_and_configurable(tiny_processor):
+def test_prompts_are_validated_and_configurable(tiny_processor):
     with pytest.raises(ValueError, match="query_template"):
-        RetrievalCollator(tiny_processor, query_template="no placeholder")
+        RetrievalPrompts(query_template="no placeholder")
     with pytest.raises(ValueError, match="doc_template"):
-        RetrievalCollator(tiny_processor, doc_template="<|image_pad|> twice <|image_pad|>")
-    custom = RetrievalCollator(tiny_processor, query_template="Q: {query}", doc_template="<|vision_start|><|image_pad|><|vision_end|>page")
-    batch = custom(_examples()[:1])
-    text = tiny_processor.tokenizer.decode(batch["queries"]["input_ids"][0])
-    assert text == "Q: find the page about topic 0"
+        RetrievalPrompts(doc_template="<|image_pad|> twice <|image_pad|>")
+    with pytest.raises(ValueError, match="padding_side"):
+        RetrievalPrompts(padding_side="middle")
+    prompts = RetrievalPrompts(query_template="Q: {query}", doc_template="<|vision_start|><|image_pad|><|vision_end|>page",
+                               padding_side="left")
+    examples = _examples()[:2]
+    examples[1]["query"] = "a much longer query about the pages of several other topics"
+    batch = RetrievalCollator(tiny_processor, prompts=prompts)(examples)
+    ids, mask = batch["queries"]["input_ids"], batch["queries"]["attention_mask"]
+    assert not bool(mask.all())
+    assert tiny_processor.tokenizer.decode(ids[0][mask[0].bool()]) == "Q: find the page about topic 0"
+    for m in (mask, batch["docs"]["attention_mask"]):  # left padding: every row ends with a real token
+        assert bool(m[:, -1].all())

@@ -115,7 +115,7 @@ def test_save_load_round_trip(tmp_path, lora):
         for p in model.parameters():
             p.add_(0.01)
     model.save_pretrained(tmp_path)
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["model.safetensors", "raggedvl_retriever.json"]
     for loaded in (Retriever.from_pretrained(tmp_path), build_retriever(str(tmp_path))):
         assert loaded.config == model.config
         assert loaded.state_dict().keys() == model.state_dict().keys()
@@ -124,7 +124,7 @@ def test_save_load_round_trip(tmp_path, lora):
     assert build_retriever(str(tmp_path), head="late_interaction", dim=64, lora=lora).config == model.config
     with pytest.raises(ValueError, match="dim=32"):
         build_retriever(str(tmp_path), dim=32)
-    (tmp_path / "config.json").write_text('{"format": "something-else"}')
+    (tmp_path / "raggedvl_retriever.json").write_text('{"format": "something-else"}')
     with pytest.raises(ValueError, match="not a raggedvl retriever"):
         Retriever.from_pretrained(tmp_path)
 

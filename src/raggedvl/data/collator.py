@@ -1,17 +1,17 @@
 """``RetrievalCollator``: (query, page image) examples -> ragged query and document batches.
 
-Templates (ColQwen2 style, illuin-tech/colpali's ColQwen2Processor): a document is an
-instruction around exactly one ``<|vision_start|><|image_pad|><|vision_end|>`` block, which the
-processor expands to ``t*h*w / merge_size**2`` ``<|image_pad|>`` tokens; a query is
-``"Query: {query}"`` followed by ``QUERY_AUGMENTATION`` (ten ``<|endoftext|>`` tokens that give
-late interaction extra query vectors). Both are plain strings, configurable.
+Prompts (:class:`raggedvl.prompts.RetrievalPrompts`, default colpali-engine's ColQwen2 prompts):
+a document is an instruction around exactly one ``<|vision_start|><|image_pad|><|vision_end|>``
+block, which the processor expands to ``t*h*w / merge_size**2`` ``<|image_pad|>`` tokens; a
+query is the query text followed by ten ``<|endoftext|>`` augmentation tokens. A retriever
+carries its own prompts (``Retriever.config.prompts``, padding side included); pass them here.
 
 Each image goes through ``raggedvl.images.ImagePolicy.prepare`` (the policy the sampler's size
 estimate uses: orientation, RGB, padding of extreme strips, resize to exactly the size the
 processor's own rule chooses), so the processor leaves the size unchanged with the PIL or the
 torchvision backend and each document's patch rows equal ``estimate_costs``'s count. No image
 is padded to the batch: ``pixel_values`` stays one flat [sum t*h*w, patch_dim] tensor owned per
-sample through ``RaggedBatch``. Text is padded on the right to the batch's longest row.
+sample through ``RaggedBatch``. Text is padded to the batch's longest row on the prompts' side.
 
 Truncation (case C09): queries are text only and are truncated to ``max_length`` tokens.
 Documents are never truncated, because a cut would fall inside an image's placeholder run:
@@ -25,11 +25,9 @@ from typing import Any, Sequence
 
 from raggedvl.batch import RaggedBatch, TokenIds
 from raggedvl.images import BadImageError, BadImagePolicy, ImagePolicy, check_bad_image_policy
+from raggedvl.prompts import DEFAULT_PROMPTS, DOC_TEMPLATE, IMAGE_BLOCK, QUERY_AUGMENTATION, QUERY_TEMPLATE, RetrievalPrompts
 
-IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
-DOC_TEMPLATE = "<|im_start|>user\n" + IMAGE_BLOCK + "Describe the image.<|im_end|><|endoftext|>"
-QUERY_AUGMENTATION = "<|endoftext|>" * 10
-QUERY_TEMPLATE = "Query: {query}" + QUERY_AUGMENTATION
+__all__ = ["DOC_TEMPLATE", "IMAGE_BLOCK", "QUERY_AUGMENTATION", "QUERY_TEMPLATE", "RetrievalCollator"]
 _VISUAL_MARKERS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 
@@ -61,8 +59,8 @@ class RetrievalCollator:
         processor: a Qwen2-VL-family processor (``build_processor``).
         max_length: token cap per sample, or None. Queries are truncated to it; a longer
             document raises (see module docstring).
-        query_template: contains ``{query}``, no image placeholder.
-        doc_template: contains ``IMAGE_BLOCK`` exactly once.
+        prompts: how queries and documents are written and padded (a retriever's
+            ``config.prompts``); default :data:`raggedvl.prompts.DEFAULT_PROMPTS`.
         on_bad_image: "error" raises ``BadImageError`` naming the example; "skip" drops the
             example and reports it in ``"skipped"``.
         layout: RaggedBatch layout name; default from the processor class.
@@ -81,22 +79,18 @@ class RetrievalCollator:
         processor,
         max_length: int | None = None,
         *,
-        query_template: str = QUERY_TEMPLATE,
-        doc_template: str = DOC_TEMPLATE,
+        prompts: RetrievalPrompts = DEFAULT_PROMPTS,
         on_bad_image: BadImagePolicy = "error",
         layout: str | None = None,
     ) -> None:
-        if "{query}" not in query_template or "<|image_pad|>" in query_template:
-            raise ValueError(f"query_template must contain '{{query}}' and no image placeholder, got {query_template!r}")
-        if doc_template.count(IMAGE_BLOCK) != 1 or doc_template.count("<|image_pad|>") != 1:
-            raise ValueError(f"doc_template must contain {IMAGE_BLOCK!r} exactly once, got {doc_template!r}")
+        if not isinstance(prompts, RetrievalPrompts):
+            raise TypeError(f"prompts must be a raggedvl.prompts.RetrievalPrompts, got {type(prompts).__name__}")
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1 or None, got {max_length}")
         check_bad_image_policy(on_bad_image)
         self.processor = processor
         self.max_length = max_length
-        self.query_template = query_template
-        self.doc_template = doc_template
+        self.prompts = prompts
         self.on_bad_image = on_bad_image
         self.layout = layout or layout_for(processor)
         self.token_ids = token_ids_for(processor)
@@ -151,12 +145,14 @@ class RetrievalCollator:
         kept, images, skipped = self._prepare(examples)
         ids = [ident for ident, _ in kept]
         query_kwargs = {"truncation": True, "max_length": self.max_length} if self.max_length else {}
+        side = self.prompts.padding_side
         query_features = self.processor(
-            text=[self.query_template.format(query=q) for _, q in kept],
-            padding="longest", return_tensors="pt", **query_kwargs,
+            text=[self.prompts.query(q) for _, q in kept],
+            padding="longest", padding_side=side, return_tensors="pt", **query_kwargs,
         )
         doc_features = self.processor(
-            text=[self.doc_template] * len(kept), images=images, padding="longest", return_tensors="pt",
+            text=[self.prompts.doc_template] * len(kept), images=images, padding="longest", padding_side=side,
+            return_tensors="pt",
         )
         self._check_doc_lengths(ids, doc_features)
         ones = [1] * len(kept)

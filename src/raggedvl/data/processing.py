@@ -12,7 +12,9 @@ imported beside some torch builds). transformers 5's ``Qwen2VLProcessor`` also w
 processor, whose base class needs torchvision; so "tiny", and a checkpoint whose standard
 processor cannot be built here, get ``Qwen2VLImageTextProcessor``: a subclass of
 ``Qwen2VLProcessor`` without the video slot (videos unsupported). With torchvision installed
-(the usual GPU setup) a checkpoint's standard processor loads unchanged. Both emit the same
+(the usual GPU setup) a checkpoint's standard processor loads unchanged. A retrieval checkpoint's
+ColQwen2 processor (colpali-engine or transformers) gives its tokenizer and image processor to a
+plain processor; the prompts come with the retriever (``RetrieverConfig.prompts``). Both emit the same
 keys: ``input_ids``, ``attention_mask``, ``mm_token_type_ids`` (1 = image placeholder, 2 =
 video), ``pixel_values`` [P, 1176] and ``image_grid_thw`` [n_images, 3]; each image becomes
 ``t*h*w / merge_size**2`` ``<|image_pad|>`` tokens.
@@ -138,11 +140,21 @@ def set_pixel_limits(processor, min_pixels: int | None, max_pixels: int | None):
     return processor
 
 
+def is_retrieval_processor(processor) -> bool:
+    """True for a ColQwen2-style processor (transformers' ``ColQwen2Processor``, the class that
+    colpali-engine's saved ``processor_config.json`` also resolves to): it writes prompts itself
+    and refuses text and images in one call, so raggedvl uses its tokenizer and image processor
+    in a plain processor and applies the retriever's own prompts (``RetrieverConfig.prompts``)."""
+    return hasattr(processor, "visual_prompt_prefix") and hasattr(processor, "image_processor")
+
+
 def _load_pretrained(model: str, trust_remote_code: bool):
     """The checkpoint's own processor; falls back to its tokenizer + the PIL image processor
     when the standard processor cannot be built (no torchvision for the video processor)."""
     try:
         processor = AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
+        if is_retrieval_processor(processor):
+            return Qwen2VLImageTextProcessor(image_processor=processor.image_processor, tokenizer=processor.tokenizer)
         if isinstance(processor, ProcessorMixin) and getattr(processor, "image_processor", None) is not None:
             return processor
         first_error: Exception = TypeError(f"AutoProcessor gave a {type(processor).__name__}, not a multimodal processor")

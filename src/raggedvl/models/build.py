@@ -1,12 +1,10 @@
 """``build_retriever``: the tiny preset, a hub checkpoint, a local checkpoint or a saved retriever.
 
-Real checkpoints (``Qwen/Qwen2-VL-2B-Instruct``, ``Qwen/Qwen2.5-VL-3B-Instruct``, ...) are
-``*ForConditionalGeneration`` checkpoints; the retriever loads only their base model
-(``Qwen2VLModel`` etc.) with the base class's ``from_pretrained``, whose key conversion maps both
-the legacy layout (``model.layers.*``, ``visual.*``) and the current one
-(``model.language_model.*``, ``model.visual.*``) onto the base model; ``lm_head`` is dropped.
-A checkpoint that leaves any base-model weight uninitialised is refused (``ValueError``).
-``trust_remote_code`` is never used.
+A Qwen-VL checkpoint gives the backbone (:mod:`raggedvl.models.backbone`: its base model, every
+weight checked) under a new head. trust_remote_code is never used.
+
+colpali-engine checkpoints (ColQwen2 / ColQwen2.5, full or LoRA adapter) and transformers'
+``ColQwen2ForRetrieval`` checkpoints load through :mod:`raggedvl.models.interop`.
 """
 
 from __future__ import annotations
@@ -17,9 +15,11 @@ from typing import Any
 import torch
 
 from .attention import resolve_attn_implementation
-from .families import FAMILIES, TinySizes, family_of, special_token_ids, tiny_backbone_config
+from .backbone import load_backbone
+from .families import FAMILIES, TinySizes, special_token_ids, tiny_backbone_config
 from .lora import LoraSettings
 from .retriever import Retriever, RetrieverConfig, is_saved_retriever
+
 
 def _as_dtype(torch_dtype: torch.dtype | str | None) -> torch.dtype | None:
     if torch_dtype is None or isinstance(torch_dtype, torch.dtype):
@@ -32,25 +32,6 @@ def _as_dtype(torch_dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 def _tokenizer_of(processor: Any) -> Any:
     return getattr(processor, "tokenizer", processor)
-
-
-def load_backbone(source: str, *, attn_implementation: str, dtype: torch.dtype | None) -> torch.nn.Module:
-    """The base model of a hub id or local transformers checkpoint directory (module docstring)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(source, trust_remote_code=False)
-    family = family_of(config)
-    kwargs: dict[str, Any] = {"attn_implementation": attn_implementation, "output_loading_info": True}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    backbone, info = family.model_class.from_pretrained(source, config=config, trust_remote_code=False, **kwargs)
-    missing = sorted(info.get("missing_keys", ()))
-    if missing:
-        raise ValueError(
-            f"checkpoint {source} left {len(missing)} weights of {family.model_class.__name__} uninitialised "
-            f"(e.g. {missing[:4]}); is it a {family.name} checkpoint with the vision tower included?"
-        )
-    return backbone
 
 
 _HEAD_DEFAULTS = {"head": "late_interaction", "dim": 128, "pooling": "last", "lora": None}
@@ -86,6 +67,7 @@ def build_retriever(
     tiny_family: str = "qwen2_vl",
     tiny_sizes: TinySizes | None = None,
     seed: int | None = None,
+    merge_lora: bool = False,
 ) -> Retriever:
     """Build a :class:`Retriever`.
 
@@ -93,7 +75,12 @@ def build_retriever(
     tokenizer) for the vocab size and special-token ids), a directory written by
     ``Retriever.save_pretrained`` (its saved head settings are used; a non-default ``head``,
     ``dim``, ``pooling`` or ``lora`` that differs from them is a ``ValueError``), or a hub id / local transformers
-    checkpoint of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model.
+    checkpoint of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model, or a retriever written by another
+    library (:mod:`raggedvl.models.interop`): a colpali-engine ColQwen2 / ColQwen2.5 checkpoint
+    (``lora`` adds fresh adapters), a colpali LoRA adapter folder (kept as a trainable adapter
+    with its own r and alpha; ``merge_lora=True`` folds it into the base), or a transformers
+    ``ColQwen2ForRetrieval`` checkpoint. Those keep their own head (``dim``) and prompts; a
+    ``head``/``dim``/``pooling`` request that differs is a ``ValueError``.
     ``head``: "late_interaction" ([B, L, D] multi-vector) or "bi_encoder" ([B, D]);
     ``pooling`` ("last" | "mean") applies to the bi-encoder. ``lora``: wrap the language model
     with peft LoRA (base weights frozen; head trainable). ``seed`` makes random init
@@ -105,7 +92,15 @@ def build_retriever(
     dtype = _as_dtype(torch_dtype)
     if seed is not None:
         torch.manual_seed(seed)
-    if model != "tiny" and Path(model).is_dir() and is_saved_retriever(model):
+    loaded = None
+    if model != "tiny":
+        from .interop import load_checkpoint
+
+        loaded = load_checkpoint(model, lora=lora, merge_lora=merge_lora, attn_implementation=attn, dtype=dtype)
+    if loaded is not None:
+        retriever = loaded
+        _check_saved_settings(model, retriever.config, head=head, dim=dim, pooling=pooling)
+    elif model != "tiny" and Path(model).is_dir() and is_saved_retriever(model):
         retriever = Retriever.from_pretrained(model, attn_implementation=attn, torch_dtype=dtype)
         _check_saved_settings(model, retriever.config, head=head, dim=dim, pooling=pooling, lora=lora)
     else:

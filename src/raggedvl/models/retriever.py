@@ -13,46 +13,56 @@ with gradient checkpointing); :meth:`Retriever.encode_pair` is the same call on 
 module.
 
 The state dict is a plain ``nn.Module`` state dict (``backbone.*`` and ``head.*``);
-``save_pretrained(dir)`` writes it as ``model.safetensors`` beside a ``config.json`` holding
-the head settings and the backbone config, and ``Retriever.from_pretrained(dir)`` rebuilds the
-module offline from those two files (no code is executed from the directory).
+``save_pretrained(dir)`` writes it as ``model.safetensors`` beside ``raggedvl_retriever.json``
+(the head settings, the prompts and the backbone config), and ``Retriever.from_pretrained(dir)``
+rebuilds the module offline from those two files (no code is executed from the directory). The
+settings file is deliberately not called ``config.json``: transformers would read one as its own
+model config (``ColQwen2ForRetrieval.from_pretrained`` then builds its default 80-layer model);
+without one it says that the folder is not a transformers checkpoint. Folders written before
+this name (``config.json`` with ``"format": "raggedvl-retriever"``) still load.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
+
+from raggedvl.prompts import DEFAULT_PROMPTS, LEGACY_PROMPTS, RetrievalPrompts
 
 from .attention import resolve_attn_implementation
 from .dummy_vision import MODALITY_KEYS, dummy_vision_term, missing_modalities
 from .families import FAMILIES, family_of
 from .heads import EmbeddingOutput, RetrievalHead
 from .lora import LoraSettings, apply_lora
+from .weights import save_tensors, write_json
 
 MODEL_INPUTS = frozenset({
     "input_ids", "attention_mask", "mm_token_type_ids", "position_ids", "pixel_values", "image_grid_thw",
     "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
 })
-CONFIG_NAME = "config.json"
+CONFIG_NAME = "raggedvl_retriever.json"
+LEGACY_CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
 
 
 @dataclass
 class RetrieverConfig:
-    """Head and wrapper settings saved in ``config.json``.
+    """Head and wrapper settings saved in ``raggedvl_retriever.json``.
 
     ``expected_modalities``: the vision inputs any rank may see ("image", "video"); a batch
     lacking one of them runs a dummy tower pass for it (``raggedvl.models.dummy_vision``).
     ``source``: where the backbone came from ("tiny", a hub id or a directory), informational.
+    ``prompts``: how queries and documents are written for this retriever
+    (:class:`raggedvl.prompts.RetrievalPrompts`); a saved config without them was trained with
+    ``LEGACY_PROMPTS``.
     """
 
     head: str = "late_interaction"
@@ -62,6 +72,7 @@ class RetrieverConfig:
     expected_modalities: tuple[str, ...] = ("image",)
     lora: LoraSettings | None = None
     source: str = "tiny"
+    prompts: RetrievalPrompts = field(default=DEFAULT_PROMPTS)
 
     def __post_init__(self) -> None:
         self.expected_modalities = tuple(self.expected_modalities)
@@ -73,12 +84,14 @@ class RetrieverConfig:
         data = asdict(self)
         data["expected_modalities"] = list(self.expected_modalities)
         data["lora"] = self.lora.to_dict() if self.lora else None
+        data["prompts"] = self.prompts.to_dict()
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> RetrieverConfig:
         lora = LoraSettings.from_dict(data["lora"]) if data.get("lora") else None
-        return cls(**{**data, "lora": lora})
+        prompts = RetrievalPrompts.from_dict(data["prompts"]) if data.get("prompts") else LEGACY_PROMPTS
+        return cls(**{**data, "lora": lora, "prompts": prompts})
 
 
 class Retriever(nn.Module):
@@ -119,6 +132,16 @@ class Retriever(nn.Module):
         if body:
             groups.insert(0, {"params": body, "lr": lr, "weight_decay": weight_decay, "name": "backbone"})
         return groups
+
+    def merge_lora(self) -> None:
+        """Fold the LoRA adapters into the backbone's weights (peft ``merge_and_unload``): the same
+        function, a plain backbone afterwards (``config.lora`` becomes None; every weight trains).
+        No-op without LoRA."""
+        if self.config.lora is None:
+            return
+        self.backbone = self.backbone.merge_and_unload()
+        self.backbone.requires_grad_(True)  # peft froze the base weights
+        self.config.lora = None
 
     def set_gradient_checkpointing(self, enabled: bool = True) -> None:
         """Toggle activation checkpointing (non-reentrant) in the language model and vision tower."""
@@ -169,9 +192,11 @@ class Retriever(nn.Module):
         return self.head(hidden_BLH, mask)
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """Write ``config.json`` and ``model.safetensors`` (the full state dict) into ``directory``.
+        """Write ``raggedvl_retriever.json`` and ``model.safetensors`` (the full state dict) into
+        ``directory``.
 
-        Each file is written to a temporary name and renamed, so a crash leaves no torn file.
+        Each file is written to a temporary name and renamed, so a crash leaves no torn file;
+        files get the permissions the umask gives a plain ``open()``.
         """
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
@@ -182,9 +207,8 @@ class Retriever(nn.Module):
             "retriever": self.config.to_dict(),
             "backbone_config": self.base_model.config.to_dict(),
         }
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
-        _atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-        _atomic_write(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(meta, indent=2, sort_keys=True)))
+        save_tensors(out / WEIGHTS_NAME, self.state_dict())
+        write_json(out / CONFIG_NAME, meta)
         return out
 
     @classmethod
@@ -196,7 +220,7 @@ class Retriever(nn.Module):
         do not match the architecture (listing missing / unexpected keys).
         """
         path = Path(directory)
-        meta = read_retriever_meta(path)
+        meta, config_file = read_retriever_meta(path)
         family = FAMILIES[meta["family"]]
         backbone_config = family.config_class.from_dict(meta["backbone_config"])
         backbone = family.model_class._from_config(
@@ -207,7 +231,7 @@ class Retriever(nn.Module):
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(
-                f"{path / WEIGHTS_NAME} does not match the architecture in {path / CONFIG_NAME}: "
+                f"{path / WEIGHTS_NAME} does not match the architecture in {config_file}: "
                 f"{len(missing)} missing keys (e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})"
             )
         if torch_dtype is not None:
@@ -215,10 +239,25 @@ class Retriever(nn.Module):
         return model
 
 
-def read_retriever_meta(directory: Path) -> dict:
-    """Parsed ``config.json`` of a saved retriever; ``ValueError`` if it is not one."""
-    cfg = directory / CONFIG_NAME
-    if not cfg.is_file() or not (directory / WEIGHTS_NAME).is_file():
+def retriever_config_file(directory: str | os.PathLike) -> Path | None:
+    """The settings file of a saved retriever in ``directory`` (new or legacy name), or None."""
+    directory = Path(directory)
+    if (directory / CONFIG_NAME).is_file():
+        return directory / CONFIG_NAME
+    legacy = directory / LEGACY_CONFIG_NAME
+    try:
+        if legacy.is_file() and json.loads(legacy.read_text()).get("format") == "raggedvl-retriever":
+            return legacy
+    except (OSError, json.JSONDecodeError):
+        return None
+    return None
+
+
+def read_retriever_meta(directory: Path) -> tuple[dict, Path]:
+    """Parsed settings of a saved retriever and the file they came from; ``ValueError`` if the
+    folder is not one."""
+    cfg = retriever_config_file(directory)
+    if cfg is None or not (directory / WEIGHTS_NAME).is_file():
         raise ValueError(f"{directory} is not a saved raggedvl retriever (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
     meta = json.loads(cfg.read_text())
     if meta.get("format") != "raggedvl-retriever":
@@ -227,24 +266,9 @@ def read_retriever_meta(directory: Path) -> dict:
         raise ValueError(
             f"{cfg}: unsupported format_version {meta.get('format_version')} / family {meta.get('family')!r}"
         )
-    return meta
+    return meta, cfg
 
 
 def is_saved_retriever(directory: str | os.PathLike) -> bool:
-    """True when ``directory`` holds a ``config.json`` written by :meth:`Retriever.save_pretrained`."""
-    cfg = Path(directory) / CONFIG_NAME
-    try:
-        return cfg.is_file() and json.loads(cfg.read_text()).get("format") == "raggedvl-retriever"
-    except (OSError, json.JSONDecodeError):
-        return False
-
-
-def _atomic_write(target: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """True when ``directory`` holds settings written by :meth:`Retriever.save_pretrained`."""
+    return retriever_config_file(directory) is not None

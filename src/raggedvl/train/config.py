@@ -26,13 +26,15 @@ from raggedvl.options import add_arguments, check_fields, check_known_keys, load
 @dataclass
 class TrainConfig:
     # model
-    model: str = option("tiny", "backbone: 'tiny' (built from a config, no download), a hub id or a local directory")
+    model: str = option("tiny", "backbone: 'tiny' (built from a config, no download), a hub id or a local directory; "
+                                "also a colpali-engine or transformers ColQwen2 checkpoint or LoRA adapter")
     head: Literal["late_interaction", "bi_encoder"] = option(
         "late_interaction", "embedding head: ColQwen-style multi-vector (late_interaction) or one vector (bi_encoder)")
     pooling: Literal["last", "mean"] = option("last", "bi-encoder pooling over the last hidden states")
     dim: int = option(128, "embedding dimension of the projection head", at_least=1)
     lora: bool | None = option(None, "train LoRA adapters on the language model (none: yes for pretrained "
-                                     "checkpoints, full training for 'tiny')")
+                                     "checkpoints, full training for 'tiny'); a LoRA adapter given as --model "
+                                     "keeps its own r/alpha/dropout, and false merges it into its base")
     lora_r: int = option(32, "LoRA rank (inner dimension of the adapters)", at_least=1)
     lora_alpha: int = option(32, "LoRA alpha (the update is scaled by alpha / r)", at_least=1)
     lora_dropout: float = option(0.1, "LoRA dropout probability", at_least=0)

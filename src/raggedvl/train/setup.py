@@ -118,14 +118,16 @@ def make_sampler(cfg: TrainConfig, costs: SampleCosts, info: DistInfo) -> Balanc
 def build_components(cfg: TrainConfig, info: DistInfo) -> Components:
     processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels, cache_dir=cfg.data_cache)
     train_set, eval_set = load_splits(cfg)
-    collate = RetrievalCollator(processor, max_length=cfg.max_length, on_bad_image=cfg.on_bad_image)
-    costs = estimate_train_costs(cfg, train_set, collate.image_policy)  # before the model: bad pages fail fast
+    costs = estimate_train_costs(cfg, train_set, ImagePolicy.from_processor(processor))  # before the model: bad pages fail fast
     lora = LoraSettings(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout) if cfg.use_lora else None
     model = build_retriever(
         cfg.model, processor=processor, head=cfg.head, dim=cfg.dim, pooling=cfg.pooling, lora=lora,
         attn_implementation=cfg.attn_implementation, gradient_checkpointing=cfg.gradient_checkpointing,
-        seed=cfg.seed,
+        seed=cfg.seed, merge_lora=not cfg.use_lora,
     )
+    # the model's own prompts: a colpali / transformers checkpoint is fed as its library feeds it
+    collate = RetrievalCollator(processor, max_length=cfg.max_length, on_bad_image=cfg.on_bad_image,
+                                prompts=model.config.prompts)
     return Components(
         processor=processor,
         train_set=train_set,

@@ -5,7 +5,7 @@ with MLP 1024, vision 2 x 64; ``--head``); the data are B synthetic query/docume
 tokens; documents: one ``--grid`` x ``--grid``-patch image plus ~48 text tokens). A step is
 encode + loss + backward (no optimizer): "plain" is one forward of each whole batch and one
 backward (``Trainer.train_step`` without ``--grad-cache``), "cached" is
-``raggedvl.train.grad_cache.grad_cache_step`` with ``--budget`` patches + tokens per chunk.
+``raggedvl.gradcache.step.grad_cache_step`` with ``--budget`` patches + tokens per chunk.
 
 Memory: every (B, mode) runs in a fresh subprocess started with ``MALLOC_MMAP_THRESHOLD_=65536``
 (every allocation above 64 KiB gets its own mapping and goes back to the OS when freed, so RSS
@@ -104,7 +104,7 @@ def _setup(args):
     import torch
 
     from raggedvl.losses import make_retrieval_loss
-    from raggedvl.train.grad_cache import grad_cache_step
+    from raggedvl.gradcache import grad_cache_step
 
     torch.set_num_threads(1)
     model, ids, tok = _model_and_tokens(args.head, args.model_size)

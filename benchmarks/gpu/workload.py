@@ -15,7 +15,7 @@ retrieval data does; queries are short text. The processor is the tiny one
 
 Step: one optimizer step of a single process, as ``Trainer.train_step`` does it: AdamW,
 late-interaction loss (temperature 0.02), bf16 autocast on CUDA (fp32 on CPU); "grad_cache"
-is ``raggedvl.train.grad_cache.grad_cache_step`` with ``budget`` patches + tokens per chunk.
+is ``raggedvl.gradcache.step.grad_cache_step`` with ``budget`` patches + tokens per chunk.
 Time: ``torch.cuda.synchronize`` around ``steps`` timed steps after ``warmup`` steps; samples/s
 counts (query, document) pairs. Memory: ``torch.cuda.max_memory_allocated`` over the timed steps
 (reset before them): model, AdamW state and activations together. The four modes of a model share
@@ -124,7 +124,7 @@ def time_steps(model, optimizer, batches: list[dict[str, Any]], device, *, grad_
     Returns ``{"samples_per_s", "step_s", "peak_gib", "loss"}`` (peak_gib is NaN on CPU)."""
     import torch
 
-    from raggedvl.train.grad_cache import grad_cache_step
+    from raggedvl.gradcache import grad_cache_step
 
     cuda = device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()

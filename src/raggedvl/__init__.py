@@ -9,6 +9,8 @@ Public API (imported lazily, so ``import raggedvl`` stays cheap):
   exact cross-rank contrastive losses (``raggedvl.losses``);
 - ``BalancedDistributedBatchSampler``, ``estimate_costs``: cost-balanced sharding from image
   headers (``raggedvl.sampling``);
+- ``grad_cache_step``: GradCache over ragged batches, the whole global batch's contrastive loss
+  with one chunk's activation memory (``raggedvl.gradcache``);
 - ``ImagePolicy``: what every image becomes before the processor, for the size estimate and
   the collators alike (``raggedvl.images``);
 - ``build_retriever``, ``build_processor``, ``RetrievalCollator``, ``build_rdocs``: model and
@@ -38,6 +40,7 @@ _EXPORTS = {
     "LateInteractionLoss": "raggedvl.losses",
     "PairwiseLoss": "raggedvl.losses",
     "late_interaction_scores": "raggedvl.losses",
+    "grad_cache_step": "raggedvl.gradcache",
     "BalancedDistributedBatchSampler": "raggedvl.sampling",
     "estimate_costs": "raggedvl.sampling",
     "ImagePolicy": "raggedvl.images",

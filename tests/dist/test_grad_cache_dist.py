@@ -15,9 +15,9 @@ import copy
 import pytest
 import torch
 
-from raggedvl.train.grad_cache import grad_cache_step
+from raggedvl.gradcache import grad_cache_step
 from tests.dist.harness import run_distributed
-from tests.train.test_grad_cache import (
+from tests.gradcache.test_grad_cache import (
     cached_step,
     chunked_graph_step,
     make_loss_fn,

@@ -322,7 +322,7 @@ class RaggedBatch:
 
     def sample_sizes(self) -> torch.Tensor:
         """Patch rows (images and videos) + real tokens of every sample, int64 [B] on CPU: the
-        size GradCache chunks are budgeted in (``raggedvl.train.chunking``)."""
+        size GradCache chunks are budgeted in (``raggedvl.gradcache.chunking``)."""
         sizes = self.tokens_per_sample()
         for rows in self._streams.values():
             if rows.grid.numel():

@@ -13,7 +13,7 @@ positives and hard negatives of *its own global micro-batch* (the micro-batch of
 gathered), not against the other g-1 micro-batches; accumulating the g gradients (each loss
 divided by g) gives the average of g smaller-batch losses, which is a different objective from
 one loss over the whole step's batch. To contrast every query against the full step's global
-batch without holding its activations, use GradCache (``raggedvl.train``): it embeds all
+batch without holding its activations, use GradCache (``raggedvl.gradcache``): it embeds all
 micro-batches without graphs, calls one of these losses once on the full global batch, and
 replays each micro-batch's backward with the cached embedding gradients.
 """

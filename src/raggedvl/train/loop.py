@@ -36,7 +36,7 @@ from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, s
 from raggedvl.train.config import TrainConfig
 from raggedvl.train.evaluate import evaluate_retrieval
 from raggedvl.train.faults import StallWatchdog, inject_fault, report_failure
-from raggedvl.train.grad_cache import grad_cache_step
+from raggedvl.gradcache import grad_cache_step
 from raggedvl.train.report import MetricsLog, format_metrics_table, plot_run
 from raggedvl.rng import capture_rng_state, restore_rng_state
 from raggedvl.train.setup import build_components, check_output_dir
@@ -153,7 +153,7 @@ class Trainer:
         docs = batch["docs"].to(self.info.device)
         self.model.train()
         t1 = time.perf_counter()
-        if self.cfg.grad_cache:  # chunked encode, one loss, replayed backward (train/grad_cache.py)
+        if self.cfg.grad_cache:  # chunked encode, one loss, replayed backward (raggedvl.gradcache)
             self.optimizer.zero_grad(set_to_none=True)
             cached = grad_cache_step(self.model, queries, docs, self.c.loss, budget=self.cfg.grad_cache_budget,
                                      autocast=self.autocast)

@@ -11,7 +11,7 @@ Shape legend: B samples on this rank, L token columns (padded), D embedding dim.
 One optimizer step on every rank (:func:`grad_cache_step`):
 
 1. Queries and documents are cut into chunks of at most ``budget`` patches + tokens
-   (:mod:`raggedvl.train.chunking`). Each chunk is encoded under ``torch.no_grad()``, one
+   (:mod:`raggedvl.gradcache.chunking`). Each chunk is encoded under ``torch.no_grad()``, one
    ``model(**chunk)`` call each; the CPU (and current CUDA device) RNG state is saved before
    every chunk's forward.
 2. The chunk outputs are assembled into leaf tensors (``[B, D]``, or ``[B, L, D]`` with the
@@ -64,7 +64,7 @@ from raggedvl.batch import RaggedBatch
 from raggedvl.models import EmbeddingOutput
 from raggedvl.parallel.wrap import all_reduce_max
 from raggedvl.rng import capture_rng_state, replayed_rng_state
-from raggedvl.train.chunking import Chunk, chunk_grad, plan_chunks, scatter_embeddings
+from raggedvl.gradcache.chunking import Chunk, chunk_grad, plan_chunks, scatter_embeddings
 
 LossFn = Callable[[EmbeddingOutput, EmbeddingOutput], torch.Tensor]
 

@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from raggedvl.batch import RaggedBatch, TokenIds
 from raggedvl.losses import make_retrieval_loss
 from raggedvl.models import EmbeddingOutput, LoraSettings, TinySizes, build_retriever
-from raggedvl.train.chunking import chunk_sizes, plan_chunks
-from raggedvl.train.grad_cache import grad_cache_step
+from raggedvl.gradcache import chunk_sizes, grad_cache_step, plan_chunks
 from tests.models.helpers import make_batch, tiny_tokenizer
 
 SIZES = TinySizes(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,

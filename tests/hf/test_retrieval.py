@@ -48,8 +48,20 @@ def sgd_expected(model):
         return {n: p - LR * p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("grad_cache_budget", [None, 1])  # 1: GradCache with one sample per chunk
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_trainer_step_equals_loss_and_step_on_same_batches(tmp_path, accumulation):
+def test_trainer_step_equals_loss_and_step_on_same_batches(tmp_path, monkeypatch, accumulation, grad_cache_budget):
+    import raggedvl.hf.trainer as hf_trainer
+
+    chunks = []
+    real_step = hf_trainer.grad_cache_step
+
+    def counting_step(*a, **k):
+        out = real_step(*a, **k)
+        chunks.append(out.doc_chunks)
+        return out
+
+    monkeypatch.setattr(hf_trainer, "grad_cache_step", counting_step)
     examples = retrieval_examples(4)
     reference = tiny_retriever()
     per_batch = 4 // accumulation
@@ -58,12 +70,14 @@ def test_trainer_step_equals_loss_and_step_on_same_batches(tmp_path, accumulatio
     model = tiny_retriever()
     args = training_args(tmp_path, per_device_train_batch_size=per_batch, gradient_accumulation_steps=accumulation,
                          max_steps=1, learning_rate=LR)
-    trainer = RaggedTrainer(model, args, processor=tiny_processor(), train_dataset=InOrder(examples), data_collator=collator())
+    trainer = RaggedTrainer(model, args, processor=tiny_processor(), train_dataset=InOrder(examples), data_collator=collator(),
+                            grad_cache_budget=grad_cache_budget)
     trainer.train()
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert logged == pytest.approx([sum(losses) / len(losses)], rel=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), expected[n], rtol=0, atol=1e-10, msg=n)
+    assert chunks == ([] if grad_cache_budget is None else [per_batch] * accumulation)  # one chunk per sample
 
 
 def test_several_devices_wrap_in_ragged_data_parallel(tmp_path):
@@ -113,6 +127,10 @@ def test_argument_errors(tmp_path):
         RaggedTrainer(tiny_retriever(), args, processor=proc, loss=InfoNCELoss(learnable_scale=True, temperature=0.05))
     with pytest.raises(ValueError, match="must be a raggedvl"):
         RaggedTrainer(tiny_retriever(), args, processor=proc, loss=nn.MSELoss())
+    with pytest.raises(ValueError, match="grad_cache_budget is for task='retrieval'"):
+        RaggedTrainer(tiny_generator(), args, processor=proc, task="sft", grad_cache_budget=64)
+    with pytest.raises(ValueError, match="grad_cache_budget must be >= 1"):
+        RaggedTrainer(tiny_retriever(), args, processor=proc, grad_cache_budget=0)
     with pytest.raises(ValueError, match="causal-LM loss"):
         RaggedTrainer(tiny_generator(), args, processor=proc, task="sft", loss=LateInteractionLoss())
 

@@ -48,6 +48,7 @@ from torch import nn
 from transformers import Trainer
 
 from raggedvl.batch import RaggedBatch
+from raggedvl.gradcache import grad_cache_step
 from raggedvl.losses import RetrievalLoss, make_retrieval_loss
 from raggedvl.parallel import RaggedDataParallel
 
@@ -88,14 +89,28 @@ class RaggedTrainer(Trainer):
             :class:`~raggedvl.losses.RetrievalLoss` (:func:`~raggedvl.losses.make_retrieval_loss`)
             or a raggedvl loss module, which is wrapped in one; it must not own trainable
             parameters (the optimizer and DDP only see the model's).
+        grad_cache_budget: retrieval only: run each training step through GradCache
+            (:func:`raggedvl.gradcache.grad_cache_step`) in chunks of at most this many patches +
+            tokens, so activation memory is one chunk's whatever the batch size; the loss still
+            spans the whole (global) batch and the gradients equal the plain step's. ``None``
+            (default): the plain step.
 
-    Raises ``ValueError`` for an unknown task, a loss of the wrong kind or with parameters.
+    Raises ``ValueError`` for an unknown task, a loss of the wrong kind or with parameters, and
+    for ``grad_cache_budget`` with SFT, below 1, with fp16 loss scaling or with
+    ``RaggedDataParallel`` (several GPUs in one process: use torchrun).
     """
 
     def __init__(self, model: nn.Module | None = None, args: Any = None, *, processor: Any, task: str = "retrieval",
-                 loss: nn.Module | None = None, **kwargs: Any) -> None:
+                 loss: nn.Module | None = None, grad_cache_budget: int | None = None, **kwargs: Any) -> None:
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        if grad_cache_budget is not None:
+            if task != "retrieval":
+                raise ValueError("grad_cache_budget is for task='retrieval' (GradCache caches embedding gradients)")
+            if grad_cache_budget < 1:
+                raise ValueError(f"grad_cache_budget must be >= 1 patches + tokens, got {grad_cache_budget}")
+            if getattr(args, "fp16", False):
+                raise ValueError("grad_cache_budget does not support fp16 loss scaling; use bf16 or fp32")
         if task == "retrieval":
             loss = loss if loss is not None else default_retrieval_loss(model)
             if not isinstance(loss, RetrievalLoss):
@@ -113,6 +128,7 @@ class RaggedTrainer(Trainer):
         super().__init__(model=model, args=args, **kwargs)
         self.task = task
         self.retrieval_loss = loss
+        self.grad_cache_budget = grad_cache_budget
         self.layout = _layout_of(processor)
         self.token_ids = _token_ids_of(processor)
         self.pad_token_id = int(getattr(getattr(processor, "tokenizer", processor), "pad_token_id", 0) or 0)
@@ -174,6 +190,24 @@ class RaggedTrainer(Trainer):
         return super()._wrap_model(model, training, dataloader)
 
     # ------------------------------------------------------------------ losses
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch=None) -> torch.Tensor:
+        """The Trainer's step, or with ``grad_cache_budget`` one :func:`grad_cache_step`: the
+        loss divided by the accumulation steps (as the Trainer divides it), its gradient
+        accumulated into ``.grad`` chunk by chunk; returns that loss, detached."""
+        if self.grad_cache_budget is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        if isinstance(model, RaggedDataParallel):
+            raise ValueError("grad_cache_budget with several GPUs in one process (RaggedDataParallel) is not "
+                             "supported; launch one process per GPU (torchrun / accelerate launch)")
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        scale = 1.0 / self.current_gradient_accumulation_steps
+        step = grad_cache_step(model, inputs["queries"], inputs["docs"], lambda q, d: self.retrieval_loss(q, d) * scale,
+                               budget=self.grad_cache_budget, autocast=self.autocast_smart_context_manager())
+        return step.loss.detach()
+
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch=None):
         inputs = self.decode_batch(inputs)
         if self.task == "retrieval":

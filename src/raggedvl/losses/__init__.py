@@ -23,6 +23,7 @@ from raggedvl.losses.functional import (
     global_mean_share,
     pairwise_terms,
     positive_labels,
+    real_rows,
 )
 from raggedvl.losses.modules import InfoNCELoss, LateInteractionLoss, PairwiseLoss
 from raggedvl.losses.objective import LOSS_NAMES, RetrievalLoss, make_retrieval_loss
@@ -41,4 +42,5 @@ __all__ = [
     "make_retrieval_loss",
     "pairwise_terms",
     "positive_labels",
+    "real_rows",
 ]

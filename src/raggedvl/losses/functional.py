@@ -8,8 +8,13 @@ ranks in rank order. Query i of rank r has global index offset_r + i, where offs
 exclusive cumulative sum of the gathered counts, and its positive is column offset_r + i.
 Hard negatives never change labels, so any k and any per-rank batch sizes keep them aligned.
 
-Nothing here communicates: the functions take the counts and rank explicitly, so every rank of
-any world size can be simulated in one process.
+Samples that only fill a batch (accelerate repeats samples from the start of the epoch to
+complete the last batch; see :mod:`raggedvl.parallel.repeats`) are marked by an explicit
+validity mask and dropped by :func:`real_rows` before anything is gathered: they are neither
+queries nor candidates, and N counts the real samples only.
+
+Nothing here communicates: the functions take the counts, rank and masks explicitly, so every
+rank of any world size can be simulated in one process.
 """
 
 from __future__ import annotations
@@ -20,6 +25,24 @@ import torch
 import torch.nn.functional as F
 
 from raggedvl.batch.offsets import exclusive_cumsum
+
+
+def real_rows(valid: torch.Tensor, n: int, negatives_per_query: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices of the real samples of a local batch: ``(pairs [n_real], negatives [n_real * k])``.
+
+    ``valid`` [n] bool: True for a real sample, False for one that only fills the batch (a
+    repeat). ``pairs`` indexes the queries and their positives; ``negatives`` indexes the hard
+    negatives (query-major, ``k = negatives_per_query`` per query), so a dropped sample's hard
+    negatives go with it. Both are int64 on ``valid``'s device. Raises ``TypeError`` for a
+    non-bool mask and ``ValueError`` for a mask that is not ``[n]``.
+    """
+    if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
+        raise TypeError(f"valid must be a bool tensor [n] (True = real sample), got {getattr(valid, 'dtype', type(valid))}")
+    if tuple(valid.shape) != (n,):
+        raise ValueError(f"valid has shape {list(valid.shape)} but the batch has {n} samples; pass one flag per sample")
+    pairs = valid.nonzero().flatten()
+    k = torch.arange(negatives_per_query, device=valid.device)
+    return pairs, (pairs[:, None] * negatives_per_query + k[None, :]).flatten()
 
 
 def positive_labels(counts: Sequence[int], rank: int, device=None) -> torch.Tensor:
@@ -42,14 +65,17 @@ def cross_entropy_terms(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits, labels, reduction="none")
 
 
-def pairwise_terms(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def pairwise_terms(scores: torch.Tensor, labels: torch.Tensor, *, allow_no_negative: bool = False) -> torch.Tensor:
     """Per-row pairwise terms ``[n]``: ``softplus(max_{c != label} scores[i, c] - scores[i, label])``.
 
     The hardest negative of each query is the best-scoring candidate other than its own positive
-    (ColPali's ``ColbertPairwiseCELoss``, Faysse et al. 2024). Raises ``ValueError`` when there is
-    no negative (fewer than 2 candidates; the candidate count is global, so every rank raises).
+    (ColPali's ``ColbertPairwiseCELoss``, Faysse et al. 2024). With fewer than 2 candidates there
+    is no negative: ``ValueError`` (the candidate count is global, so every rank raises), or, with
+    ``allow_no_negative`` (a batch whose repeats were dropped), terms of 0 with zero gradient.
     """
     n_cand = scores.shape[1]
+    if n_cand < 2 and allow_no_negative:
+        return scores.sum(dim=1) * 0.0
     if n_cand < 2:
         raise ValueError(
             f"pairwise loss needs at least 2 candidates per query, got {n_cand}; use a global "

@@ -17,6 +17,14 @@ the number of collectives) and, for symmetric InfoNCE, the queries. Ranks may pa
 numbers of hard negatives per query (or none): every query is scored against all of them, as
 the single-process loss on the concatenated batch would. Every rank must call the loss and
 backpropagate through it. Input errors raise before any collective.
+
+Repeated samples: ``valid`` (bool ``[n]``, keyword-only, optional) marks the real samples of
+the local batch. Samples marked False (accelerate's repeats that complete the last batch, see
+:mod:`raggedvl.parallel.repeats`) are dropped with their hard negatives before the gathers
+(:func:`raggedvl.losses.functional.real_rows`): they are never a query, a positive or a
+negative on any rank, their embeddings get zero gradient, and N is the number of real samples
+of all ranks, so the identity above holds for the real global batch. Pass ``valid`` on every
+rank or on none.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from raggedvl.losses.functional import (
     global_mean_share,
     pairwise_terms,
     positive_labels,
+    real_rows,
 )
 from raggedvl.losses.scoring import (
     DEFAULT_BLOCK_ELEMENTS,
@@ -70,7 +79,8 @@ class _CrossRankLoss(nn.Module):
 class InfoNCELoss(_CrossRankLoss):
     """Bi-encoder InfoNCE over all positives and hard negatives of the global batch.
 
-    ``forward(query_emb [n, D], doc_emb [n, D], neg_emb=None [n*k, D] query-major) -> L_r``.
+    ``forward(query_emb [n, D], doc_emb [n, D], neg_emb=None [n*k, D] query-major, *,
+    valid=None [n] bool) -> L_r`` (``valid``: the module docstring's repeated samples).
     ``logits(i, c) = <q_i, cand_c> * s`` where ``s = 1 / temperature`` (a temperature divides)
     or, with ``learnable_scale=True``, ``s = exp(log_logit_scale)`` clamped to
     ``max_logit_scale`` (a logit scale multiplies; CLIP, Radford et al. 2021, initialised at
@@ -124,7 +134,7 @@ class InfoNCELoss(_CrossRankLoss):
             return 1.0 / self.temperature
         return self.log_logit_scale.clamp(max=math.log(self.max_logit_scale)).exp()
 
-    def forward(self, query_emb, doc_emb, neg_emb=None):
+    def forward(self, query_emb, doc_emb, neg_emb=None, *, valid=None):
         if query_emb.dim() != 2 or tuple(query_emb.shape) != tuple(doc_emb.shape):
             raise ValueError(
                 f"InfoNCELoss needs query_emb and doc_emb of the same shape [n, D]; got "
@@ -138,7 +148,10 @@ class InfoNCELoss(_CrossRankLoss):
             raise TypeError(
                 f"dtypes differ: query {query_emb.dtype}, doc {doc_emb.dtype}, neg {neg_emb.dtype}"
             )
-        _negatives_per_query(query_emb.shape[0], neg_emb.shape[0])
+        k = _negatives_per_query(query_emb.shape[0], neg_emb.shape[0])
+        if valid is not None:  # repeats leave before any gather: never a query nor a candidate
+            pairs, negs = real_rows(valid.to(query_emb.device), query_emb.shape[0], k)
+            query_emb, doc_emb, neg_emb = query_emb[pairs], doc_emb[pairs], neg_emb[negs]
         rank, world = self._world()
         docs = all_gather_variable(doc_emb, group=self.group, tag="positives") if world > 1 else None
         all_docs = docs.values if docs else doc_emb
@@ -165,10 +178,10 @@ class _MultiVectorLoss(_CrossRankLoss):
         self.normalize_by_query_length = normalize_by_query_length
         self.block_elements = block_elements
 
-    def _terms(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _terms(self, scores: torch.Tensor, labels: torch.Tensor, repeats_dropped: bool) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, query_emb, query_mask, doc_emb, doc_mask, neg_emb=None, neg_mask=None):
+    def forward(self, query_emb, query_mask, doc_emb, doc_mask, neg_emb=None, neg_mask=None, *, valid=None):
         n, dim = query_emb.shape[0], query_emb.shape[-1]
         if doc_emb.dim() != 3 or doc_emb.shape[0] != n:
             raise ValueError(
@@ -179,12 +192,16 @@ class _MultiVectorLoss(_CrossRankLoss):
             raise ValueError("pass neg_emb and neg_mask together (or neither)")
         if neg_emb is None:
             neg_emb, neg_mask = doc_emb.new_zeros((0, 0, dim)), doc_mask.new_zeros((0, 0))
-        _negatives_per_query(n, neg_emb.shape[0])
+        k = _negatives_per_query(n, neg_emb.shape[0])
         # local checks of every tensor before any collective (raises ValueError/TypeError)
         check_late_interaction_inputs(query_emb, query_mask, doc_emb, doc_mask)
         check_late_interaction_inputs(query_emb, query_mask, neg_emb, neg_mask, doc_name="hard negatives")
+        if valid is not None:  # repeats leave before any gather: never a query nor a candidate
+            pairs, negs = real_rows(valid.to(query_emb.device), n, k)
+            query_emb, query_mask, doc_emb, doc_mask = query_emb[pairs], query_mask[pairs], doc_emb[pairs], doc_mask[pairs]
+            neg_emb, neg_mask = neg_emb[negs], neg_mask[negs]
         rank, world = self._world()
-        counts = [n]
+        counts = [query_emb.shape[0]]
         if world > 1:
             docs = all_gather_padded(doc_emb, doc_mask, group=self.group, tag="positives")
             negs = all_gather_padded(neg_emb, neg_mask, group=self.group, tag="negatives")
@@ -202,15 +219,16 @@ class _MultiVectorLoss(_CrossRankLoss):
         if self.normalize_by_query_length:
             scores = scores / query_mask.sum(dim=1, keepdim=True).clamp(min=1).to(scores.dtype)
         labels = positive_labels(counts, rank, device=query_emb.device)
-        return global_mean_share(self._terms(scores, labels), world, sum(counts))
+        return global_mean_share(self._terms(scores, labels, valid is not None), world, sum(counts))
 
 
 class LateInteractionLoss(_MultiVectorLoss):
     """ColBERT-style late-interaction InfoNCE over all positives and hard negatives of the global batch.
 
     ``forward(query_emb [n, Lq, D], query_mask [n, Lq], doc_emb [n, Ld, D], doc_mask [n, Ld],
-    neg_emb=None [n*k, Ld', D], neg_mask=None [n*k, Ld']) -> L_r``. Masks are bool, True = real
-    token. ``score(i, j)`` is MaxSim (:func:`raggedvl.losses.late_interaction_scores`), divided
+    neg_emb=None [n*k, Ld', D], neg_mask=None [n*k, Ld'], *, valid=None [n]) -> L_r``. Masks are
+    bool, True = real token; ``valid`` (True = real sample) drops repeated samples (module
+    docstring). ``score(i, j)`` is MaxSim (:func:`raggedvl.losses.late_interaction_scores`), divided
     by query i's valid-token count when ``normalize_by_query_length`` (a query without valid
     tokens scores 0 everywhere, giving the term log(number of candidates) and no gradient);
     logits = score / temperature (a temperature divides); cross-entropy against the query's own
@@ -238,7 +256,7 @@ class LateInteractionLoss(_MultiVectorLoss):
         _check_temperature(temperature)
         self.temperature = temperature
 
-    def _terms(self, scores, labels):
+    def _terms(self, scores, labels, repeats_dropped):
         return cross_entropy_terms(scores / self.temperature, labels)
 
 
@@ -249,7 +267,9 @@ class PairwiseLoss(_MultiVectorLoss):
     negative is the best-scoring candidate other than the query's own positive (in-batch
     positives of other queries and all hard negatives of the global batch). No temperature;
     scores are unnormalised MaxSim sums by default, as in ColPali (Faysse et al. 2024).
-    Raises ``ValueError`` when the global batch offers no negative (one pair, no hard negative).
+    Raises ``ValueError`` when the global batch offers no negative (one pair, no hard negative);
+    when ``valid`` was given and dropping the repeats left no negative, each query's term is 0
+    (nothing to push away), with zero gradient.
     """
 
     def __init__(
@@ -262,5 +282,5 @@ class PairwiseLoss(_MultiVectorLoss):
     ) -> None:
         super().__init__(normalize_by_query_length, gather_across_ranks, group, block_elements)
 
-    def _terms(self, scores, labels):
-        return pairwise_terms(scores, labels)
+    def _terms(self, scores, labels, repeats_dropped):
+        return pairwise_terms(scores, labels, allow_no_negative=repeats_dropped)

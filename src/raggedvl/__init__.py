@@ -36,6 +36,8 @@ _EXPORTS = {
     "all_gather_padded": "raggedvl.parallel",
     "init_distributed": "raggedvl.parallel",
     "prepare_ragged_data_loader": "raggedvl.parallel",
+    "real_sample_count": "raggedvl.parallel",
+    "real_sample_mask": "raggedvl.parallel",
     "InfoNCELoss": "raggedvl.losses",
     "LateInteractionLoss": "raggedvl.losses",
     "PairwiseLoss": "raggedvl.losses",

@@ -86,10 +86,27 @@ def prepare_ragged_data_loader(dataloader: Any, accelerator: Any = None, *, layo
     slice_fn_for_dispatch=RaggedDispatchSlicer(...))``; otherwise
     ``accelerate.data_loader.prepare_data_loader(dataloader, slice_fn_for_dispatch=..., **kwargs)``
     (pass ``dispatch_batches=True``, ``put_on_device=True`` etc. there).
+
+    Repeated samples: unless ``drop_last``, accelerate completes the epoch's last global batch
+    with samples from the start of the epoch. Right after each batch, take
+    ``valid = real_sample_mask(loader, batch_size, rank=..., world_size=...)``
+    (:mod:`raggedvl.parallel.repeats`; the real samples come first) and pass it as ``valid=`` to
+    the raggedvl loss, which then drops the repeats on every rank (never a query or a negative;
+    N counts the real samples). Raises ``ValueError`` here, before any batch, when the repeats
+    could not be told apart (an ``IterableDataset`` without ``__len__`` under
+    ``dispatch_batches=False``).
     """
+    from raggedvl.parallel.repeats import check_repeats_identifiable
+
     slicer = RaggedDispatchSlicer(layout, token_ids)
     if accelerator is not None:
-        return accelerator.prepare_data_loader(dataloader, slice_fn_for_dispatch=slicer, **kwargs)
-    from accelerate.data_loader import prepare_data_loader
+        prepared = accelerator.prepare_data_loader(dataloader, slice_fn_for_dispatch=slicer, **kwargs)
+        world_size = accelerator.num_processes
+    else:
+        from accelerate import PartialState
+        from accelerate.data_loader import prepare_data_loader
 
-    return prepare_data_loader(dataloader, slice_fn_for_dispatch=slicer, **kwargs)
+        prepared = prepare_data_loader(dataloader, slice_fn_for_dispatch=slicer, **kwargs)
+        world_size = kwargs.get("num_processes") or PartialState().num_processes  # accelerate's own default
+    check_repeats_identifiable(prepared, world_size)
+    return prepared

@@ -35,13 +35,34 @@ Losses (``task``):
   global batch. Under ``RaggedDataParallel`` every replica divides its token sum by the
   process's exact count and the replica losses are summed.
 
-Collectives: the losses' all-gathers (retrieval) and accelerate's own (dispatch broadcast,
-DDP all-reduce, token-count gather); none is issued by this module directly.
+Repeated samples: when the dataset size is not a multiple of W x per-device batch, accelerate
+completes the epoch's last batch with samples from the start of the epoch (``even_batches``;
+an ``IterableDataset``'s dispatcher likewise). Each batch is marked as it leaves the
+dataloader (:func:`raggedvl.parallel.real_sample_mask`, before the Trainer counts label tokens):
+retrieval batches carry ``valid`` [B] bool, which the loss uses to drop the repeats on every
+process (never a query nor a negative; N counts the real samples); SFT batches get ``-100``
+labels on the repeats, so ``num_items_in_batch`` and the loss count real tokens only. The
+logged loss and every gradient are those of the real global batch, with gradient accumulation
+and ``dataloader_drop_last=False`` alike. Evaluation returns, on every process, the loss of
+each step's real global batch, which accelerate's ``gather_for_metrics`` weights by the step's
+real samples. A configuration whose repeats cannot be told apart (an ``IterableDataset``
+without ``__len__`` under ``dispatch_batches=False``) raises ``ValueError`` before training.
+
+Failures (as in ``raggedvl train``, :mod:`raggedvl.train.faults`): every collective of the
+process group is bounded by ``collective_timeout_s`` (default ``args.ddp_timeout``); during
+``train()`` / ``evaluate()`` a watchdog names a process that spends more than half of it in one
+step (``raggedvl: rank R has spent X s in step S ...``, with its stack, left as a note in the
+group's store), and a process whose call fails prints ``raggedvl: rank R failed in step S: ...``
+followed by its peers' notes, aborts the group so peers fail fast, and re-raises.
+
+Collectives: the losses' all-gathers (retrieval), one all-reduce per evaluation step, and
+accelerate's own (dispatch broadcast, DDP all-reduce, token-count gather).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import contextlib
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -50,10 +71,13 @@ from transformers import Trainer
 from raggedvl.batch import RaggedBatch
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.losses import RetrievalLoss, make_retrieval_loss
-from raggedvl.parallel import RaggedDataParallel
+from raggedvl.parallel import RaggedDataParallel, check_repeats_identifiable, real_sample_mask
+from raggedvl.parallel.runtime import set_collective_timeout
+from raggedvl.train.faults import StallWatchdog, inject_fault, report_failure
 
+from .collator import IGNORE_INDEX
 from .dispatch import install_ragged_dispatch
-from .wire import is_wire, unpack
+from .wire import NUM_TOKENS, is_wire, unpack
 
 TASKS = ("retrieval", "sft")
 
@@ -77,6 +101,32 @@ def default_retrieval_loss(model: nn.Module, temperature: float = 0.02) -> Retri
     return make_retrieval_loss("infonce" if head == "bi_encoder" else "late_interaction", temperature=temperature)
 
 
+def _num_samples(data: Any) -> int | None:
+    """Samples in a collated batch: a wire dict, a feature dict, a ragged batch, or a dict of them."""
+    if is_wire(data):
+        return int(data[NUM_TOKENS].shape[0])
+    if isinstance(data, RaggedBatch):
+        return data.num_samples
+    if isinstance(data, Mapping) and "input_ids" in data:
+        return int(data["input_ids"].shape[0])
+    if isinstance(data, Mapping):
+        return next((n for n in map(_num_samples, data.values()) if n is not None), None)
+    return None
+
+
+def _ignore_labels_of(data: Any, valid: torch.Tensor) -> Any:
+    """``data`` with ``labels`` set to IGNORE_INDEX on the samples where ``valid`` is False (a copy)."""
+    if not isinstance(data, Mapping) or "labels" not in data:
+        return data
+    labels = data["labels"]
+    keep = valid.to(labels.device)
+    if is_wire(data):  # labels are flat over tokens: each sample owns ragged_num_tokens[b] of them
+        keep = keep.repeat_interleave(data[NUM_TOKENS].to(labels.device))
+    else:
+        keep = keep.view(-1, *([1] * (labels.dim() - 1)))
+    return {**data, "labels": labels.masked_fill(~keep, IGNORE_INDEX)}
+
+
 class RaggedTrainer(Trainer):
     """``transformers.Trainer`` for Qwen2-VL-family ragged batches (module docstring).
 
@@ -94,16 +144,22 @@ class RaggedTrainer(Trainer):
             tokens, so activation memory is one chunk's whatever the batch size; the loss still
             spans the whole (global) batch and the gradients equal the plain step's. ``None``
             (default): the plain step.
+        collective_timeout_s: seconds after which any collective of the process group fails
+            (default ``args.ddp_timeout``, which accelerate applied when it created the group);
+            given, it is applied to the existing default group.
 
-    Raises ``ValueError`` for an unknown task, a loss of the wrong kind or with parameters, and
-    for ``grad_cache_budget`` with SFT, below 1, with fp16 loss scaling or with
-    ``RaggedDataParallel`` (several GPUs in one process: use torchrun).
+    Raises ``ValueError`` for an unknown task, a loss of the wrong kind or with parameters, a
+    non-positive timeout, and for ``grad_cache_budget`` with SFT, below 1, with fp16 loss
+    scaling or with ``RaggedDataParallel`` (several GPUs in one process: use torchrun).
     """
 
     def __init__(self, model: nn.Module | None = None, args: Any = None, *, processor: Any, task: str = "retrieval",
-                 loss: nn.Module | None = None, grad_cache_budget: int | None = None, **kwargs: Any) -> None:
+                 loss: nn.Module | None = None, grad_cache_budget: int | None = None,
+                 collective_timeout_s: float | None = None, **kwargs: Any) -> None:
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        if collective_timeout_s is not None and not collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0 seconds, got {collective_timeout_s}")
         if grad_cache_budget is not None:
             if task != "retrieval":
                 raise ValueError("grad_cache_budget is for task='retrieval' (GradCache caches embedding gradients)")
@@ -134,6 +190,42 @@ class RaggedTrainer(Trainer):
         self.pad_token_id = int(getattr(getattr(processor, "tokenizer", processor), "pad_token_id", 0) or 0)
         if task == "retrieval":
             self.loss_is_scaled_for_ga = False
+        if collective_timeout_s is not None:
+            set_collective_timeout(collective_timeout_s)
+        self.collective_timeout_s = float(collective_timeout_s or self.args.ddp_timeout)
+        self._watchdog: StallWatchdog | None = None
+
+    # ------------------------------------------------------------------ failures
+    @contextlib.contextmanager
+    def _watched(self, phase: str) -> Iterator[None]:
+        """Run a top-level call under the stall watchdog; report and abort if it raises (module
+        docstring). Nested calls (evaluation inside ``train()``) only rename the phase."""
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        outer = self._watchdog is None
+        if outer:
+            self._watchdog = StallWatchdog(rank, self.collective_timeout_s, enabled=world > 1)
+        previous = self._watchdog.phase
+        self._watchdog.enter(phase)
+        try:
+            yield
+        except Exception as exc:
+            if outer and world > 1:
+                report_failure(rank, self._watchdog.phase, exc)
+            raise
+        finally:
+            if outer:
+                self._watchdog.stop()
+                self._watchdog = None
+        if not outer:
+            self._watchdog.enter(previous)
+
+    def train(self, *args: Any, **kwargs: Any):
+        with self._watched("before the first step"):
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any):
+        with self._watched(f"in evaluation after step {self.state.global_step}"):
+            return super().evaluate(*args, **kwargs)
 
     # ------------------------------------------------------------------ batches
     def decode_batch(self, data: Any) -> Any:
@@ -160,9 +252,27 @@ class RaggedTrainer(Trainer):
             return data.to(self.args.device)
         return super()._prepare_input(data)
 
+    def mark_real_samples(self, data: Any) -> Any:
+        """Mark the repeats of the batch the active dataloader just yielded (module docstring):
+        retrieval dicts get ``valid`` [B] bool, SFT batches IGNORE_INDEX labels on the repeats.
+        Must run before the next batch is requested. No collective."""
+        n = _num_samples(data)
+        if n is None:
+            return data
+        valid = real_sample_mask(self.accelerator.gradient_state.active_dataloader, n,
+                                 rank=self.accelerator.process_index, world_size=self.accelerator.num_processes)
+        if self.task == "retrieval":
+            return {**data, "valid": valid} if isinstance(data, Mapping) else data
+        return data if bool(valid.all()) else _ignore_labels_of(data, valid)
+
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
-        # Decode before the Trainer counts label tokens: wire labels are flat per batch.
-        return super().get_batch_samples(map(self.decode_batch, epoch_iterator), num_batches, device)
+        if self._watchdog is not None:
+            self._watchdog.enter(f"in step {self.state.global_step + 1}")
+        inject_fault(self.accelerator.process_index, self.state.global_step)
+        # Mark and decode each batch as it arrives, before the Trainer counts label tokens
+        # (wire labels are flat per batch; the next batch changes the loader's end-of-data state).
+        batches = (self.decode_batch(self.mark_real_samples(b)) for b in epoch_iterator)
+        return super().get_batch_samples(batches, num_batches, device)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         if self.args.n_gpu <= 1 or not batch_samples or "labels" not in batch_samples[0]:
@@ -177,10 +287,14 @@ class RaggedTrainer(Trainer):
         return dataset
 
     def get_train_dataloader(self):
-        return install_ragged_dispatch(super().get_train_dataloader(), self.layout, self.token_ids)
+        loader = install_ragged_dispatch(super().get_train_dataloader(), self.layout, self.token_ids)
+        check_repeats_identifiable(loader, self.accelerator.num_processes)
+        return loader
 
     def get_eval_dataloader(self, eval_dataset=None):
-        return install_ragged_dispatch(super().get_eval_dataloader(eval_dataset), self.layout, self.token_ids)
+        loader = install_ragged_dispatch(super().get_eval_dataloader(eval_dataset), self.layout, self.token_ids)
+        check_repeats_identifiable(loader, self.accelerator.num_processes)
+        return loader
 
     # ------------------------------------------------------------------ model wrapping
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
@@ -204,7 +318,7 @@ class RaggedTrainer(Trainer):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
         scale = 1.0 / self.current_gradient_accumulation_steps
-        step = grad_cache_step(model, inputs["queries"], inputs["docs"], lambda q, d: self.retrieval_loss(q, d) * scale,
+        step = grad_cache_step(model, inputs["queries"], inputs["docs"], lambda q, d: self.retrieval_loss(q, d, valid=inputs.get("valid")) * scale,
                                budget=self.grad_cache_budget, autocast=self.autocast_smart_context_manager())
         return step.loss.detach()
 
@@ -215,7 +329,7 @@ class RaggedTrainer(Trainer):
                 q, d = model(inputs["queries"]), model(inputs["docs"])
             else:
                 q, d = model(queries=inputs["queries"], docs=inputs["docs"])
-            loss = self.retrieval_loss(q, d)
+            loss = self.retrieval_loss(q, d, valid=inputs.get("valid"))
             return (loss, {"queries": q, "docs": d}) if return_outputs else loss
         return self._sft_loss(model, inputs, return_outputs, num_items_in_batch)
 
@@ -237,8 +351,19 @@ class RaggedTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys=None):
-        """Evaluation: the loss only (retrieval metrics live in ``raggedvl.train.evaluate``)."""
-        inputs = self._prepare_inputs(inputs)
+        """Evaluation: the loss of this step's real global batch, the same value on every process
+        (retrieval metrics live in ``raggedvl.train.evaluate``). Retrieval: the mean of the
+        processes' shares ``L_r``; SFT: the token mean over every process's real label tokens.
+        The Trainer repeats it per sample and ``gather_for_metrics`` keeps the real samples'
+        copies, so the evaluation loss weights each step by its real samples. One all-reduce."""
+        inputs = self._prepare_inputs(self.mark_real_samples(inputs))
         with torch.no_grad():
-            loss = self.compute_loss(model, inputs)  # sft: this process's token mean (no num_items_in_batch)
+            if self.task == "retrieval" or isinstance(model, RaggedDataParallel):
+                loss = self.accelerator.reduce(self.compute_loss(model, inputs).detach(), "mean")
+            else:
+                outputs = model(**inputs.to_dict(), use_cache=False)  # mean over this process's label tokens
+                tokens = inputs["labels"][..., 1:].ne(IGNORE_INDEX).sum().to(outputs.loss.dtype)
+                local = torch.where(tokens > 0, outputs.loss * tokens, torch.zeros_like(outputs.loss))
+                total = self.accelerator.reduce(torch.stack([local, tokens]), "sum")
+                loss = total[0] / total[1]
         return loss.detach(), None, None

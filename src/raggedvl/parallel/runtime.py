@@ -124,6 +124,18 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None =
     return DistInfo(rank, world_size, local_rank, device, chosen)
 
 
+def set_collective_timeout(timeout_s: float, group: dist.ProcessGroup | None = None) -> None:
+    """Bound every later collective of ``group`` (default group when None) by ``timeout_s``
+    seconds, for a group someone else created (accelerate, a test harness). No-op without a
+    process group. Uses ``torch.distributed.distributed_c10d._set_pg_timeout`` (private, in
+    PyTorch since 2.3: no public way to change an existing group's timeout). Raises
+    ``ValueError`` for a non-positive timeout."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+    if is_distributed():
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+
+
 def shutdown() -> None:
     """Destroy the default process group if one exists (safe to call more than once)."""
     if is_distributed():

@@ -1,0 +1,24 @@
+"""A small ``RaggedTrainer`` retrieval job for ``tests/dist/test_hf_faults.py``, run under torchrun.
+
+``python -m torch.distributed.run --nproc_per_node 2 -m tests.dist.hf_fault_job TIMEOUT_S OUT_DIR``
+trains the tiny retriever for 4 steps on 16 synthetic pairs with ``collective_timeout_s=TIMEOUT_S``;
+``RAGGEDVL_FAULT=KIND:RANK:STEP`` (see ``raggedvl.train.faults.inject_fault``) makes one process fail.
+"""
+
+import sys
+
+
+def main(timeout_s: float, out_dir: str) -> None:
+    from raggedvl.data import RetrievalCollator
+    from raggedvl.hf import RaggedTrainer, RetrievalWireCollator
+    from tests.hf.helpers import retrieval_examples, tiny_processor, tiny_retriever, training_args
+
+    proc = tiny_processor()
+    trainer = RaggedTrainer(tiny_retriever(), training_args(out_dir, max_steps=4), processor=proc,
+                            collective_timeout_s=timeout_s, train_dataset=retrieval_examples(16),
+                            data_collator=RetrievalWireCollator(RetrievalCollator(proc)))
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main(float(sys.argv[1]), sys.argv[2])

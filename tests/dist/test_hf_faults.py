@@ -1,0 +1,78 @@
+"""``RaggedTrainer`` never hangs silently (issue 12): a process that stalls or raises ends the
+torchrun job within the collective timeout, with ``raggedvl:`` lines naming the process and the
+step it was in, exactly as ``raggedvl train`` does (``tests/dist/test_fault_matrix.py``).
+
+Two 2-process torchrun jobs of ``tests/dist/hf_fault_job.py`` run at once; ``RAGGEDVL_FAULT``
+makes process 1 hang (sleep forever) or raise at the start of step 2. The group was created by
+accelerate with ``ddp_timeout`` = 1800 s; ``collective_timeout_s`` = 20 s must bound it.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist.test_fault_matrix import _processes_mentioning
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 20
+SLACK_S = 25  # torchrun noticing the failure and stopping the other process, on a loaded machine
+SCENARIOS = {"hangs": "hang:1:1", "raises": "raise:1:1"}
+FAULT_LINE = re.compile(r"RAGGEDVL_FAULT=\S+: rank 1 will (\w+) in step 2 at unix time ([0-9.]+)")
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """name -> (return code, output, end time, output dir); both jobs run concurrently."""
+    root = tmp_path_factory.mktemp("hf-faults")
+    running = {}
+    for name, fault in SCENARIOS.items():
+        env = dict(os.environ, OMP_NUM_THREADS="1", RAGGEDVL_FAULT=fault, PYTHONPATH=str(ROOT))
+        log = open(root / f"{name}.log", "w+")  # noqa: SIM115 - closed below
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "tests.dist.hf_fault_job", str(TIMEOUT_S), str(root / name)]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        running[name] = (proc, log)
+    done, deadline = {}, time.monotonic() + 400
+    while len(done) < len(running):
+        for name, (proc, log) in running.items():
+            if name in done or (proc.poll() is None and time.monotonic() < deadline):
+                continue
+            if proc.poll() is None:  # outlived the bound: end its whole session (the test fails)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            end = time.time()
+            log.seek(0)
+            done[name] = (proc.returncode, log.read(), end, root / name)
+            log.close()
+        time.sleep(0.2)
+    return done
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_the_job_ends_within_the_timeout_and_names_the_failing_process(jobs, name):
+    rc, out, end, out_dir = jobs[name]
+    assert rc != 0, out[-3000:]
+    injected = FAULT_LINE.search(out)
+    assert injected and injected.group(1) == SCENARIOS[name].split(":")[0], out[-3000:]
+    took = end - float(injected.group(2))
+    print(f"{name}: exit code {rc}, job over {took:.1f} s after the fault (timeout {TIMEOUT_S} s)")
+    assert 0 < took <= TIMEOUT_S + SLACK_S, (took, out[-3000:])
+    assert _processes_mentioning(str(out_dir)) == []  # no process outlives the job
+    if name == "raises":
+        assert "raggedvl: rank 1 failed in step 2: RuntimeError: injected fault on rank 1" in out, out[-3000:]
+        assert "Timed out" not in out, out[-3000:]  # the peer fails as soon as the group is aborted
+        return
+    assert "raggedvl: rank 1 has spent" in out and "in inject_fault" in out, out[-3000:]  # with its stack
+    report = re.search(r"raggedvl: rank 0 failed in step 2: .*\n"
+                       r"raggedvl:   rank 1 reported [0-9.]+ s earlier: rank 1 has spent [0-9]+ s in step 2", out)
+    assert report and "Timed out" in report.group(0), out[-3000:]
+    assert took >= TIMEOUT_S  # the peer waited the collective timeout, not accelerate's 1800 s

@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 20
-SLACK_S = 25  # torchrun noticing the failure and stopping the other process, on a loaded machine
+# torchrun noticing the failure, stopping the other process and tearing down interpreters: up to
+# ~25 s on a loaded 2-core machine; still far below accelerate's own 1800 s group timeout
+SLACK_S = 60
 SCENARIOS = {"hangs": "hang:1:1", "raises": "raise:1:1"}
 FAULT_LINE = re.compile(r"RAGGEDVL_FAULT=\S+: rank 1 will (\w+) in step 2 at unix time ([0-9.]+)")
 

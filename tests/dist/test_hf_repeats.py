@@ -7,7 +7,7 @@ the real global batch), and evaluation never scores a repeat. One launch runs, o
 
 1. ``stream5``: 5 pairs as an ``IterableDataset`` (accelerate's dispatcher), per-device batch 2.
    Step 2 is pair 4 on process 0 and a repeat of pair 0 on process 1: one real pair, no
-   negative, so the late-interaction loss is exactly 0 (it was log 2 + ... counting the repeat).
+   negative, so the late-interaction loss is exactly 0 (the repeat, counted, made it positive).
 2. ``map5``: the same 5 pairs map-style, sequential order: step 2 is ``[4, 0 | 1, 2]``, three
    repeats; the loss is sample 4's alone (0).
 3. ``map7_ga``: 7 pairs map-style with 2 accumulation steps: one optimizer step over the

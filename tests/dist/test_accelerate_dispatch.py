@@ -3,7 +3,9 @@
 Without the fix accelerate slices every tensor by position: each process gets 2 patch rows and
 2 grid rows, so patches are cut from their grids (shown below, the corruption is asserted).
 With ``prepare_ragged_data_loader`` (``RaggedDispatchSlicer``) every process receives whole samples whose tokens, grids and patch
-rows agree, and together the processes see exactly the samples a single process would.
+rows agree, and together the processes see exactly the samples a single process would. With 5
+samples (not a multiple of 2 x 2) ``real_sample_mask`` marks the repeats accelerate adds to the
+last batch, dispatched or loaded by each process.
 """
 
 from __future__ import annotations
@@ -69,7 +71,18 @@ def _c03(rank: int, world_size: int) -> dict:
         owners = rb["pixel_values"][:, 0].tolist() if rb.num_images else []
         fixed.append({"ids": ids, "grids": rb["image_grid_thw"].tolist() if rb.num_images else [],
                       "owners": owners, "image_counts": rb.image_counts, "type": type(batch).__name__})
-    return {"broken": broken, "fixed": fixed}
+    # 5 samples: accelerate completes the last global batch with repeats; real_sample_mask marks them
+    from raggedvl.parallel import real_sample_mask
+
+    tails = {}
+    for dispatch in (True, False):
+        loader = prepare_ragged_data_loader(DataLoader(list(range(5)), batch_size=2, collate_fn=collate),
+                                            layout="qwen2_vl", token_ids=SMALL_IDS, device=torch.device("cpu"),
+                                            dispatch_batches=dispatch, put_on_device=True)
+        tails[dispatch] = [((b["input_ids"][:, 0] - 10).tolist(),
+                            real_sample_mask(loader, b["input_ids"].shape[0], rank=rank, world_size=world_size).tolist())
+                           for b in loader]
+    return {"broken": broken, "fixed": fixed, "tails": tails}
 
 
 @pytest.mark.dist
@@ -94,3 +107,8 @@ def test_c03_dispatch_batches_whole_samples():
             assert f["owners"] == want_owners  # every patch row belongs to a sample of this process
     seen = sorted(i for res in results for f in res["fixed"] for i in f["ids"])
     assert seen == list(range(8))
+    # repeats completing the last batch are marked on every process: the real samples are 0..4 once
+    assert [res["tails"][True] for res in results] == [  # dispatcher: [4 | 0]
+        [([0, 1], [True, True]), ([4], [True])], [([2, 3], [True, True]), ([0], [False])]]
+    assert [res["tails"][False] for res in results] == [  # each process loads: [4, 0 | 1, 2]
+        [([0, 1], [True, True]), ([4, 0], [True, False])], [([2, 3], [True, True]), ([1, 2], [False, False])]]

@@ -11,16 +11,14 @@ fast with an error that names the failing rank.
 
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from raggedvl.train.config import TrainConfig
 from tests.dist.harness import run_distributed
+from tests.dist.jobs import processes_mentioning, run_jobs
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -50,41 +48,12 @@ def data_cache(small_data_cache):
 def jobs(data_cache, tmp_path_factory):
     """Start every scenario at once; return name -> (return code, output, end time, run dir)."""
     root = tmp_path_factory.mktemp("fault-runs")
-    running = {}
+    commands = {}
     for name, (fault, _) in SCENARIOS.items():
-        env = dict(os.environ, OMP_NUM_THREADS="1", RAGGEDVL_FAULT=fault)
         args = _cli_args({**SMALL, "collective_timeout_s": TIMEOUT_S, "output_dir": root / name, "data_cache": data_cache})
-        log = open(root / f"{name}.log", "w+")  # noqa: SIM115 - closed below
-        proc = subprocess.Popen([sys.executable, "-m", "raggedvl.cli", "train", *args], env=env,
-                                stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        running[name] = (proc, log)
-    done, deadline = {}, time.monotonic() + 300
-    while len(done) < len(running):  # poll, so each job's end time is its own
-        for name, (proc, log) in running.items():
-            if name in done or (proc.poll() is None and time.monotonic() < deadline):
-                continue
-            if proc.poll() is None:  # a job that outlived the bound: end its whole session (the test fails)
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            end = time.time()
-            log.seek(0)
-            done[name] = (proc.returncode, log.read(), end, root / name)
-            log.close()
-        time.sleep(0.2)
-    return done
-
-
-def _processes_mentioning(text: str) -> list[str]:
-    """Command lines of live processes that mention ``text`` (a run directory)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmd:
-            found.append(f"{pid}: {cmd}")
-    return found
+        commands[name] = ([sys.executable, "-m", "raggedvl.cli", "train", *args],
+                          dict(os.environ, OMP_NUM_THREADS="1", RAGGEDVL_FAULT=fault))
+    return run_jobs(commands, root, bound_s=300)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -101,7 +70,7 @@ def test_the_job_ends_within_the_timeout_and_names_the_failing_rank(jobs, name):
     assert 0 < took <= TIMEOUT_S + SLACK_S, (took, out[-3000:])
     if kind != "hang":  # nothing waits for the timeout: the peer fails as soon as the rank is gone
         assert "Timed out" not in out, out[-3000:]
-    assert _processes_mentioning(str(run_dir)) == []  # no rank outlives the job
+    assert processes_mentioning(str(run_dir)) == []  # no rank outlives the job
 
     if kind == "raise":
         assert f"raggedvl: rank {bad} failed in step 3: RuntimeError: injected fault on rank {bad}" in out, out[-3000:]

@@ -9,15 +9,12 @@ accelerate with ``ddp_timeout`` = 1800 s; ``collective_timeout_s`` = 20 s must b
 
 import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.dist.test_fault_matrix import _processes_mentioning
+from tests.dist.jobs import processes_mentioning, run_jobs
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -34,29 +31,13 @@ FAULT_LINE = re.compile(r"RAGGEDVL_FAULT=\S+: rank 1 will (\w+) in step 2 at uni
 def jobs(tmp_path_factory):
     """name -> (return code, output, end time, output dir); both jobs run concurrently."""
     root = tmp_path_factory.mktemp("hf-faults")
-    running = {}
-    for name, fault in SCENARIOS.items():
-        env = dict(os.environ, OMP_NUM_THREADS="1", RAGGEDVL_FAULT=fault, PYTHONPATH=str(ROOT))
-        log = open(root / f"{name}.log", "w+")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "tests.dist.hf_fault_job", str(TIMEOUT_S), str(root / name)]
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        running[name] = (proc, log)
-    done, deadline = {}, time.monotonic() + 400
-    while len(done) < len(running):
-        for name, (proc, log) in running.items():
-            if name in done or (proc.poll() is None and time.monotonic() < deadline):
-                continue
-            if proc.poll() is None:  # outlived the bound: end its whole session (the test fails)
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            end = time.time()
-            log.seek(0)
-            done[name] = (proc.returncode, log.read(), end, root / name)
-            log.close()
-        time.sleep(0.2)
-    return done
+    commands = {
+        name: ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "-m", "tests.dist.hf_fault_job", str(TIMEOUT_S), str(root / name)],
+               dict(os.environ, OMP_NUM_THREADS="1", RAGGEDVL_FAULT=fault, PYTHONPATH=str(ROOT)))
+        for name, fault in SCENARIOS.items()
+    }
+    return run_jobs(commands, root, bound_s=400, cwd=ROOT)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -68,7 +49,7 @@ def test_the_job_ends_within_the_timeout_and_names_the_failing_process(jobs, nam
     took = end - float(injected.group(2))
     print(f"{name}: exit code {rc}, job over {took:.1f} s after the fault (timeout {TIMEOUT_S} s)")
     assert 0 < took <= TIMEOUT_S + SLACK_S, (took, out[-3000:])
-    assert _processes_mentioning(str(out_dir)) == []  # no process outlives the job
+    assert processes_mentioning(str(out_dir)) == []  # no process outlives the job
     if name == "raises":
         assert "raggedvl: rank 1 failed in step 2: RuntimeError: injected fault on rank 1" in out, out[-3000:]
         assert "Timed out" not in out, out[-3000:]  # the peer fails as soon as the group is aborted

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tests.dist.harness import run_distributed
+from tests.hf.helpers import Stream, trainable
 
 pytestmark = pytest.mark.dist
 
@@ -37,25 +38,12 @@ TOL = 1e-9
 LOGGED_TOL = 1e-6  # the Trainer accumulates logged losses in float32
 
 
-def _trainable(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 def _worker(rank: int, world_size: int, out_dir: str):
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
-    from torch.utils.data import IterableDataset
-
     from raggedvl.data import RetrievalCollator
     from raggedvl.hf import RaggedTrainer, RetrievalWireCollator, SFTCollator, pack
     from raggedvl.train.evaluate import evaluate_retrieval
     from tests.hf.helpers import retrieval_examples, sft_examples, tiny_generator, tiny_processor, tiny_retriever, training_args
-
-    class Stream(IterableDataset):
-        def __init__(self, items):
-            self.items = items
-
-        def __iter__(self):
-            return iter(self.items)
 
     class Recorder(RaggedTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -77,7 +65,7 @@ def _worker(rank: int, world_size: int, out_dir: str):
         trainer.seen = []
         trainer.train()
         return {"seen": trainer.seen, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-                "params": _trainable(model)}
+                "params": trainable(model)}
 
     out = {
         "stream5": run("s5", Stream(retrieval_examples(5)), max_steps=2),
@@ -133,7 +121,7 @@ def _sgd(model, loss):
 
 
 def _check_params(got, model):
-    want = _trainable(model)
+    want = trainable(model)
     assert set(got) == set(want)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=TOL, msg=name)

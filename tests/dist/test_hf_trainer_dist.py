@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from tests.dist.harness import run_distributed
+from tests.hf.helpers import Stream, trainable
 
 pytestmark = pytest.mark.dist
 
@@ -40,24 +41,11 @@ def sft_stream() -> list[dict]:
     return [two, three, text, {"images": [], "prompt": "name a plot", "answer": "a biplot of multivariate data"}]
 
 
-def _trainable(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 def _worker(rank: int, world_size: int, out_dir: str):
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
-    from torch.utils.data import IterableDataset
-
     from raggedvl.data import RetrievalCollator
     from raggedvl.hf import RaggedTrainer, RetrievalWireCollator, SFTCollator, pack
     from tests.hf.helpers import retrieval_examples, sft_examples, tiny_generator, tiny_processor, tiny_retriever, training_args
-
-    class Stream(IterableDataset):
-        def __init__(self, items):
-            self.items = items
-
-        def __iter__(self):
-            return iter(self.items)
 
     class Recorder(RaggedTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -82,7 +70,7 @@ def _worker(rank: int, world_size: int, out_dir: str):
         "seen": trainer.seen,
         "local_losses": trainer.local_losses,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-        "params": _trainable(model),
+        "params": trainable(model),
     }
     gen = tiny_generator()
     examples = sft_examples() + [{"images": [], "prompt": "name a plot", "answer": "a biplot of multivariate data"}]
@@ -93,7 +81,7 @@ def _worker(rank: int, world_size: int, out_dir: str):
     out["sft"] = {
         "seen": trainer.seen,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-        "params": _trainable(gen),
+        "params": trainable(gen),
     }
     trainer = Recorder(tiny_generator(), training_args(f"{out_dir}/d{rank}", max_steps=1), processor=proc,
                        task="sft", train_dataset=Stream(sft_stream()), data_collator=SFTCollator(proc))
@@ -130,7 +118,7 @@ def _reference_retrieval(steps: int, per_step: int):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, _trainable(model)
+    return losses, trainable(model)
 
 
 def test_dispatch_gives_each_process_whole_samples(results):
@@ -186,7 +174,7 @@ def test_retrieval_loss_and_weights_match_single_process(results):
 def _initial_retriever():
     from tests.hf.helpers import tiny_retriever
 
-    return _trainable(tiny_retriever())
+    return trainable(tiny_retriever())
 
 
 def test_sft_loss_is_global_token_mean(results):
@@ -208,7 +196,7 @@ def test_sft_loss_is_global_token_mean(results):
     with torch.no_grad():
         for p in model.parameters():
             p -= LR * p.grad
-    ref = _trainable(model)
+    ref = trainable(model)
     for res in results:
         assert res["sft"]["losses"] == pytest.approx([loss.item()], rel=LOGGED_TOL)
         for name, value in ref.items():

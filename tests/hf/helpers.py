@@ -7,6 +7,7 @@ import functools
 
 import torch
 from PIL import Image
+from torch.utils.data import IterableDataset
 
 # (height, width) in pixels, multiples of 28: grids [1,4,4], [1,8,6], [1,2,2], [1,6,6], ... (case C03)
 C03_SIZES = [(56, 56), (112, 84), (28, 28), (84, 84), (56, 112), (28, 56), (84, 28), (112, 112)]
@@ -70,3 +71,18 @@ def training_args(out_dir, **overrides):
     )
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
+
+
+class Stream(IterableDataset):
+    """``items`` as an ``IterableDataset`` (accelerate then dispatches batches from process 0)."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def trainable(model) -> dict[str, torch.Tensor]:
+    """CPU copies of the trainable parameters, by name."""
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}

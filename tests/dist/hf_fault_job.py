@@ -2,7 +2,7 @@
 
 ``python -m torch.distributed.run --nproc_per_node 2 -m tests.dist.hf_fault_job TIMEOUT_S OUT_DIR``
 trains the tiny retriever for 4 steps on 16 synthetic pairs with ``collective_timeout_s=TIMEOUT_S``;
-``RAGGEDVL_FAULT=KIND:RANK:STEP`` (see ``raggedvl.train.faults.inject_fault``) makes one process fail.
+``RAGGEDVL_FAULT=KIND:RANK:STEP`` (see ``raggedvl.parallel.faults.inject_fault``) makes one process fail.
 """
 
 import sys

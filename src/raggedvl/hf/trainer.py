@@ -48,7 +48,7 @@ each step's real global batch, which accelerate's ``gather_for_metrics`` weights
 real samples. A configuration whose repeats cannot be told apart (an ``IterableDataset``
 without ``__len__`` under ``dispatch_batches=False``) raises ``ValueError`` before training.
 
-Failures (as in ``raggedvl train``, :mod:`raggedvl.train.faults`): every collective of the
+Failures (as in ``raggedvl train``, :mod:`raggedvl.parallel.faults`): every collective of the
 process group is bounded by ``collective_timeout_s`` (default ``args.ddp_timeout``); during
 ``train()`` / ``evaluate()`` a watchdog names a process that spends more than half of it in one
 step (``raggedvl: rank R has spent X s in step S ...``, with its stack, left as a note in the
@@ -73,7 +73,7 @@ from raggedvl.gradcache import grad_cache_step
 from raggedvl.losses import RetrievalLoss, make_retrieval_loss
 from raggedvl.parallel import RaggedDataParallel, check_repeats_identifiable, real_sample_mask
 from raggedvl.parallel.runtime import set_collective_timeout
-from raggedvl.train.faults import StallWatchdog, inject_fault, report_failure
+from raggedvl.parallel.faults import StallWatchdog, inject_fault, report_failure
 
 from .collator import IGNORE_INDEX
 from .dispatch import install_ragged_dispatch

@@ -35,7 +35,7 @@ from raggedvl.parallel.wrap import (
 from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from raggedvl.train.config import TrainConfig
 from raggedvl.train.evaluate import evaluate_retrieval
-from raggedvl.train.faults import StallWatchdog, inject_fault, report_failure
+from raggedvl.parallel.faults import StallWatchdog, inject_fault, report_failure
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.train.report import MetricsLog, format_metrics_table, plot_run
 from raggedvl.rng import capture_rng_state, restore_rng_state
@@ -296,7 +296,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     Every collective is bounded by ``cfg.collective_timeout_s`` seconds. When this rank fails
     (its own error, or a collective that failed or timed out because a peer failed), it prints
     ``raggedvl: rank R failed in step S: ...`` plus any note a peer left, aborts the process
-    group so peers fail fast, and re-raises (train/faults.py lists each situation)."""
+    group so peers fail fast, and re-raises (parallel/faults.py lists each situation)."""
     info = init_distributed(timeout_s=cfg.collective_timeout_s)
     trainer = None
     try:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from raggedvl.train.faults import StallWatchdog, inject_fault, report_failure
+from raggedvl.parallel.faults import StallWatchdog, inject_fault, report_failure
 
 
 @pytest.mark.parametrize("spec", ["boom:1:2", "raise:1", "raise:one:2", "raise:1:2:3", "raise:-1:2"])

@@ -1,10 +1,11 @@
-"""Rank failures in ``raggedvl train``: say which rank failed and where, end fast, never hang.
+"""Rank failures in ``raggedvl train`` and ``raggedvl.hf.RaggedTrainer``: say which rank failed
+and where, end fast, never hang.
 
 What each situation produces (2 or more ranks, ``collective_timeout_s`` = T):
 
 - **a rank raises**: :func:`report_failure` prints ``raggedvl: rank R failed in step S: ...``
   to stderr, leaves the same line as a note in the process group's store, adds it to the
-  exception (``exc.__notes__``) and aborts the process group; the loop re-raises. Its peers'
+  exception (``exc.__notes__``) and aborts the process group; the caller re-raises. Its peers'
   pending collectives fail at once on gloo (connection closed) and within T on NCCL (the
   watchdog), and each peer prints its own line followed by the failing rank's note. Under
   torchrun the agent stops the remaining ranks as soon as one exits and lists each failed

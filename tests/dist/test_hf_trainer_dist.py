@@ -53,7 +53,7 @@ def _worker(rank: int, world_size: int, out_dir: str):
             self.local_losses.append(loss.item())
             batch = self.decode_batch(inputs)
             if self.task == "retrieval":
-                self.seen.append({k: pack(v.to("cpu")) for k, v in batch.items()})
+                self.seen.append({k: pack(batch[k].to("cpu")) for k in ("queries", "docs")})
             else:
                 self.seen.append(pack(batch.to("cpu")))
             return loss

@@ -45,7 +45,8 @@ labels on the repeats, so ``num_items_in_batch`` and the loss count real tokens 
 logged loss and every gradient are those of the real global batch, with gradient accumulation
 and ``dataloader_drop_last=False`` alike. Evaluation returns, on every process, the loss of
 each step's real global batch, which accelerate's ``gather_for_metrics`` weights by the step's
-real samples. A configuration whose repeats cannot be told apart (an ``IterableDataset``
+real samples (for an ``IterableDataset`` read by every process, ``dispatch_batches=False``,
+accelerate miscounts them and the last step weighs a full batch; its loss is still real). A configuration whose repeats cannot be told apart (an ``IterableDataset``
 without ``__len__`` under ``dispatch_batches=False``) raises ``ValueError`` before training.
 
 Failures (as in ``raggedvl train``, :mod:`raggedvl.parallel.faults`): every collective of the

@@ -12,7 +12,8 @@ the real global batch), and evaluation never scores a repeat. One launch runs, o
    repeats; the loss is sample 4's alone (0).
 3. ``map7_ga``: 7 pairs map-style with 2 accumulation steps: one optimizer step over the
    micro-batches ``[0, 1 | 2, 3]`` and ``[4, 5 | 6, 0]``; logged loss and weights equal the
-   single-process mean of the two real micro-batch losses.
+   single-process mean of the two real micro-batch losses; ``map7_gc``: the same through
+   GradCache (``grad_cache_budget``).
 4. ``sft3``: SFT, 3 examples map-style: ``[0, 1 | 2, 0]``; the loss is the token mean over
    examples 0, 1, 2 and the weights equal one step on them (the repeat of 0 is not counted).
 5. ``eval5``: ``RaggedTrainer.evaluate`` on the 5 pairs: the evaluation loss is the mean over the
@@ -57,10 +58,10 @@ def _worker(rank: int, world_size: int, out_dir: str):
     proc = tiny_processor()
     collator = RetrievalWireCollator(RetrievalCollator(proc))
 
-    def run(name, dataset, task="retrieval", model=None, **overrides):
+    def run(name, dataset, task="retrieval", model=None, grad_cache_budget=None, **overrides):
         model = model if model is not None else tiny_retriever()
         args = training_args(f"{out_dir}/{name}{rank}", learning_rate=LR, train_sampling_strategy="sequential", **overrides)
-        trainer = Recorder(model, args, processor=proc, task=task, train_dataset=dataset,
+        trainer = Recorder(model, args, processor=proc, task=task, train_dataset=dataset, grad_cache_budget=grad_cache_budget,
                            data_collator=collator if task == "retrieval" else SFTCollator(proc))
         trainer.seen = []
         trainer.train()
@@ -71,6 +72,8 @@ def _worker(rank: int, world_size: int, out_dir: str):
         "stream5": run("s5", Stream(retrieval_examples(5)), max_steps=2),
         "map5": run("m5", retrieval_examples(5), max_steps=-1, num_train_epochs=1),
         "map7_ga": run("m7", retrieval_examples(7), max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=2),
+        "map7_gc": run("g7", retrieval_examples(7), max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=2,
+                       grad_cache_budget=64),
         "sft3": run("t3", sft_examples(), task="sft", model=tiny_generator(), max_steps=-1, num_train_epochs=1),
     }
     evaluator = RaggedTrainer(tiny_retriever(), training_args(f"{out_dir}/e{rank}", per_device_eval_batch_size=2),
@@ -147,17 +150,20 @@ def test_last_step_with_one_real_pair_has_loss_zero(results, case):
         _check_params(r["params"], model)
 
 
-def test_gradient_accumulation_with_repeats_equals_mean_of_real_micro_batch_losses(results):
+@pytest.mark.parametrize("case", ["map7_ga", "map7_gc"])
+def test_gradient_accumulation_with_repeats_equals_mean_of_real_micro_batch_losses(results, case):
+    """Plain steps and GradCache steps (``grad_cache_budget``) alike."""
     from tests.hf.helpers import tiny_retriever
 
     model = tiny_retriever()
     objective = 0.5 * (_real_loss([0, 1, 2, 3], model) + _real_loss([4, 5, 6], model))
     _sgd(model, objective)
     for rank, res in enumerate(results):
-        r = res["map7_ga"]
-        steps = [(_sample_ids(s["queries"]), s["valid"]) for s in r["seen"]]
-        assert steps == [[([0, 1], [True, True]), ([4, 5], [True, True])],
-                         [([2, 3], [True, True]), ([6, 0], [True, False])]][rank]
+        r = res[case]
+        if case == "map7_ga":  # GradCache steps do not go through compute_loss: nothing recorded
+            steps = [(_sample_ids(s["queries"]), s["valid"]) for s in r["seen"]]
+            assert steps == [[([0, 1], [True, True]), ([4, 5], [True, True])],
+                             [([2, 3], [True, True]), ([6, 0], [True, False])]][rank]
         assert r["losses"] == pytest.approx([objective.item()], rel=LOGGED_TOL)
         _check_params(r["params"], model)
 

@@ -42,12 +42,14 @@ dataloader (:func:`raggedvl.parallel.real_sample_mask`, before the Trainer count
 retrieval batches carry ``valid`` [B] bool, which the loss uses to drop the repeats on every
 process (never a query nor a negative; N counts the real samples); SFT batches get ``-100``
 labels on the repeats, so ``num_items_in_batch`` and the loss count real tokens only. The
-logged loss and every gradient are those of the real global batch, with gradient accumulation,
-GradCache steps and ``dataloader_drop_last=False`` alike. Evaluation returns, on every process, the loss of
-each step's real global batch, which accelerate's ``gather_for_metrics`` weights by the step's
-real samples (for an ``IterableDataset`` read by every process, ``dispatch_batches=False``,
-accelerate miscounts them and the last step weighs a full batch; its loss is still real). A configuration whose repeats cannot be told apart (an ``IterableDataset``
-without ``__len__`` under ``dispatch_batches=False``) raises ``ValueError`` before training.
+logged loss and every gradient are those of the real global batch, with gradient
+accumulation, GradCache steps and ``dataloader_drop_last=False`` alike. Evaluation returns,
+on every process, the loss of each step's real global batch, which accelerate's
+``gather_for_metrics`` weights by the step's real samples (for an ``IterableDataset`` read by
+every process, ``dispatch_batches=False``, accelerate miscounts them and the last step weighs
+a full batch; its loss is still real). A configuration whose repeats cannot be told apart (an
+``IterableDataset`` without ``__len__`` under ``dispatch_batches=False``) raises
+``ValueError`` before training.
 
 Failures (as in ``raggedvl train``, :mod:`raggedvl.parallel.faults`): every collective of the
 process group is bounded by ``collective_timeout_s`` (default ``args.ddp_timeout``); during

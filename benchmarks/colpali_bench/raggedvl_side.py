@@ -1,0 +1,156 @@
+"""The raggedvl side of the benchmark: the ``raggedvl train`` command line, what its run directory
+says about the run, its token padding (replayed from its own sampler plan) and its evaluation.
+
+raggedvl is run exactly as a user runs it (``python -m raggedvl.cli train FLAGS``, which starts
+torchrun itself). Its ``metrics.jsonl`` gives per step the global loss, the samples of each rank
+and the cumulative samples/s since the loop started, from which the time at the end of each
+step (relative to the loop start) is ``samples so far / cumulative rate``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from .settings import RunSettings
+
+
+def train_argv(s: RunSettings, *, dataset: str, output_dir: str, extra: list[str]) -> list[str]:
+    """``raggedvl train`` with every setting of the comparison spelled out (flags of
+    ``raggedvl.train.config.TrainConfig`` and torchrun's ``--nproc-per-node``)."""
+    argv = [
+        "train", "--model", s.model, "--lora", "false", "--dataset", dataset,
+        "--max-train-samples", "none", "--max-eval-samples", "none",
+        "--global-batch-size", str(s.global_batch), "--max-steps", str(s.steps),
+        "--lr", repr(s.lr), "--head-lr", repr(s.head_lr if s.head_lr is not None else s.lr),
+        "--warmup-steps", str(s.warmup_steps), "--weight-decay", repr(s.weight_decay),
+        "--max-grad-norm", repr(s.max_grad_norm), "--temperature", repr(s.temperature),
+        "--max-pixels", str(s.max_pixels), "--seed", str(s.seed), "--precision", "fp32",
+        "--eval-before", "false", "--eval-after", "false",
+        "--output-dir", output_dir, "--checkpoint-every", str(10**9), "--keep-checkpoints", "1", "--log-every", "1",
+        "--nproc-per-node", str(s.nproc),
+    ]
+    return argv + list(extra)
+
+
+def command(s: RunSettings, *, dataset: str, output_dir: str, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "raggedvl.cli", *train_argv(s, dataset=dataset, output_dir=output_dir, extra=extra)]
+
+
+def validate_argv(argv: list[str]) -> Any:
+    """Parse ``argv`` with raggedvl's own CLI parser and config validation (no process started);
+    returns the ``TrainConfig``. Raises what raggedvl raises for a bad flag or value."""
+    from raggedvl.cli import build_parser
+    from raggedvl.train.config import config_from_args
+
+    args = build_parser().parse_args(argv)
+    return config_from_args(args)
+
+
+def read_run(output_dir: str | Path) -> dict[str, Any]:
+    """Per-step global losses, samples and end times (seconds since the loop started)."""
+    records = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps, done = [], 0
+    for r in records:
+        if r.get("event") != "train":
+            continue
+        n = sum(r["rank_samples"])
+        done += n
+        steps.append({"step": r["step"], "loss": r["loss"], "samples": n, "t": done / r["samples_per_s"]})
+    return {"steps": steps}
+
+
+def token_padding(s: RunSettings, dataset: str) -> dict[str, int]:
+    """Real vs padded document and query tokens of every rank's batch over the run's steps,
+    replayed from raggedvl's own sampler (``raggedvl.train.setup.make_sampler`` with this run's
+    config) and collator templates; pixel rows are never padded (flat ``pixel_values``).
+
+    Doc length = template tokens + visual tokens of the image's grid (processor resize rule);
+    query length = tokens of the query template. Each rank pads its batch to its longest row."""
+    import torch
+
+    from raggedvl.data import build_processor, load_retrieval_dataset
+    from raggedvl.data.collator import DOC_TEMPLATE, QUERY_TEMPLATE
+    from raggedvl.parallel.runtime import DistInfo
+    from raggedvl.sampling import ResizeRule
+    from raggedvl.train.setup import make_sampler
+
+    cfg = validate_argv(train_argv(s, dataset=dataset, output_dir="/nonexistent", extra=[]))
+    processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels)
+    train = load_retrieval_dataset(dataset, split=cfg.train_split)
+    tok = processor.tokenizer
+    rule = ResizeRule.from_processor(processor)
+    doc_text = len(tok(DOC_TEMPLATE)["input_ids"]) - 1  # the one <|image_pad|> becomes the visual tokens
+    patches = [math.prod(rule.grid(w, h)) for w, h in train.image_sizes()]
+    doc_len = [doc_text + p // rule.merge_size**2 for p in patches]
+    query_len = [len(tok(QUERY_TEMPLATE.format(query=r["query"]))["input_ids"]) for r in train.records]
+    totals = {k: 0 for k in ("doc_tokens", "doc_slots", "query_tokens", "query_slots", "pixel_rows", "pixel_slots", "batches")}
+    for rank in range(s.nproc):
+        info = DistInfo(rank=rank, world_size=s.nproc, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+        sampler = make_sampler(cfg, train, processor, info)
+        taken, epoch = 0, 0
+        while taken < s.steps:
+            sampler.set_epoch(epoch)
+            for indices in sampler:
+                if taken == s.steps:
+                    break
+                for lengths, key in ((doc_len, "doc"), (query_len, "query")):
+                    ls = [lengths[i] for i in indices]
+                    totals[f"{key}_tokens"] += sum(ls)
+                    totals[f"{key}_slots"] += max(ls) * len(ls)
+                rows = sum(patches[i] for i in indices)
+                totals["pixel_rows"] += rows
+                totals["pixel_slots"] += rows
+                totals["batches"] += 1
+                taken += 1
+            epoch += 1
+    return totals
+
+
+def evaluate(model_source: str, checkpoint_dir: str | None, dev_parquet: str, max_pixels: int, seed: int) -> dict[str, float]:
+    """raggedvl's own evaluation (``evaluate_retrieval``: its collator and templates, MaxSim over
+    valid tokens, pessimistic ties) of the model built from ``model_source`` as ``raggedvl train``
+    builds it, with the weights of ``checkpoint_dir`` (a run directory) loaded when given."""
+    import torch
+
+    from raggedvl.data import RetrievalCollator, build_processor, load_retrieval_dataset
+    from raggedvl.models import build_retriever
+    from raggedvl.train.evaluate import evaluate_retrieval
+
+    processor = build_processor(model_source, max_pixels=max_pixels)
+    torch.manual_seed(seed)
+    model = build_retriever(model_source, processor=processor, seed=seed)
+    if checkpoint_dir is not None:
+        from raggedvl.parallel.wrap import load_full_state_dicts
+        from raggedvl.train.checkpoint import load_checkpoint
+        from raggedvl.train.evaluate_checkpoint import resolve_checkpoint
+
+        ckpt = load_checkpoint(resolve_checkpoint(checkpoint_dir))
+        load_full_state_dicts(model, None, ckpt.model, None)
+    dev = load_retrieval_dataset(dev_parquet, split="dev")
+    return evaluate_retrieval(model, dev, RetrievalCollator(processor), batch_size=8, device=torch.device("cpu"))
+
+
+def head_matches_checkpoint(model_source: str, max_pixels: int) -> str:
+    """Whether ``build_retriever(model_source)`` takes colpali's ``custom_text_proj`` from the
+    checkpoint ("loaded") or initialises its own head ("re-initialised"), by comparing weights."""
+    import torch
+    from safetensors import safe_open
+
+    from raggedvl.data import build_processor
+    from raggedvl.models import build_retriever
+
+    path = Path(model_source) / "model.safetensors"
+    if not path.is_file():
+        return "unknown (no model.safetensors)"
+    with safe_open(str(path), "pt") as f:
+        keys = [k for k in f.keys() if k.endswith("custom_text_proj.weight")]
+        if not keys:
+            return "unknown (checkpoint has no custom_text_proj)"
+        ref = f.get_tensor(keys[0])
+    model = build_retriever(model_source, processor=build_processor(model_source, max_pixels=max_pixels), seed=0)
+    same = any(p.shape == ref.shape and torch.equal(p.detach().cpu(), ref) for p in model.head.parameters())
+    return "loaded from the checkpoint" if same else "re-initialised by raggedvl (checkpoint's custom_text_proj not used)"

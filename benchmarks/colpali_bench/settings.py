@@ -1,0 +1,64 @@
+"""The settings both libraries are given for one run (one side of one comparison)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+_FIXTURE = Path("shared") / "interop" / "colqwen2-tiny" / "colqwen2_full"
+
+
+def default_model() -> str:
+    """A tiny ColQwen2 saved by colpali-engine 0.3.18: ``shared/`` beside the repository (or
+    beside a folder above it, for a git worktree); the sibling path when none has it."""
+    for folder in REPO.parents:
+        if (folder / _FIXTURE / "config.json").is_file():
+            return str(folder / _FIXTURE)
+    return str(REPO.parent / _FIXTURE)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """One training run's settings, identical for colpali-engine and raggedvl.
+
+    ``per_device_batch`` samples per process per step; ``global_batch = per_device_batch * nproc``
+    (the in-batch negatives pool). Learning rates are AdamW peaks; ``head_lr`` None = ``lr``.
+    """
+
+    workload: str
+    model: str
+    nproc: int
+    per_device_batch: int
+    steps: int
+    lr: float
+    head_lr: float | None
+    warmup_steps: int
+    weight_decay: float
+    max_grad_norm: float
+    temperature: float
+    max_pixels: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "per_device_batch", "steps", "max_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps < 3:
+            raise ValueError(f"steps must be >= 3 (samples/s is measured over steps 3..N), got {self.steps}")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ValueError("warmup_steps, weight_decay and max_grad_norm must be >= 0")
+        if self.lr <= 0 or self.temperature <= 0 or (self.head_lr is not None and self.head_lr <= 0):
+            raise ValueError(f"lr, head_lr and temperature must be > 0, got {self.lr}, {self.head_lr}, {self.temperature}")
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_device_batch * self.nproc
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload}, {self.nproc} proc x {self.per_device_batch}"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,126 @@
+"""Figures of one run and the printed comparison tables.
+
+Definitions (both sides alike):
+- samples/s over steps 3..N: samples of steps 3..N / (end of step N - end of step 2);
+- loop time: from just before the first step to the end of step N; time outside the training
+  loop: wall time of the whole command - loop time (imports, data, model, torchrun, the final
+  save, teardown);
+- padding: padded slots / all slots, summed over every rank's batches (pixel rows of
+  ``pixel_values``; document and query tokens);
+- loss: the global-batch loss per step; "at ln G" counts steps whose loss is within 5e-5 of
+  ln(global batch), i.e. equal to it at 4 decimals (the collapsed value).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+CHANCE_TOL = 5e-5
+
+
+def samples_per_s(steps: list[dict], first: int = 3) -> float:
+    """Samples/s over steps ``first``..N (``steps``: dicts with ``t`` end time and ``samples``)."""
+    if len(steps) < first:
+        return float("nan")
+    span = steps[-1]["t"] - steps[first - 2]["t"]
+    return sum(s["samples"] for s in steps[first - 1:]) / span if span > 0 else float("nan")
+
+
+def loss_summary(losses: list[float], global_batch: int) -> dict[str, float]:
+    chance = math.log(global_batch)
+    return {
+        "first5": statistics.fmean(losses[:5]) if losses else float("nan"),
+        "last10": statistics.fmean(losses[-10:]) if losses else float("nan"),
+        "min": min(losses) if losses else float("nan"),
+        "at_chance": sum(abs(v - chance) < CHANCE_TOL for v in losses),
+        "steps": len(losses),
+        "chance": chance,
+    }
+
+
+def padding_pct(totals: dict[str, int]) -> dict[str, float]:
+    def pct(real: str, slots: str) -> float:
+        return 100.0 * (1 - totals[real] / totals[slots]) if totals.get(slots) else float("nan")
+
+    return {"pixel_rows": pct("pixel_rows", "pixel_slots"), "doc_tokens": pct("doc_tokens", "doc_slots"),
+            "query_tokens": pct("query_tokens", "query_slots")}
+
+
+def _median(runs: list[dict], key: str) -> float:
+    values = [r[key] for r in runs if r.get(key) is not None and not math.isnan(r[key])]
+    return statistics.median(values) if values else float("nan")
+
+
+def _fmt(v: float, digits: int = 2) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.{digits}f}"
+
+
+def _ratio(a: float, b: float) -> str:
+    if any(x is None or (isinstance(x, float) and math.isnan(x)) for x in (a, b)) or b == 0:
+        return "-"
+    return f"{a / b:.2f}"
+
+
+METRICS = (  # key, label, digits
+    ("samples_per_s", "samples/s, steps 3..N", 2),
+    ("s_per_step", "s/step, steps 3..N", 3),
+    ("wall_s", "wall time of the command (s)", 1),
+    ("loop_s", "time in the training loop (s)", 1),
+    ("outside_s", "time outside the training loop (s)", 1),
+    ("worker_rss_mib", "peak RSS per training process (MiB, largest)", 0),
+    ("launcher_rss_mib", "peak RSS of the launching process (MiB)", 0),
+    ("torchrun_rss_mib", "peak RSS of torchrun (MiB)", 0),
+    ("pss_sum_mib", "whole job, peak summed PSS (MiB)", 0),
+    ("pixel_pad_pct", "pixel_values rows that are padding (%)", 1),
+    ("doc_pad_pct", "document tokens that are padding (%)", 1),
+    ("query_pad_pct", "query tokens that are padding (%)", 1),
+)
+
+
+def comparison_table(colpali: list[dict], raggedvl: list[dict]) -> str:
+    """One configuration: medians over repeats, per metric, and raggedvl / colpali-engine."""
+    lines = ["| metric (median of repeats) | colpali-engine | raggedvl | raggedvl / colpali-engine |", "|---|---:|---:|---:|"]
+    for key, label, digits in METRICS:
+        c, r = _median(colpali, key), _median(raggedvl, key)
+        if math.isnan(c) and math.isnan(r):
+            continue
+        lines.append(f"| {label} | {_fmt(c, digits)} | {_fmt(r, digits)} | {_ratio(r, c)} |")
+    for side, runs in (("colpali-engine", colpali), ("raggedvl", raggedvl)):
+        if runs:
+            rates = ", ".join(_fmt(r["samples_per_s"]) for r in runs)
+            lines.append(f"| samples/s per repeat, {side} | {rates} | | |")
+    for side, runs in (("colpali-engine", colpali), ("raggedvl", raggedvl)):
+        if runs and runs[0].get("loss"):
+            ls = runs[0]["loss"]
+            lines.append(
+                f"| loss {side}: steps 1-5 -> last 10 (min; steps at ln G = {ls['chance']:.4f}) | "
+                f"{_fmt(ls['first5'], 3)} -> {_fmt(ls['last10'], 3)} | ({_fmt(ls['min'], 3)}; {ls['at_chance']} of {ls['steps']}) | |"
+            )
+    return "\n".join(lines)
+
+
+def summary_row(label: str, colpali: list[dict], raggedvl: list[dict]) -> str:
+    def r(key):
+        return _ratio(_median(raggedvl, key), _median(colpali, key))
+
+    return (f"| {label} | {r('samples_per_s')} | {r('wall_s')} | {r('outside_s')} | {r('worker_rss_mib')} | "
+            f"{r('pss_sum_mib')} |")
+
+
+SUMMARY_HEADER = (
+    "| configuration | samples/s | wall time | time outside the loop | peak RSS per process | whole-job summed PSS |\n"
+    "|---|---:|---:|---:|---:|---:|"
+)
+
+
+def eval_table(rows: dict[str, dict[str, Any]]) -> str:
+    lines = ["| run | side | dev nDCG@5 before | after | Recall@1 after | doc mean cosine after | dev pairs |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for label, sides in rows.items():
+        for side, ev in sides.items():
+            before, after = ev.get("before") or {}, ev.get("after") or {}
+            lines.append(f"| {label} | {side} | {_fmt(before.get('ndcg@5'), 3)} | {_fmt(after.get('ndcg@5'), 3)} | "
+                         f"{_fmt(after.get('recall@1'), 3)} | {_fmt(after.get('doc_mean_cosine'), 4)} | {after.get('n', before.get('n', '-'))} |")
+    return "\n".join(lines)

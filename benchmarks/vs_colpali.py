@@ -1,0 +1,355 @@
+"""raggedvl vs colpali-engine, side by side: the same training work through both, interleaved.
+
+    benchmarks/vs_colpali.sh                       # everything: (a), (b), (c); builds its own venv
+    benchmarks/vs_colpali.sh --workload a --steps 5 --repeats 1     # a smoke run
+    benchmarks/vs_colpali.sh --issue18             # 200 steps, 2 x 8, both loss curves, per-step losses JSON
+    python benchmarks/vs_colpali.py --check        # no venv needed: arguments, workloads, plan, simulation
+
+colpali-engine needs torchvision, which does not install beside the CPU torch that ``make
+install`` pins, so the measurement runs in the venv ``vs_colpali.sh`` builds (torch 2.14.1 for
+both libraries). Both sides start from the same checkpoint (default: the tiny ColQwen2 that
+colpali-engine saved, ``shared/interop/colqwen2-tiny/colqwen2_full``), read the same pairs (one
+parquet per split, rendered from the vendored R manuals: ``colpali_bench/workloads.py``) and get
+the same settings: per-process and global batch, steps, AdamW learning rate (backbone and head),
+warm-up steps, weight decay, gradient clipping, temperature, query-length normalisation (both
+default on), max_pixels, gloo, one thread per process (OMP_NUM_THREADS=1), fp32.
+
+- colpali-engine: its own training path (``ColQwen2``, ``ColQwen2Processor``,
+  ``VisualRetrieverCollator``, ``ColbertLoss``, ``ContrastiveTrainer`` with HF
+  ``TrainingArguments``; ``colpali_bench/colpali_worker.py``), plain ``python`` for 1 process,
+  torchrun for more.
+- raggedvl: ``python -m raggedvl.cli train`` with every setting as a flag (it starts torchrun).
+
+Workloads: (a) uniform rdocs pages, max_pixels 200,704, per-process batch 8, 1 and 2 processes;
+(b) heavy-tailed document mix, max_pixels 1,003,520, 2 processes, global batch 16; (c) W = 8 and
+64 simulated from per-sample step costs measured on (b) (``colpali_bench/simulate.py``).
+Runs are interleaved (repeat r runs every configuration, the side order alternating) and each
+table shows medians over repeats and raggedvl / colpali-engine ratios; definitions of every
+figure are in ``colpali_bench/summary.py``. Whole-job memory samples every process of the
+command (launcher, torchrun, workers) with psutil (``colpali_bench/procmon.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from colpali_bench import colpali_side, raggedvl_side, summary  # noqa: E402
+from colpali_bench.settings import RunSettings, default_model  # noqa: E402
+from colpali_bench.workloads import WORKLOADS, build_workload, describe, load_sizes  # noqa: E402
+
+REPO = HERE.parent
+ISSUE18 = {"workload": ["a"], "nproc_a": [2], "per_device_batch": 8, "steps": 200, "lr": 5e-4, "warmup": 3,
+           "weight_decay": 0.0, "max_grad_norm": 1.0, "eval": True, "repeats": 1}
+DEFAULTS = {"workload": ["a", "b", "c"], "nproc_a": [1, 2], "per_device_batch": 8, "steps": 30, "lr": 5e-4,
+            "warmup": 3, "weight_decay": 0.0, "max_grad_norm": 1.0, "eval": False, "repeats": 2}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", nargs="+", choices=["a", "b", "c", "all"], default=None,
+                   help="a: uniform pages; b: heavy-tailed mix, 2 processes; c: W=8/64 simulated from (b) (default: all)")
+    p.add_argument("--issue18", action="store_true",
+                   help="issue 18 preset: workload a, 2 processes x 8, 200 steps, lr 5e-4, warm-up 3, weight decay 0, "
+                        "clipping 1.0, dev nDCG before/after, per-step losses saved (flags given override it)")
+    p.add_argument("--check", action="store_true", help="validate arguments, workloads, commands and the simulation "
+                   "without colpali-engine (runs in the project's own venv in seconds); starts no training")
+    p.add_argument("--model", default=None, help="checkpoint both sides start from (default: %(default)s -> the colpali fixture)")
+    p.add_argument("--nproc-a", type=int, nargs="+", default=None, help="process counts of workload (a) (default 1 2)")
+    p.add_argument("--per-device-batch", type=int, default=None, help="samples per process per step (default 8)")
+    p.add_argument("--global-batch-b", type=int, default=16, help="global batch of workload (b), on 2 processes")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 30)")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats of every configuration (default 2)")
+    p.add_argument("--lr", type=float, default=None, help="AdamW peak lr of the backbone (default 5e-4)")
+    p.add_argument("--head-lr", type=float, default=None, help="of the projection head (default: --lr)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3)")
+    p.add_argument("--weight-decay", type=float, default=None, help="default 0")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="gradient clipping (default 1.0)")
+    p.add_argument("--temperature", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval", dest="eval", action="store_true", default=None, help="dev nDCG@5 before/after (repeat 0)")
+    p.add_argument("--no-eval", dest="eval", action="store_false")
+    p.add_argument("--sides", nargs="+", choices=["colpali", "raggedvl"], default=["colpali", "raggedvl"])
+    p.add_argument("--raggedvl-args", default="", help="extra `raggedvl train` flags, one shell-quoted string")
+    p.add_argument("--sim-worlds", type=int, nargs="+", default=[2, 8, 64], help="W values of workload (c)")
+    p.add_argument("--sim-steps", type=int, default=200)
+    p.add_argument("--cost-pairs", type=int, default=None, help="time only the first N pairs of (b) for (c) (default all)")
+    p.add_argument("--cost-repeats", type=int, default=2)
+    p.add_argument("--train-pairs", type=int, default=None, help="override the workloads' training pairs (smoke runs)")
+    p.add_argument("--dev-pairs", type=int, default=None, help="override the workloads' dev pairs")
+    p.add_argument("--work-dir", default=str(Path.home() / ".cache" / "raggedvl" / "vs_colpali"),
+                   help="workloads, run directories and logs (outside the repository)")
+    p.add_argument("--report", default=None, help="also write the printed report (markdown) here")
+    p.add_argument("--json", default=None, help="all figures as JSON (default WORK_DIR/results-<time>.json)")
+    p.add_argument("--losses-json", default=None, help="per-step losses of every run (default WORK_DIR/losses-<time>.json)")
+    p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds before a run is killed")
+    args = p.parse_args(argv)
+    preset = ISSUE18 if args.issue18 else DEFAULTS
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if "all" in args.workload:
+        args.workload = ["a", "b", "c"]
+    args.model = args.model or default_model()
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    return args
+
+
+def configurations(args) -> list[RunSettings]:
+    """Every trained configuration (workloads a and b) with its settings (validated)."""
+    common = dict(model=args.model, steps=args.steps, lr=args.lr, head_lr=args.head_lr, warmup_steps=args.warmup,
+                  weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, temperature=args.temperature,
+                  seed=args.seed)
+    out = []
+    if "a" in args.workload:
+        for n in args.nproc_a:
+            out.append(RunSettings(workload="uniform", nproc=n, per_device_batch=args.per_device_batch,
+                                   max_pixels=WORKLOADS["uniform"].max_pixels, **common))
+    if "b" in args.workload:
+        if args.global_batch_b % 2:
+            raise ValueError(f"--global-batch-b must be even (2 processes), got {args.global_batch_b}")
+        out.append(RunSettings(workload="heavy", nproc=2, per_device_batch=args.global_batch_b // 2,
+                               max_pixels=WORKLOADS["heavy"].max_pixels, **common))
+    return out
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "warning",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))})
+    return env
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} cores"
+
+
+# ----------------------------------------------------------------------------- one run
+def run_one(side: str, s: RunSettings, data_dir: Path, run_dir: Path, args) -> dict:
+    from colpali_bench.procmon import run_monitored
+
+    run_dir.mkdir(parents=True, exist_ok=False)
+    train = str(data_dir / "train.parquet")
+    if side == "colpali":
+        spec_path = run_dir / "spec.json"
+        spec_path.write_text(json.dumps(colpali_side.spec(s, train_parquet=train, out_dir=str(run_dir), save_final=True)))
+        cmd = colpali_side.command(s, str(spec_path))
+    else:
+        cmd = raggedvl_side.command(s, dataset=train, output_dir=str(run_dir / "run"), extra=shlex.split(args.raggedvl_args))
+    outcome = run_monitored(cmd, env=child_env(), log_path=str(run_dir / "log.txt"), timeout_s=args.run_timeout, cwd=str(run_dir))
+    rec = {"side": side, "settings": s.to_dict(), "cmd": cmd, "returncode": outcome.returncode, "wall_s": outcome.wall_s,
+           "run_dir": str(run_dir), "memory": outcome.memory.to_dict(), "load_after": os.getloadavg()}
+    if outcome.returncode != 0:
+        tail = (run_dir / "log.txt").read_text()[-3000:]
+        print(f"  {side} FAILED (exit {outcome.returncode}); log tail:\n{tail}", flush=True)
+        return rec
+    parsed = colpali_side.read_run(run_dir, s.global_batch) if side == "colpali" else raggedvl_side.read_run(run_dir / "run")
+    steps = parsed["steps"]
+    mem = outcome.memory
+    rec.update({
+        "steps": steps, "samples_per_s": summary.samples_per_s(steps),
+        "loop_s": steps[-1]["t"] if steps else float("nan"),
+        "worker_rss_mib": mem.peak_rss("worker") / 2**20,
+        "launcher_rss_mib": mem.peak_rss("launcher") / 2**20 if mem.count("launcher") else float("nan"),
+        "torchrun_rss_mib": mem.peak_rss("torchrun") / 2**20 if mem.count("torchrun") else float("nan"),
+        "pss_sum_mib": mem.peak_pss_sum / 2**20,
+        "loss": summary.loss_summary([st["loss"] for st in steps], s.global_batch),
+        "phases": parsed.get("phases"), "optimizer": parsed.get("optimizer"),
+    })
+    rec["s_per_step"] = s.global_batch / rec["samples_per_s"] if rec["samples_per_s"] else float("nan")
+    rec["outside_s"] = rec["wall_s"] - rec["loop_s"]
+    padding = parsed.get("padding") or raggedvl_side.token_padding(s, train)
+    rec["padding"] = padding
+    pct = summary.padding_pct(padding)
+    rec.update({"pixel_pad_pct": pct["pixel_rows"], "doc_pad_pct": pct["doc_tokens"], "query_pad_pct": pct["query_tokens"]})
+    print(f"  {side}: {rec['samples_per_s']:.2f} samples/s, wall {rec['wall_s']:.1f} s, outside loop {rec['outside_s']:.1f} s, "
+          f"loss {rec['loss']['first5']:.3f} -> {rec['loss']['last10']:.3f}", flush=True)
+    return rec
+
+
+# ----------------------------------------------------------------------------- (c)
+def measure_costs(data_dir: Path, s: RunSettings, args, out: Path) -> dict:
+    spec = {"settings": s.to_dict(), "train_parquet": str(data_dir / "train.parquet"), "out": str(out),
+            "repeats": args.cost_repeats, "limit": args.cost_pairs}
+    spec_path = out.with_suffix(".spec.json")
+    spec_path.write_text(json.dumps(spec))
+    cmd = [sys.executable, str(HERE / "colpali_bench" / "sample_costs.py"), "--spec", str(spec_path)]
+    with open(out.with_suffix(".log"), "w") as log:
+        subprocess.run(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT, check=True, timeout=args.run_timeout)
+    return json.loads(out.read_text())
+
+
+def simulation_report(costs: dict, args, source: str) -> tuple[str, list]:
+    import numpy as np
+
+    from colpali_bench.simulate import format_rows, simulate
+
+    t, c = np.array(costs["measured_s"]), np.array(costs["estimated_cost"])
+    rows = [simulate(t, c, w, args.per_device_batch, steps=args.sim_steps, seed=args.seed) for w in args.sim_worlds]
+    spread = f"per-sample cost: {len(t)} pairs, median {np.median(t) * 1e3:.1f} ms, max {t.max() * 1e3:.1f} ms, max/median {t.max() / np.median(t):.1f}"
+    return format_rows(rows, source) + "\n\n" + spread, [r.__dict__ | {"speedup": r.speedup} for r in rows]
+
+
+# ----------------------------------------------------------------------------- check mode
+def check(args) -> int:
+    """Everything but training, in the project's own venv: settings, the exact command lines
+    (raggedvl's through its own parser and config validation; colpali's TrainingArguments),
+    both workloads at a few pairs, raggedvl's token-padding replay and the (c) simulation on the
+    sampler's cost estimates standing in for measured times."""
+    import numpy as np
+
+    configs = configurations(args)
+    print(f"check: {len(configs)} trained configuration(s): " + "; ".join(s.label for s in configs))
+    for s in configs:
+        argv = raggedvl_side.train_argv(s, dataset="train.parquet", output_dir="runs/x", extra=shlex.split(args.raggedvl_args))
+        cfg = raggedvl_side.validate_argv(argv)
+        if (cfg.global_batch_size, cfg.max_steps, cfg.max_pixels) != (s.global_batch, s.steps, s.max_pixels):
+            raise ValueError(f"raggedvl config {cfg} does not carry the settings {s}")
+        targs = colpali_side.training_arguments(colpali_side.spec(s, train_parquet="train.parquet", out_dir=tempfile.gettempdir(), save_final=True))
+        print(f"check: {s.label}: raggedvl train flags valid (global batch {cfg.global_batch_size}, lr {cfg.lr}, "
+              f"head lr {cfg.head_lr}); colpali TrainingArguments valid (lr {targs.learning_rate}, warm-up {targs.warmup_steps}, "
+              f"schedule {targs.lr_scheduler_type})")
+    root = Path(tempfile.mkdtemp(prefix="vs_colpali_check-"))
+    n_train, n_dev = args.train_pairs or 12, args.dev_pairs or 4
+    model_ok = Path(args.model, "config.json").is_file()
+    for name in ("uniform", "heavy"):
+        t0 = time.perf_counter()
+        data = build_workload(name, root, train_pairs=n_train, dev_pairs=n_dev)
+        print(f"check: built workload {name} ({n_train} + {n_dev} pairs) in {time.perf_counter() - t0:.1f} s")
+        print(describe(data))
+        if model_ok:
+            s = RunSettings(workload=name, model=args.model, nproc=2, per_device_batch=2, steps=3, lr=args.lr,
+                            head_lr=args.head_lr, warmup_steps=args.warmup, weight_decay=args.weight_decay,
+                            max_grad_norm=args.max_grad_norm, temperature=args.temperature,
+                            max_pixels=WORKLOADS[name].max_pixels, seed=args.seed)
+            pct = summary.padding_pct(raggedvl_side.token_padding(s, str(data / "train.parquet")))
+            print(f"check: raggedvl padding replay on {name}: doc tokens {pct['doc_tokens']:.1f} %, "
+                  f"query tokens {pct['query_tokens']:.1f} %, pixel rows {pct['pixel_rows']:.1f} %")
+    if not model_ok:
+        print(f"check: {args.model} not found: padding replay skipped")
+    from raggedvl.sampling import ResizeRule, estimate_costs
+
+    sizes = [(w, h) for w, h, _ in load_sizes(data)]
+    est = estimate_costs(sizes, 32, resize=ResizeRule(max_pixels=WORKLOADS["heavy"].max_pixels)).costs
+    text, _ = simulation_report({"measured_s": (est / est.max()).tolist(), "estimated_cost": est.tolist()},
+                                argparse.Namespace(**{**vars(args), "sim_steps": 20}), "cost estimates as stand-in times")
+    print(text)
+    print("check: ok")
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+def header(args) -> list[str]:
+    import importlib.metadata as md
+
+    versions = []
+    for name in ("torch", "torchvision", "transformers", "colpali-engine", "peft", "accelerate"):
+        try:
+            versions.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            versions.append(f"{name} missing")
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return [
+        f"vs_colpali {datetime.datetime.now().isoformat(timespec='seconds')}, raggedvl {commit or '?'} ({REPO})",
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, {load_average()} at start",
+        "packages: " + ", ".join(versions),
+        f"checkpoint: {args.model}",
+        f"command: {' '.join(shlex.quote(a) for a in sys.argv)}",
+    ]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.check:
+        return check(args)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    lines = header(args)
+    print("\n".join(lines), flush=True)
+    head = raggedvl_side.head_matches_checkpoint(args.model, WORKLOADS["uniform"].max_pixels)
+    lines.append(f"raggedvl's projection head: {head}")
+    print(lines[-1], flush=True)
+    configs = configurations(args)
+    needed = {s.workload for s in configs} | ({"heavy"} if "c" in args.workload else set())
+    data = {name: build_workload(name, work / "workloads", train_pairs=args.train_pairs, dev_pairs=args.dev_pairs)
+            for name in sorted(needed)}
+    for name in sorted(needed):
+        lines += ["", describe(data[name])]
+    results: dict[str, dict[str, list]] = {s.label: {"colpali": [], "raggedvl": []} for s in configs}
+    for rep in range(args.repeats):
+        for i, s in enumerate(configs):
+            order = args.sides if (rep + i) % 2 == 0 else list(reversed(args.sides))
+            for side in order:
+                print(f"[repeat {rep + 1}/{args.repeats}] {s.label}: {side} ({load_average()})", flush=True)
+                run_dir = work / "runs" / stamp / f"{s.workload}-{s.nproc}x{s.per_device_batch}-{side}-r{rep}"
+                results[s.label][side].append(run_one(side, s, data[s.workload], run_dir, args) | {"repeat": rep})
+    lines += ["", f"load at the end of the training runs: {load_average()}", ""]
+    summary_lines = [summary.SUMMARY_HEADER]
+    for s in configs:
+        ok = {side: [r for r in results[s.label][side] if r["returncode"] == 0] for side in ("colpali", "raggedvl")}
+        lines += [f"### {s.label} (global batch {s.global_batch}, {s.steps} steps, max_pixels {s.max_pixels:,})", "",
+                  summary.comparison_table(ok["colpali"], ok["raggedvl"]), ""]
+        summary_lines.append(summary.summary_row(s.label, ok["colpali"], ok["raggedvl"]))
+    lines += ["### raggedvl / colpali-engine (medians of repeats)", "", *summary_lines, ""]
+    extra: dict = {}
+    if args.eval:
+        evals = {}
+        for s in configs:
+            first = {side: next((r for r in results[s.label][side] if r["returncode"] == 0), None) for side in args.sides}
+            dev = str(data[s.workload] / "dev.parquet")
+            row = {}
+            if "colpali" in first:
+                row["colpali-engine"] = {"before": colpali_side.evaluate(args.model, dev, s.max_pixels),
+                                         "after": colpali_side.evaluate(first["colpali"]["run_dir"] + "/final", dev, s.max_pixels)
+                                         if first["colpali"] else None}
+            if "raggedvl" in first:
+                row["raggedvl"] = {"before": raggedvl_side.evaluate(args.model, None, dev, s.max_pixels, s.seed),
+                                   "after": raggedvl_side.evaluate(args.model, first["raggedvl"]["run_dir"] + "/run", dev,
+                                                                   s.max_pixels, s.seed) if first["raggedvl"] else None}
+            evals[s.label] = row
+        extra["eval"] = evals
+        lines += ["### dev retrieval (repeat 1; same MaxSim and metric code for both, pessimistic ties)", "",
+                  summary.eval_table(evals), ""]
+    if "c" in args.workload:
+        s = RunSettings(workload="heavy", model=args.model, nproc=1, per_device_batch=args.per_device_batch, steps=args.steps,
+                        lr=args.lr, head_lr=args.head_lr, warmup_steps=args.warmup, weight_decay=args.weight_decay,
+                        max_grad_norm=args.max_grad_norm, temperature=args.temperature,
+                        max_pixels=WORKLOADS["heavy"].max_pixels, seed=args.seed)
+        print(f"(c) measuring per-sample step costs on the heavy mix ({load_average()})", flush=True)
+        costs = measure_costs(data["heavy"], s, args, work / f"costs-{stamp}.json")
+        text, rows = simulation_report(costs, args, f"measured on (b), {costs['repeats']} timed calls per pair, minimum")
+        extra["simulation"] = {"rows": rows, "costs": costs}
+        lines += ["### (c) simulated world sizes", "", text, ""]
+    report = "\n".join(lines)
+    print("\n" + report, flush=True)
+    if args.report:
+        Path(args.report).write_text(report + "\n")
+    all_runs = [r for sides in results.values() for runs in sides.values() for r in runs]
+    Path(args.json or work / f"results-{stamp}.json").write_text(json.dumps({"header": lines[:5], "runs": all_runs, **extra}, default=str) + "\n")
+    losses = {f"{r['side']} {RunSettings(**r['settings']).label} repeat {r['repeat'] + 1}": [st["loss"] for st in r.get("steps", [])]
+              for r in all_runs}
+    losses_path = Path(args.losses_json or work / f"losses-{stamp}.json")
+    losses_path.write_text(json.dumps(losses, indent=1) + "\n")
+    print(f"per-step losses: {losses_path}", flush=True)
+    failed = [r for r in all_runs if r["returncode"] != 0]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

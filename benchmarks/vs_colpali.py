@@ -220,7 +220,8 @@ def check(args) -> int:
         cfg = raggedvl_side.validate_argv(argv)
         if (cfg.global_batch_size, cfg.max_steps, cfg.max_pixels) != (s.global_batch, s.steps, s.max_pixels):
             raise ValueError(f"raggedvl config {cfg} does not carry the settings {s}")
-        targs = colpali_side.training_arguments(colpali_side.spec(s, train_parquet="train.parquet", out_dir=tempfile.gettempdir(), save_final=True))
+        spec = colpali_side.spec(s, train_parquet="train.parquet", out_dir=tempfile.gettempdir(), save_final=True)
+        targs = colpali_side.training_arguments({**spec, "nproc": 1})  # one process here: no gloo group to join
         print(f"check: {s.label}: raggedvl train flags valid (global batch {cfg.global_batch_size}, lr {cfg.lr}, "
               f"head lr {cfg.head_lr}); colpali TrainingArguments valid (lr {targs.learning_rate}, warm-up {targs.warmup_steps}, "
               f"schedule {targs.lr_scheduler_type})")

@@ -19,7 +19,7 @@ def spec(s: RunSettings, *, train_parquet: str, out_dir: str, save_final: bool) 
         "model": s.model, "train_parquet": train_parquet, "out_dir": out_dir, "max_pixels": s.max_pixels,
         "per_device_batch": s.per_device_batch, "steps": s.steps, "lr": s.lr, "head_lr": s.head_lr,
         "warmup_steps": s.warmup_steps, "weight_decay": s.weight_decay, "max_grad_norm": s.max_grad_norm,
-        "temperature": s.temperature, "seed": s.seed, "save_final": save_final,
+        "temperature": s.temperature, "seed": s.seed, "save_final": save_final, "nproc": s.nproc,
     }
 
 
@@ -33,7 +33,8 @@ def training_arguments(spec: dict[str, Any]):
         output_dir=str(Path(spec["out_dir"]) / "hf"), per_device_train_batch_size=spec["per_device_batch"],
         max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="linear", warmup_steps=spec["warmup_steps"],
         weight_decay=spec["weight_decay"], max_grad_norm=spec["max_grad_norm"], logging_steps=spec.get("logging_steps", 10),
-        save_strategy="no", report_to="none", use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0,
+        save_strategy="no", report_to="none", use_cpu=True, dataloader_num_workers=0,
+        ddp_backend="gloo" if spec["nproc"] > 1 else None,  # one process: no process group (plain python)
         seed=spec["seed"], remove_unused_columns=False, disable_tqdm=True,
     )
 

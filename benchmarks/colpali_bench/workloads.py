@@ -117,6 +117,7 @@ def _render(spec: WorkloadSpec, plans, manuals) -> list[dict]:
 def _write_parquet(rows: list[dict], path: Path) -> None:
     import datasets
 
+    datasets.disable_progress_bars()
     features = datasets.Features({
         "id": datasets.Value("string"), "query": datasets.Value("string"), "image": datasets.Image(),
         "view": datasets.Value("string"), "width": datasets.Value("int32"), "height": datasets.Value("int32"),

@@ -27,6 +27,7 @@ def check_run():
     return done
 
 
+@pytest.mark.slow
 def test_check_validates_every_configuration_and_builds_both_workloads(check_run):
     out = check_run.stdout
     assert check_run.returncode == 0, out[-3000:] + check_run.stderr[-3000:]

@@ -32,6 +32,7 @@ command (launcher, torchrun, workers) with psutil (``colpali_bench/procmon.py``)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -150,6 +151,7 @@ def run_one(side: str, s: RunSettings, data_dir: Path, run_dir: Path, args) -> d
         spec_path.write_text(json.dumps(colpali_side.spec(s, train_parquet=train, out_dir=str(run_dir), save_final=True)))
         cmd = colpali_side.command(s, str(spec_path))
     else:
+        s = dataclasses.replace(s, model=args.raggedvl_model)
         cmd = raggedvl_side.command(s, dataset=train, output_dir=str(run_dir / "run"), extra=shlex.split(args.raggedvl_args))
     outcome = run_monitored(cmd, env=child_env(), log_path=str(run_dir / "log.txt"), timeout_s=args.run_timeout, cwd=str(run_dir))
     rec = {"side": side, "settings": s.to_dict(), "cmd": cmd, "returncode": outcome.returncode, "wall_s": outcome.wall_s,
@@ -228,6 +230,9 @@ def check(args) -> int:
     root = Path(tempfile.mkdtemp(prefix="vs_colpali_check-"))
     n_train, n_dev = args.train_pairs or 12, args.dev_pairs or 4
     model_ok = Path(args.model, "config.json").is_file()
+    if model_ok:
+        args.model, note = raggedvl_side.adapt_processor(args.model, root, WORKLOADS["uniform"].max_pixels)
+        print(f"check: raggedvl's processor: {note}")
     for name in ("uniform", "heavy"):
         t0 = time.perf_counter()
         data = build_workload(name, root, train_pairs=n_train, dev_pairs=n_dev)
@@ -283,9 +288,10 @@ def main(argv=None) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     lines = header(args)
     print("\n".join(lines), flush=True)
-    head = raggedvl_side.head_matches_checkpoint(args.model, WORKLOADS["uniform"].max_pixels)
-    lines.append(f"raggedvl's projection head: {head}")
-    print(lines[-1], flush=True)
+    args.raggedvl_model, note = raggedvl_side.adapt_processor(args.model, work, WORKLOADS["uniform"].max_pixels)
+    head = raggedvl_side.head_matches_checkpoint(args.raggedvl_model, WORKLOADS["uniform"].max_pixels)
+    lines += [f"raggedvl's processor: {note}", f"raggedvl's projection head: {head}"]
+    print("\n".join(lines[-2:]), flush=True)
     configs = configurations(args)
     needed = {s.workload for s in configs} | ({"heavy"} if "c" in args.workload else set())
     data = {name: build_workload(name, work / "workloads", train_pairs=args.train_pairs, dev_pairs=args.dev_pairs)
@@ -320,15 +326,15 @@ def main(argv=None) -> int:
                                          "after": colpali_side.evaluate(first["colpali"]["run_dir"] + "/final", dev, s.max_pixels)
                                          if first["colpali"] else None}
             if "raggedvl" in first:
-                row["raggedvl"] = {"before": raggedvl_side.evaluate(args.model, None, dev, s.max_pixels, s.seed),
-                                   "after": raggedvl_side.evaluate(args.model, first["raggedvl"]["run_dir"] + "/run", dev,
+                row["raggedvl"] = {"before": raggedvl_side.evaluate(args.raggedvl_model, None, dev, s.max_pixels, s.seed),
+                                   "after": raggedvl_side.evaluate(args.raggedvl_model, first["raggedvl"]["run_dir"] + "/run", dev,
                                                                    s.max_pixels, s.seed) if first["raggedvl"] else None}
             evals[s.label] = row
         extra["eval"] = evals
-        lines += ["### dev retrieval (repeat 1; same MaxSim and metric code for both, pessimistic ties)", "",
+        lines += ["### dev retrieval (repeat 1; same MaxSim and metric code for both, trec_eval tie order)", "",
                   summary.eval_table(evals), ""]
     if "c" in args.workload:
-        s = RunSettings(workload="heavy", model=args.model, nproc=1, per_device_batch=args.per_device_batch, steps=args.steps,
+        s = RunSettings(workload="heavy", model=args.raggedvl_model, nproc=1, per_device_batch=args.per_device_batch, steps=args.steps,
                         lr=args.lr, head_lr=args.head_lr, warmup_steps=args.warmup, weight_decay=args.weight_decay,
                         max_grad_norm=args.max_grad_norm, temperature=args.temperature,
                         max_pixels=WORKLOADS["heavy"].max_pixels, seed=args.seed)

@@ -69,14 +69,15 @@ def read_run(out_dir: str | Path, global_batch: int) -> dict[str, Any]:
 def evaluate(checkpoint: str, dev_parquet: str, max_pixels: int, batch_size: int = 8) -> dict[str, float]:
     """dev metrics of a ColQwen2 checkpoint through colpali-engine's own processor and model
     (``process_queries`` / ``process_images``, ``ColQwen2.forward``); scores are MaxSim over each
-    item's valid tokens (attention mask) and metrics come from raggedvl's ``retrieval_metrics``
-    (pessimistic ties), the same scoring and metric code as the raggedvl side."""
+    item's valid tokens (attention mask) and metrics come from ``raggedvl.evaluation.score_metrics``
+    with the ids raggedvl's ``evaluate_retrieval`` uses (trec_eval tie order): the same scoring and
+    metric code as the raggedvl side."""
     import torch
     from colpali_engine.models import ColQwen2, ColQwen2Processor
     from datasets import load_dataset
 
+    from raggedvl.evaluation import mean_pairwise_cosine, score_metrics
     from raggedvl.train.evaluate import score_pairs
-    from raggedvl.train.metrics import mean_pairwise_cosine, retrieval_metrics
 
     processor = ColQwen2Processor.from_pretrained(checkpoint, max_num_visual_tokens=max_pixels // (28 * 28))
     model = ColQwen2.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -88,7 +89,8 @@ def evaluate(checkpoint: str, dev_parquet: str, max_pixels: int, batch_size: int
             for batch, out in ((processor.process_queries(texts=rows["query"]), queries), (processor.process_images(rows["image"]), docs)):
                 emb = model(**batch)
                 out += [e[m.bool()].float() for e, m in zip(emb, batch["attention_mask"])]
-    metrics = retrieval_metrics(score_pairs(queries, docs), torch.arange(len(queries)))
+    n = len(queries)
+    metrics = score_metrics(score_pairs(queries, docs), [{i: 1} for i in range(n)], [f"{i:08d}" for i in range(n)])
     metrics["doc_mean_cosine"] = mean_pairwise_cosine(torch.stack([d.mean(dim=0) for d in docs]))
     metrics["n"] = len(queries)
     return metrics

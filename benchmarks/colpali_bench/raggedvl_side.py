@@ -112,7 +112,7 @@ def token_padding(s: RunSettings, dataset: str) -> dict[str, int]:
 
 def evaluate(model_source: str, checkpoint_dir: str | None, dev_parquet: str, max_pixels: int, seed: int) -> dict[str, float]:
     """raggedvl's own evaluation (``evaluate_retrieval``: its collator and templates, MaxSim over
-    valid tokens, pessimistic ties) of the model built from ``model_source`` as ``raggedvl train``
+    valid tokens, trec_eval tie order) of the model built from ``model_source`` as ``raggedvl train``
     builds it, with the weights of ``checkpoint_dir`` (a run directory) loaded when given."""
     import torch
 
@@ -132,6 +132,51 @@ def evaluate(model_source: str, checkpoint_dir: str | None, dev_parquet: str, ma
         load_full_state_dicts(model, None, ckpt.model, None)
     dev = load_retrieval_dataset(dev_parquet, split="dev")
     return evaluate_retrieval(model, dev, RetrievalCollator(processor), batch_size=8, device=torch.device("cpu"))
+
+
+def processor_works(model_source: str, max_pixels: int) -> str | None:
+    """None when raggedvl's ``build_processor(model_source)`` collates a (query, page) pair with
+    raggedvl's own collator; else the error it raises."""
+    from PIL import Image
+
+    from raggedvl.data import RetrievalCollator, build_processor
+
+    try:
+        collate = RetrievalCollator(build_processor(model_source, max_pixels=max_pixels))
+        collate([{"query": "probe", "image": Image.new("RGB", (56, 56), "white"), "id": "probe"}])
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def adapt_processor(model_source: str, work_dir: Path, max_pixels: int) -> tuple[str, str]:
+    """The checkpoint raggedvl is given, and a note for the report.
+
+    A colpali-engine checkpoint names ``ColQwen2Processor`` in ``processor_config.json``. Where
+    transformers can build its own ``ColQwen2Processor`` (torchvision installed), raggedvl's
+    ``build_processor`` returns it, and it refuses text and images in one call. When the probe
+    (``processor_works``) fails, raggedvl gets a copy of the checkpoint folder (files linked,
+    weights untouched) whose ``processor_class`` is ``Qwen2VLProcessor``: the same tokenizer and
+    image-processor settings through the standard class. Once raggedvl loads colpali processors
+    itself, the probe passes and the checkpoint is used as it is."""
+    problem = processor_works(model_source, max_pixels)
+    if problem is None:
+        return model_source, "raggedvl's build_processor loads the checkpoint's processor as it is"
+    src = Path(model_source)
+    dst = Path(work_dir) / f"{src.name}-qwen2vl-processor"
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "processor_config.json" and not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f.resolve())
+    config = json.loads((src / "processor_config.json").read_text())
+    config["processor_class"] = "Qwen2VLProcessor"
+    (dst / "processor_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    again = processor_works(str(dst), max_pixels)
+    if again is not None:
+        raise ValueError(f"raggedvl cannot collate with the processor of {model_source} ({problem}) nor of the "
+                         f"adapted copy {dst} ({again})")
+    return str(dst), (f"WORKAROUND: raggedvl's build_processor({src.name}) fails here ({problem}); raggedvl is given "
+                      f"{dst} (same files, processor_class Qwen2VLProcessor)")
 
 
 def head_matches_checkpoint(model_source: str, max_pixels: int) -> str:

@@ -170,9 +170,10 @@ def run_one(side: str, s: RunSettings, data_dir: Path, run_dir: Path, args) -> d
         "launcher_rss_mib": mem.peak_rss("launcher") / 2**20 if mem.count("launcher") else float("nan"),
         "torchrun_rss_mib": mem.peak_rss("torchrun") / 2**20 if mem.count("torchrun") else float("nan"),
         "pss_sum_mib": mem.peak_pss_sum / 2**20,
-        "loss": summary.loss_summary([st["loss"] for st in steps], s.global_batch),
         "phases": parsed.get("phases"), "optimizer": parsed.get("optimizer"),
     })
+    rec["loss"] = summary.loss_summary([st["loss"] for st in steps], s.global_batch)
+    rec.update({f"loss_{k}": float(v) for k, v in rec["loss"].items() if k in ("first5", "last10", "min", "at_chance")})
     rec["s_per_step"] = s.global_batch / rec["samples_per_s"] if rec["samples_per_s"] else float("nan")
     rec["outside_s"] = rec["wall_s"] - rec["loop_s"]
     padding = parsed.get("padding") or raggedvl_side.token_padding(s, train)
@@ -311,7 +312,8 @@ def main(argv=None) -> int:
     for s in configs:
         ok = {side: [r for r in results[s.label][side] if r["returncode"] == 0] for side in ("colpali", "raggedvl")}
         lines += [f"### {s.label} (global batch {s.global_batch}, {s.steps} steps, max_pixels {s.max_pixels:,})", "",
-                  summary.comparison_table(ok["colpali"], ok["raggedvl"]), ""]
+                  summary.comparison_table(ok["colpali"], ok["raggedvl"]), "",
+                  summary.loss_curve(ok["colpali"], ok["raggedvl"]), ""]
         summary_lines.append(summary.summary_row(s.label, ok["colpali"], ok["raggedvl"]))
     lines += ["### raggedvl / colpali-engine (medians of repeats)", "", *summary_lines, ""]
     extra: dict = {}

@@ -37,7 +37,7 @@ class JobMemory:
     procs: dict[int, ProcPeak] = field(default_factory=dict)
     peak_pss_sum: int = 0
     samples: int = 0
-    interval_s: float = 0.2
+    interval_s: float = 0.5
 
     def peak_rss(self, role: str) -> int:
         """Largest peak RSS (bytes) among processes of ``role`` (0 if none)."""
@@ -126,7 +126,7 @@ class RunOutcome:
 
 
 def run_monitored(cmd: list[str], *, env: dict[str, str], log_path: str, timeout_s: float,
-                  interval_s: float = 0.2, cwd: str | None = None) -> RunOutcome:
+                  interval_s: float = 0.5, cwd: str | None = None) -> RunOutcome:
     """Run ``cmd`` (stdout and stderr to ``log_path``), sampling its process tree's memory.
 
     The root process's role becomes ``launcher`` when it started torchrun and ``worker``

@@ -76,6 +76,10 @@ METRICS = (  # key, label, digits
     ("pixel_pad_pct", "pixel_values rows that are padding (%)", 1),
     ("doc_pad_pct", "document tokens that are padding (%)", 1),
     ("query_pad_pct", "query tokens that are padding (%)", 1),
+    ("loss_first5", "loss, mean of steps 1-5", 4),
+    ("loss_last10", "loss, mean of the last 10 steps", 4),
+    ("loss_min", "loss, minimum", 4),
+    ("loss_at_chance", "steps with loss = ln(global batch) at 4 decimals", 0),
 )
 
 
@@ -91,13 +95,20 @@ def comparison_table(colpali: list[dict], raggedvl: list[dict]) -> str:
         if runs:
             rates = ", ".join(_fmt(r["samples_per_s"]) for r in runs)
             lines.append(f"| samples/s per repeat, {side} | {rates} | | |")
-    for side, runs in (("colpali-engine", colpali), ("raggedvl", raggedvl)):
-        if runs and runs[0].get("loss"):
-            ls = runs[0]["loss"]
-            lines.append(
-                f"| loss {side}: steps 1-5 -> last 10 (min; steps at ln G = {ls['chance']:.4f}) | "
-                f"{_fmt(ls['first5'], 3)} -> {_fmt(ls['last10'], 3)} | ({_fmt(ls['min'], 3)}; {ls['at_chance']} of {ls['steps']}) | |"
-            )
+    return "\n".join(lines)
+
+
+def loss_curve(colpali: list[dict], raggedvl: list[dict], points: int = 8) -> str:
+    """The first repeat's per-step loss of each side at about ``points`` evenly spaced steps."""
+    runs = [(side, r[0]["steps"]) for side, r in (("colpali-engine", colpali), ("raggedvl", raggedvl)) if r and r[0].get("steps")]
+    if not runs:
+        return ""
+    n = max(len(steps) for _, steps in runs)
+    marks = sorted({1, n, *(round(1 + i * (n - 1) / (points - 1)) for i in range(points))})
+    lines = ["| loss at step | " + " | ".join(str(m) for m in marks) + " |", "|---|" + "---:|" * len(marks)]
+    for side, steps in runs:
+        by_step = {st["step"]: st["loss"] for st in steps}
+        lines.append(f"| {side} | " + " | ".join(_fmt(by_step.get(m, float("nan")), 4) for m in marks) + " |")
     return "\n".join(lines)
 
 

@@ -90,7 +90,8 @@ def comparison_table(colpali: list[dict], raggedvl: list[dict]) -> str:
         c, r = _median(colpali, key), _median(raggedvl, key)
         if math.isnan(c) and math.isnan(r):
             continue
-        lines.append(f"| {label} | {_fmt(c, digits)} | {_fmt(r, digits)} | {_ratio(r, c)} |")
+        ratio = "" if key.startswith("loss") else _ratio(r, c)
+        lines.append(f"| {label} | {_fmt(c, digits)} | {_fmt(r, digits)} | {ratio} |")
     for side, runs in (("colpali-engine", colpali), ("raggedvl", raggedvl)):
         if runs:
             rates = ", ".join(_fmt(r["samples_per_s"]) for r in runs)

@@ -249,10 +249,11 @@ def check(args) -> int:
                   f"query tokens {pct['query_tokens']:.1f} %, pixel rows {pct['pixel_rows']:.1f} %")
     if not model_ok:
         print(f"check: {args.model} not found: padding replay skipped")
-    from raggedvl.sampling import ResizeRule, estimate_costs
+    from raggedvl.images import ImagePolicy
+    from raggedvl.sampling import estimate_costs
 
     sizes = [(w, h) for w, h, _ in load_sizes(data)]
-    est = estimate_costs(sizes, 32, resize=ResizeRule(max_pixels=WORKLOADS["heavy"].max_pixels)).costs
+    est = estimate_costs(sizes, 32, policy=ImagePolicy(max_pixels=WORKLOADS["heavy"].max_pixels)).costs
     text, _ = simulation_report({"measured_s": (est / est.max()).tolist(), "estimated_cost": est.tolist()},
                                 argparse.Namespace(**{**vars(args), "sim_steps": 20}), "cost estimates as stand-in times")
     print(text)

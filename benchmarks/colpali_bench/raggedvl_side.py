@@ -10,7 +10,6 @@ step (relative to the loop start) is ``samples so far / cumulative rate``.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,34 +62,42 @@ def read_run(output_dir: str | Path) -> dict[str, Any]:
     return {"steps": steps}
 
 
+def _model_prompts(model_source: str, processor):
+    """The prompts ``raggedvl train`` feeds this checkpoint with (they travel with the model)."""
+    from raggedvl.models import build_retriever
+
+    return build_retriever(model_source, processor=processor, seed=0).config.prompts
+
+
 def token_padding(s: RunSettings, dataset: str) -> dict[str, int]:
     """Real vs padded document and query tokens of every rank's batch over the run's steps,
-    replayed from raggedvl's own sampler (``raggedvl.train.setup.make_sampler`` with this run's
-    config) and collator templates; pixel rows are never padded (flat ``pixel_values``).
+    replayed from raggedvl's own cost estimate and sampler (``raggedvl.train.setup``'s
+    ``estimate_train_costs`` and ``make_sampler`` with this run's config) and the model's prompts; pixel rows are never padded (flat ``pixel_values``).
 
     Doc length = template tokens + visual tokens of the image's grid (processor resize rule);
     query length = tokens of the query template. Each rank pads its batch to its longest row."""
     import torch
 
     from raggedvl.data import build_processor, load_retrieval_dataset
-    from raggedvl.data.collator import DOC_TEMPLATE, QUERY_TEMPLATE
+    from raggedvl.images import ImagePolicy
     from raggedvl.parallel.runtime import DistInfo
-    from raggedvl.sampling import ResizeRule
-    from raggedvl.train.setup import make_sampler
+    from raggedvl.train.setup import estimate_train_costs, make_sampler
 
     cfg = validate_argv(train_argv(s, dataset=dataset, output_dir="/nonexistent", extra=[]))
     processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels)
+    prompts = _model_prompts(cfg.model, processor)
     train = load_retrieval_dataset(dataset, split=cfg.train_split)
     tok = processor.tokenizer
-    rule = ResizeRule.from_processor(processor)
-    doc_text = len(tok(DOC_TEMPLATE)["input_ids"]) - 1  # the one <|image_pad|> becomes the visual tokens
-    patches = [math.prod(rule.grid(w, h)) for w, h in train.image_sizes()]
-    doc_len = [doc_text + p // rule.merge_size**2 for p in patches]
-    query_len = [len(tok(QUERY_TEMPLATE.format(query=r["query"]))["input_ids"]) for r in train.records]
+    policy = ImagePolicy.from_processor(processor)
+    costs = estimate_train_costs(cfg, train, policy)  # patches = the collator's pixel_values rows
+    doc_text = len(tok(prompts.doc_template)["input_ids"]) - 1  # the one <|image_pad|> becomes the visual tokens
+    patches = costs.patches.tolist()
+    doc_len = [doc_text + p // policy.merge_size**2 for p in patches]
+    query_len = [len(tok(prompts.query(r["query"]))["input_ids"]) for r in train.records]
     totals = {k: 0 for k in ("doc_tokens", "doc_slots", "query_tokens", "query_slots", "pixel_rows", "pixel_slots", "batches")}
     for rank in range(s.nproc):
         info = DistInfo(rank=rank, world_size=s.nproc, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-        sampler = make_sampler(cfg, train, processor, info)
+        sampler = make_sampler(cfg, costs, info)
         taken, epoch = 0, 0
         while taken < s.steps:
             sampler.set_epoch(epoch)
@@ -111,9 +118,10 @@ def token_padding(s: RunSettings, dataset: str) -> dict[str, int]:
 
 
 def evaluate(model_source: str, checkpoint_dir: str | None, dev_parquet: str, max_pixels: int, seed: int) -> dict[str, float]:
-    """raggedvl's own evaluation (``evaluate_retrieval``: its collator and templates, MaxSim over
-    valid tokens, trec_eval tie order) of the model built from ``model_source`` as ``raggedvl train``
-    builds it, with the weights of ``checkpoint_dir`` (a run directory) loaded when given."""
+    """raggedvl's own evaluation (``evaluate_retrieval``: its collator with the model's prompts,
+    MaxSim over valid tokens, trec_eval tie order) of the model built from ``model_source`` as
+    ``raggedvl train`` builds it, with the weights of ``checkpoint_dir`` (a run directory) loaded
+    when given."""
     import torch
 
     from raggedvl.data import RetrievalCollator, build_processor, load_retrieval_dataset
@@ -125,13 +133,13 @@ def evaluate(model_source: str, checkpoint_dir: str | None, dev_parquet: str, ma
     model = build_retriever(model_source, processor=processor, seed=seed)
     if checkpoint_dir is not None:
         from raggedvl.parallel.wrap import load_full_state_dicts
-        from raggedvl.train.checkpoint import load_checkpoint
-        from raggedvl.train.evaluate_checkpoint import resolve_checkpoint
+        from raggedvl.train.checkpoint import load_checkpoint_or_latest
 
-        ckpt = load_checkpoint(resolve_checkpoint(checkpoint_dir))
+        ckpt = load_checkpoint_or_latest(checkpoint_dir)
         load_full_state_dicts(model, None, ckpt.model, None)
     dev = load_retrieval_dataset(dev_parquet, split="dev")
-    return evaluate_retrieval(model, dev, RetrievalCollator(processor), batch_size=8, device=torch.device("cpu"))
+    collate = RetrievalCollator(processor, prompts=model.config.prompts)
+    return evaluate_retrieval(model, dev, collate, batch_size=8, device=torch.device("cpu"))
 
 
 def processor_works(model_source: str, max_pixels: int) -> str | None:

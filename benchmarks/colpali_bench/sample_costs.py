@@ -7,8 +7,8 @@ full fine-tuning) and the pair is collated by raggedvl's ``RetrievalCollator`` a
 max_pixels (collation is not timed). Each pair's time is the minimum over ``repeats`` timed
 calls of ``raggedvl.sampling.measure_times`` (the best estimate of uncontended time on a shared
 machine) after one untimed call on the first pair. Also written: the cost raggedvl's sampler
-estimates for each pair from its image size (``make_sampler(...).costs``, as ``raggedvl train``
-computes it), which is what its plan balances.
+estimates for each pair from its image header (``raggedvl.train.setup.estimate_train_costs``, as
+``raggedvl train`` computes it), which is what its plan balances.
 """
 
 from __future__ import annotations
@@ -33,20 +33,19 @@ def main() -> None:
     from colpali_bench.raggedvl_side import train_argv, validate_argv
     from colpali_bench.settings import RunSettings
     from raggedvl.data import RetrievalCollator, build_processor, load_retrieval_dataset
+    from raggedvl.images import ImagePolicy
     from raggedvl.models import build_retriever
-    from raggedvl.parallel.runtime import DistInfo
     from raggedvl.sampling import measure_times
-    from raggedvl.train.setup import make_sampler
+    from raggedvl.train.setup import estimate_train_costs
 
     s = RunSettings(**spec["settings"])
     cfg = validate_argv(train_argv(s, dataset=spec["train_parquet"], output_dir="/nonexistent", extra=[]))
     processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels)
     train = load_retrieval_dataset(spec["train_parquet"], split=cfg.train_split)
-    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
-    estimated = make_sampler(cfg, train, processor, info).costs.tolist()
+    estimated = estimate_train_costs(cfg, train, ImagePolicy.from_processor(processor)).costs.tolist()
     model = build_retriever(cfg.model, processor=processor, seed=cfg.seed)
     model.train()
-    collate = RetrievalCollator(processor)
+    collate = RetrievalCollator(processor, prompts=model.config.prompts)
     limit = min(len(train), spec.get("limit") or len(train))
 
     def step(batch) -> None:
@@ -60,8 +59,7 @@ def main() -> None:
         batch = collate([train[i]])
         measured.append(float(measure_times(step, [batch], repeats=spec["repeats"], warmup=1 if i == 0 else 0, reduce="min")[0]))
     result = {
-        "measured_s": measured, "estimated_cost": estimated[:limit], "sizes": train.image_sizes()[:limit],
-        "repeats": spec["repeats"], "wall_s": time.perf_counter() - t0,
+        "measured_s": measured, "estimated_cost": estimated[:limit],         "repeats": spec["repeats"], "wall_s": time.perf_counter() - t0,
     }
     Path(spec["out"]).write_text(json.dumps(result) + "\n")
 

@@ -11,12 +11,13 @@ _FIXTURE = Path("shared") / "interop" / "colqwen2-tiny" / "colqwen2_full"
 
 
 def default_model() -> str:
-    """A tiny ColQwen2 saved by colpali-engine 0.3.18: ``shared/`` beside the repository (or
-    beside a folder above it, for a git worktree); the sibling path when none has it."""
+    """A tiny ColQwen2 saved by colpali-engine 0.3.18: ``shared/interop`` beside the repository
+    (or beside a folder above it, for a git worktree), else the same files vendored in the
+    repository (``tests/fixtures/colqwen2-tiny``)."""
     for folder in REPO.parents:
         if (folder / _FIXTURE / "config.json").is_file():
             return str(folder / _FIXTURE)
-    return str(REPO.parent / _FIXTURE)
+    return str(REPO / "tests" / "fixtures" / "colqwen2-tiny" / "colqwen2_full")
 
 
 @dataclass(frozen=True)

@@ -169,16 +169,18 @@ def load_sizes(directory: Path, split: str = "train") -> list[tuple[int, int, st
 
 def describe(directory: Path, split: str = "train", min_pixels: int = MIN_PIXELS) -> str:
     """Markdown table: per view, count and the range / median of patches (pixel_values rows)
-    after the Qwen2-VL resize rule at the workload's max_pixels, plus the whole-set spread."""
-    from raggedvl.sampling import ResizeRule
+    after raggedvl's image policy (the Qwen2-VL resize rule) at the workload's max_pixels, plus
+    the whole-set spread."""
+    from raggedvl.images import ImagePolicy
+    from raggedvl.sampling import estimate_costs
 
     meta = json.loads((Path(directory) / "workload.json").read_text())
-    rule = ResizeRule(min_pixels=min_pixels, max_pixels=int(meta["max_pixels"]))
+    policy = ImagePolicy(min_pixels=min_pixels, max_pixels=int(meta["max_pixels"]))
     sizes = load_sizes(directory, split)
+    patches = estimate_costs([(w, h) for w, h, _ in sizes], 0, policy=policy).patches
     by_view: dict[str, list[tuple[int, int, int]]] = {}
-    for w, h, view in sizes:
-        _, gh, gw = rule.grid(w, h)
-        by_view.setdefault(view, []).append((w, h, gh * gw))
+    for (w, h, view), p in zip(sizes, patches.tolist()):
+        by_view.setdefault(view, []).append((w, h, p))
     lines = [
         f"{meta['name']} ({split}, {len(sizes)} pairs, max_pixels {meta['max_pixels']:,}): patches = pixel_values rows "
         f"after resize (visual tokens = patches / 4)",

@@ -3,7 +3,7 @@
     benchmarks/vs_colpali.sh                       # everything: (a), (b), (c); builds its own venv
     benchmarks/vs_colpali.sh --workload a --steps 5 --repeats 1     # a smoke run
     benchmarks/vs_colpali.sh --issue18             # 200 steps, 2 x 8, both loss curves, per-step losses JSON
-    python benchmarks/vs_colpali.py --check        # no venv needed: arguments, workloads, plan, simulation
+    python benchmarks/vs_colpali.py --check        # no bench venv: arguments, workloads, plan, simulation
 
 colpali-engine needs torchvision, which does not install beside the CPU torch that ``make
 install`` pins, so the measurement runs in the venv ``vs_colpali.sh`` builds (torch 2.14.1 for
@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="issue 18 preset: workload a, 2 processes x 8, 200 steps, lr 5e-4, warm-up 3, weight decay 0, "
                         "clipping 1.0, dev nDCG before/after, per-step losses saved (flags given override it)")
     p.add_argument("--check", action="store_true", help="validate arguments, workloads, commands and the simulation "
-                   "without colpali-engine (runs in the project's own venv in seconds); starts no training")
+                   "without colpali-engine, in the project's own venv (about 30 s of CPU); starts no training")
     p.add_argument("--model", default=None, help="checkpoint both sides start from (default: %(default)s -> the colpali fixture)")
     p.add_argument("--nproc-a", type=int, nargs="+", default=None, help="process counts of workload (a) (default 1 2)")
     p.add_argument("--per-device-batch", type=int, default=None, help="samples per process per step (default 8)")

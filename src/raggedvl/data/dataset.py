@@ -9,7 +9,10 @@ Bad input policy:
   the columns present and the ``query_column=`` / ``image_column=`` fix;
 - an empty or non-string query: ValueError at construction naming the row and id, or with
   ``on_empty_query="skip"`` the row is left out and listed in ``dataset.skipped_rows``
-  (``{"row", "id", "reason"}``; e.g. ViDoRe corpora hold documents without a query);
+  (``{"row", "id", "reason"}``), or with ``on_empty_query="keep"`` the row stays with query
+  None: a corpus-only document (ViDoRe v1 test sets hold such distractor pages; evaluation
+  keeps them in the corpus, see ``raggedvl.evaluation.benchmark``; the training collator
+  rejects them);
 - an unreadable, corrupt or oversized image (see ``raggedvl.images``): with
   ``on_bad_image="error"`` a ``BadImageError`` naming the row and id when the item is read;
   with ``"skip"`` the item comes back with ``image=None`` and ``image_error`` set, and
@@ -26,9 +29,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from raggedvl.images import BadImageError, BadImagePolicy, check_bad_image_policy, load_image, read_size
+from PIL import Image
 
-_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+from raggedvl.images import BadImageError, BadImagePolicy, check_bad_image_policy, load_image, read_size
 
 
 def _limit_order(ids: list[str], limit: int | None) -> list[int]:
@@ -42,15 +45,23 @@ def _limit_order(ids: list[str], limit: int | None) -> list[int]:
     return sorted(ranked[:limit])
 
 
+EMPTY_QUERY_POLICIES = ("error", "skip", "keep")
+
+
 def _bad_query_rows(queries: list[Any], ids: list[str], where: str, policy: str) -> list[dict[str, Any]]:
-    """Rows whose query is empty or not a string: raise (policy "error") or list them ("skip")."""
+    """Rows whose query is empty or not a string: raise (policy "error"), list them ("skip"), or
+    accept them as corpus-only rows ("keep": returns no row; a non-string, non-None query still
+    raises)."""
     bad = []
     for row, (query, ident) in enumerate(zip(queries, ids)):
         if not isinstance(query, str) or not query.strip():
-            if policy == "error":
+            if policy == "keep" and (query is None or isinstance(query, str)):
+                continue
+            if policy != "skip":
                 raise ValueError(
                     f"{where}: row {row} (id {ident!r}) has an empty or non-string query {query!r}; "
-                    "remove the row, fill in its query, or pass on_empty_query='skip'"
+                    "remove the row, fill in its query, or pass on_empty_query='skip' (drop the row) or 'keep' "
+                    "(a corpus-only document, for evaluation)"
                 )
             bad.append({"row": row, "id": ident, "reason": f"empty or non-string query {query!r}"})
     return bad
@@ -91,11 +102,12 @@ class RetrievalDataset(Sequence):
         on_bad_image: BadImagePolicy = "error",
         max_source_pixels: int = 64_000_000,
         where: str = "dataset",
+        on_empty_query: str = "error",
     ) -> None:
         check_bad_image_policy(on_bad_image)
         if len(records) != len(image_sources):
             raise ValueError(f"{len(records)} records but {len(image_sources)} image sources")
-        _bad_query_rows([r.get("query") for r in records], [r.get("id", "") for r in records], where, "error")
+        _bad_query_rows([r.get("query") for r in records], [r.get("id", "") for r in records], where, on_empty_query)
         self.skipped_rows: list[dict[str, Any]] = []  # rows left out by on_empty_query="skip"
         self.records = records
         self.image_sources = image_sources
@@ -103,6 +115,7 @@ class RetrievalDataset(Sequence):
         self.on_bad_image = on_bad_image
         self.max_source_pixels = max_source_pixels
         self.where = where
+        self.on_empty_query = on_empty_query
         self._sizes = sizes  # from the manifest
         self._read_sizes: list[tuple[int, int] | None] | None = None  # from the headers, cached
 
@@ -137,7 +150,8 @@ class RetrievalDataset(Sequence):
         sizes = [(r["width"], r["height"]) if "width" in r and "height" in r else None for r in chosen]
         sources = [manifest.parent / r["image"] for r in chosen]
         records = [{k: v for k, v in r.items() if k != "image"} for r in chosen]
-        dataset = cls(records, sources, split or "all", sizes=None if None in sizes else sizes, where=str(manifest), **kwargs)
+        dataset = cls(records, sources, split or "all", sizes=None if None in sizes else sizes, where=str(manifest),
+                      on_empty_query=on_empty_query, **kwargs)
         dataset.skipped_rows = skipped
         return dataset
 
@@ -179,7 +193,8 @@ class RetrievalDataset(Sequence):
         valid = [i for i in range(len(ids)) if i not in bad_rows]
         keep = [valid[j] for j in _limit_order([ids[i] for i in valid], limit)]
         records = [{"query": queries[i], "id": ids[i], "row": i} for i in keep]
-        result = cls(records, _ImageColumn(dataset, image_column, keep, base_dir), split, where=where, **kwargs)
+        result = cls(records, _ImageColumn(dataset, image_column, keep, base_dir), split, where=where,
+                     on_empty_query=on_empty_query, **kwargs)
         result.skipped_rows = skipped
         return result
 
@@ -214,6 +229,51 @@ class RetrievalDataset(Sequence):
         access."""
         return self._sizes if self._sizes is not None else self.image_sources
 
+    def queries(self) -> list[str | None]:
+        """Each row's query (None for a corpus-only row kept by ``on_empty_query="keep"``)."""
+        return [r.get("query") for r in self.records]
+
+    def select(self, positions: Sequence[int]) -> "RetrievalDataset":
+        """A new dataset of the rows at ``positions`` (in that order), sharing the image sources."""
+        positions = [int(p) for p in positions]
+        sizes = None if self._sizes is None else [self._sizes[p] for p in positions]
+        sources = [self.image_sources[p] for p in positions]
+        out = type(self)([self.records[p] for p in positions], sources, self.split, sizes=sizes,
+                         on_bad_image=self.on_bad_image, max_source_pixels=self.max_source_pixels,
+                         where=self.where, on_empty_query=self.on_empty_query)
+        return out
+
+    def image_digests(self) -> list[str]:
+        """SHA-256 (hex) of each row's encoded image bytes, as stored (file bytes, or the
+        ``bytes`` of a ``datasets`` Image value), without decoding pixels. Two rows share a
+        digest exactly when they hold byte-identical image files. Cached. Raises ``BadImageError``
+        naming the row when an image cannot be read (under ``on_bad_image="skip"`` the digest
+        is the row id's, so the row is unique)."""
+        if getattr(self, "_digests", None) is None:
+            self._digests = [self._digest(i) for i in range(len(self))]
+        return list(self._digests)
+
+    def _digest(self, index: int) -> str:
+        source = self.image_sources[index]
+        try:
+            if isinstance(source, dict):
+                data = source.get("bytes")
+                if data is None:
+                    data = Path(source["path"]).read_bytes()
+            elif isinstance(source, (bytes, bytearray)):
+                data = bytes(source)
+            elif isinstance(source, (str, os.PathLike)):
+                data = Path(source).read_bytes()
+            elif isinstance(source, Image.Image):
+                data = source.tobytes() + repr((source.mode, source.size)).encode()
+            else:
+                raise TypeError(f"unsupported image source {type(source).__name__}")
+        except (OSError, KeyError, TypeError) as exc:
+            if self.on_bad_image == "skip":
+                return "unreadable:" + hashlib.sha256(str(self.records[index]["id"]).encode()).hexdigest()
+            raise BadImageError(f"{self.where} row {index} (id {self.records[index]['id']!r}): cannot read the image ({exc})") from exc
+        return hashlib.sha256(data).hexdigest()
+
     def image_sizes(self) -> list[tuple[int, int] | None]:
         """(width, height) of each document image in pixels as displayed (EXIF orientation
         applied), without decoding pixels (from the manifest, else from each file's header,
@@ -234,8 +294,49 @@ class RetrievalDataset(Sequence):
             raise
 
 
-def _looks_like_image_folder(path: Path) -> bool:
-    return path.is_dir() and any(p.suffix.lower() in _IMAGE_SUFFIXES for p in path.rglob("*"))
+SPLIT_ALIASES = (("train", "training"), ("dev", "validation", "valid", "val"), ("test", "testing", "eval", "evaluation"))
+"""Split names that ``datasets`` treats as one split when it infers splits from file names
+(``dev.parquet`` becomes the "validation" split): a request for one finds any other."""
+
+
+def pick_split(available: Sequence[str], split: str, where: str) -> str:
+    """The name in ``available`` that means ``split`` (itself, or an alias from SPLIT_ALIASES).
+
+    Raises ``ValueError`` naming the splits present and how split names are inferred."""
+    if split in available:
+        return split
+    for group in SPLIT_ALIASES:
+        if split in group:
+            found = [name for name in group if name in available]
+            if found:
+                return found[0]
+    raise ValueError(
+        f"{where} has no split {split!r}; its splits: {sorted(available)}. Local files are split by name "
+        "(train*, dev*/validation*, test*, or the hub layout data/<split>-*.parquet); a file without a split "
+        "name is a training set only: evaluate with --eval-dataset PATH (--eval-split NAME) or hold out a "
+        "hash split with --eval-fraction F"
+    )
+
+
+def _load_hf_split(name_or_path: str | os.PathLike, split: str, **load_kwargs):
+    """``(datasets.Dataset, base_dir)`` of one split, with ``datasets``' own split inference for
+    local files and folders."""
+    import datasets
+
+    path = Path(name_or_path)
+    if path.is_file():
+        if path.suffix != ".parquet":
+            raise ValueError(f"{path}: a single file must be .parquet (or pass a folder ``datasets`` can read)")
+        splits = datasets.load_dataset("parquet", data_files=str(path), **load_kwargs)
+        return splits[pick_split(list(splits), split, str(path))], path.parent
+    if path.is_dir():
+        try:
+            splits = datasets.load_dataset(str(path), **load_kwargs)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ValueError(f"{path} is neither an rdocs directory nor a folder ``datasets`` can read ({exc})") from exc
+        return splits[pick_split(list(splits), split, str(path))], path
+    available = datasets.get_dataset_split_names(str(name_or_path), **{k: v for k, v in load_kwargs.items() if k == "name"})
+    return datasets.load_dataset(str(name_or_path), split=pick_split(available, split, str(name_or_path)), **load_kwargs), None
 
 
 def load_retrieval_dataset(
@@ -256,15 +357,18 @@ def load_retrieval_dataset(
     ``name_or_path`` may be:
     - ``"rdocs"``: the embedded dataset (full build, cached; see ``build_rdocs`` for subsets),
       or a directory holding an rdocs ``manifest.jsonl``;
-    - a local ``.parquet`` file, or a directory of them (read with ``datasets``' parquet builder);
-    - a local image folder with a ``metadata.jsonl``/``metadata.csv`` (``file_name`` + query
-      column), read with ``datasets``' imagefolder builder;
+    - a local ``.parquet`` file: one split, "train" (a file carries no split name);
+    - a local folder ``datasets`` can read (parquet files, or an image folder with a
+      ``metadata.jsonl``/``metadata.csv``): its splits are inferred by ``datasets`` from the file
+      names (``train*``, ``dev*``/``validation*``, ``test*``, the hub's ``data/<split>-*.parquet``);
     - a hub dataset id (``vidore/colpali_train_set``) through ``datasets.load_dataset``.
+    ``split`` names one of the splits present; "dev" and "validation" (and the other
+    ``SPLIT_ALIASES``) find each other. A missing split is a ``ValueError`` listing those present.
     ``limit`` keeps a stable hash sample of that many rows. Extra ``load_kwargs`` go to
     ``datasets.load_dataset``.
     """
-    if on_empty_query not in ("error", "skip"):
-        raise ValueError(f"on_empty_query must be 'error' or 'skip', got {on_empty_query!r}")
+    if on_empty_query not in EMPTY_QUERY_POLICIES:
+        raise ValueError(f"on_empty_query must be one of {EMPTY_QUERY_POLICIES}, got {on_empty_query!r}")
     common = {"on_bad_image": on_bad_image, "on_empty_query": on_empty_query}
     path = Path(name_or_path)
     if str(name_or_path) == "rdocs":
@@ -274,20 +378,7 @@ def load_retrieval_dataset(
     if (path / "manifest.jsonl").is_file():
         return RetrievalDataset.from_manifest(path, split, limit=limit, **common)
 
-    import datasets
-
-    if path.is_file() and path.suffix == ".parquet" or path.is_dir() and any(path.glob("*.parquet")):
-        files = [str(path)] if path.is_file() else sorted(str(p) for p in path.glob("*.parquet"))
-        hf = datasets.load_dataset("parquet", data_files={split: files}, split=split, **load_kwargs)
-        base = path.parent if path.is_file() else path
-    elif _looks_like_image_folder(path):
-        hf = datasets.load_dataset("imagefolder", data_dir=str(path), split=split, **load_kwargs)
-        base = path
-    elif path.exists():
-        raise ValueError(f"{path} is neither an rdocs directory, parquet file(s) nor an image folder")
-    else:
-        hf = datasets.load_dataset(str(name_or_path), split=split, **load_kwargs)
-        base = None
+    hf, base = _load_hf_split(name_or_path, split, **load_kwargs)
     return RetrievalDataset.from_hf(
         hf, split, query_column=query_column, image_column=image_column, id_column=id_column,
         limit=limit, base_dir=base, **common,

@@ -1,4 +1,4 @@
-"""``raggedvl`` command line: ``train``, ``eval``, ``data``.
+"""``raggedvl`` command line: ``train``, ``eval``, ``encode``, ``search``, ``data``.
 
 ``main(argv)`` is the whole CLI (it returns the exit code), so tests call it in-process.
 """
@@ -48,10 +48,46 @@ def check_world_fits(cfg, cmd: list[str]) -> None:
         )
 
 
-def _eval(args) -> int:
+def _relaunch(args, argv: Sequence[str], command: str) -> int | None:
+    """Start torchrun for ``--nproc-per-node N`` > 1 from a plain shell (None: run here)."""
+    from raggedvl.train.launch import local_world_size, run_torchrun, strip_torchrun_arguments, torchrun_command, under_torchrun
+
+    if args.nproc_per_node is None or under_torchrun() or local_world_size(args.nproc_per_node) == 1:
+        return None
+    cmd = torchrun_command(args, strip_torchrun_arguments(argv), command=command)
+    print("+ " + " ".join(cmd), flush=True)
+    return run_torchrun(cmd)
+
+
+def _eval(args, argv: Sequence[str]) -> int:
     from raggedvl.train.evaluate_checkpoint import evaluate_checkpoint
 
-    evaluate_checkpoint(args.checkpoint, split=args.split, batch_size=args.batch_size, max_samples=args.max_samples)
+    launched = _relaunch(args, argv, "eval")
+    if launched is not None:
+        return launched
+    evaluate_checkpoint(args.checkpoint, dataset=args.dataset, split=args.split, batch_size=args.batch_size,
+                        max_samples=args.max_samples, output=args.output, on_bad_image=args.on_bad_image)
+    return 0
+
+
+def _encode(args, argv: Sequence[str]) -> int:
+    from raggedvl.train.index_commands import encode_corpus
+
+    launched = _relaunch(args, argv, "encode")
+    if launched is not None:
+        return launched
+    encode_corpus(args.checkpoint, dataset=args.dataset, split=args.split, output=args.output, batch_size=args.batch_size,
+                  on_bad_image=args.on_bad_image)
+    return 0
+
+
+def _search(args) -> int:
+    from raggedvl.train.index_commands import print_results, search_index
+
+    if args.k < 1 or args.chunk_size < 1:
+        raise ValueError(f"-k and --chunk-size must be >= 1, got {args.k} and {args.chunk_size}")
+    results = search_index(args.checkpoint, index=args.index, queries=args.query, k=args.k, chunk_size=args.chunk_size)
+    print_results(args.query, results)
     return 0
 
 
@@ -109,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="raggedvl", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"raggedvl {__version__} ({_stack_versions()})")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,eval,data}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,eval,encode,search,data}")
 
     p_train = sub.add_parser(
         "train",
@@ -122,11 +158,44 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(p_train)
     add_torchrun_arguments(p_train)
 
-    p_eval = sub.add_parser("eval", help="nDCG@5, Recall@1/5, MRR@10 of a checkpoint on a split")
-    p_eval.add_argument("checkpoint", help="a checkpoint folder (run/checkpoints/step-N) or a run directory (newest checkpoint)")
-    p_eval.add_argument("--split", default=None, help="dataset split (default: the run's eval split)")
+    checkpoint_help = ("a checkpoint folder (run/checkpoints/step-N), a run directory (its newest checkpoint that verifies) "
+                       "or a model directory build_retriever loads")
+    nproc_help = "processes to shard the work over (raggedvl starts torchrun; default: 1)"
+    p_eval = sub.add_parser("eval", help="nDCG@1/3/5/10, Recall@1/5/10, MRR@10, MAP@10 of a checkpoint on a benchmark",
+                            description="Score a checkpoint on a benchmark as ViDoRe / BEIR report it (trec_eval's "
+                                        "definitions and tie order); prints a table and writes a results JSON.")
+    p_eval.add_argument("checkpoint", help=checkpoint_help)
+    p_eval.add_argument("--dataset", default=None, metavar="PATH_OR_ID",
+                        help="benchmark: (query, image) pairs (parquet file, folder, hub id) or a BEIR layout "
+                             "(corpus*/queries*/qrels*, or hub configs); default: the run's own evaluation split")
+    p_eval.add_argument("--split", default=None, help="split (default: the run's eval split; with --dataset: test)")
     p_eval.add_argument("--batch-size", type=int, default=16, help="samples per forward pass (default: 16)")
-    p_eval.add_argument("--max-samples", type=int, default=None, help="evaluate on at most this many pairs (default: all)")
+    p_eval.add_argument("--max-samples", type=int, default=None,
+                        help="at most this many pairs (BEIR: queries, over the whole corpus) (default: all)")
+    p_eval.add_argument("--output", default=None, metavar="JSON",
+                        help="results file (default: RUN/eval/DATASET-SPLIT.json, or ./DATASET-SPLIT.eval.json)")
+    p_eval.add_argument("--on-bad-image", choices=["error", "skip"], default="error",
+                        help="an unreadable document image stops (error) or is never retrieved and counted (skip)")
+    p_eval.add_argument("--nproc-per-node", default=None, metavar="N", help=nproc_help)
+
+    p_encode = sub.add_parser("encode", help="embed a corpus's document images into an index folder (safetensors shards + ids)")
+    p_encode.add_argument("checkpoint", help=checkpoint_help)
+    p_encode.add_argument("--dataset", required=True, metavar="PATH_OR_ID",
+                          help="documents: a BEIR corpus, or the distinct images of (query, image) rows")
+    p_encode.add_argument("--split", default="test", help="split (default: test)")
+    p_encode.add_argument("--output", required=True, metavar="DIR", help="new index folder")
+    p_encode.add_argument("--batch-size", type=int, default=8, help="documents per forward pass (default: 8)")
+    p_encode.add_argument("--on-bad-image", choices=["error", "skip"], default="error",
+                          help="an unreadable image stops (error) or is left out of the index and counted (skip)")
+    p_encode.add_argument("--nproc-per-node", default=None, metavar="N", help=nproc_help)
+
+    p_search = sub.add_parser("search", help="top-k documents of a query in an index (exact, chunked MaxSim / cosine)")
+    p_search.add_argument("checkpoint", help=checkpoint_help + " (the one that built the index)")
+    p_search.add_argument("--index", required=True, metavar="DIR", help="index folder written by raggedvl encode")
+    p_search.add_argument("--query", required=True, action="append", help="query text (repeat for several)")
+    p_search.add_argument("-k", type=int, default=10, help="results per query (default: 10)")
+    p_search.add_argument("--chunk-size", type=int, default=1024,
+                          help="documents scored at once; bounds memory (default: 1024)")
 
     p_data = sub.add_parser("data", help="build an embedded dataset and print its path")
     p_data.add_argument("name", choices=["rdocs"], help="dataset name")
@@ -157,7 +226,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             return _train(args, argv[1:])
         if args.command == "eval":
-            return _eval(args)
+            return _eval(args, argv[1:])
+        if args.command == "encode":
+            return _encode(args, argv[1:])
+        if args.command == "search":
+            return _search(args)
         return _data(args)
     except (ValueError, CheckpointError) as exc:
         if "LOCAL_RANK" in os.environ:  # inside torchrun: the rank's own report already named it

@@ -96,22 +96,16 @@ class RetrievalCollator:
         self.token_ids = token_ids_for(processor)
         self.image_policy = ImagePolicy.from_processor(processor)
 
-    def _prepare(self, examples: Sequence[dict[str, Any]]):
+    def _prepare(self, examples: Sequence[dict[str, Any]], with_query: bool = True):
         kept, images, skipped = [], [], []
         for position, example in enumerate(examples):
             ident = str(example.get("id", position))
-            missing = [k for k in ("query", "image") if k not in example]
+            missing = [k for k in (("query", "image") if with_query else ("image",)) if k not in example]
             if missing:
                 raise ValueError(f"example {position} (id {ident!r}) lacks {missing}; keys present: {sorted(example)}")
-            query = example["query"]
-            if not isinstance(query, str) or not query.strip():
-                raise ValueError(f"example {position} (id {ident!r}) has an empty or non-string query {query!r}")
-            marker = next((m for m in _VISUAL_MARKERS if m in query), None)
-            if marker is not None:
-                raise ValueError(
-                    f"example {position} (id {ident!r}): the query text contains {marker!r}, which the tokenizer "
-                    "reads as a visual placeholder; remove it from the query"
-                )
+            query = example.get("query")
+            if with_query:
+                _check_query(query, f"example {position} (id {ident!r})")
             try:
                 image = example["image"]
                 if image is None:
@@ -141,24 +135,48 @@ class RetrievalCollator:
                     "cut through the image placeholders. Raise max_length or lower max_pixels"
                 )
 
+    def collate_queries(self, queries: Sequence[str]) -> RaggedBatch:
+        """A text-only RaggedBatch of ``queries`` (query template applied, truncated to
+        ``max_length``). Raises ValueError for an empty query or one holding a visual marker."""
+        for position, query in enumerate(queries):
+            _check_query(query, f"query {position}")
+        query_kwargs = {"truncation": True, "max_length": self.max_length} if self.max_length else {}
+        features = self.processor(
+            text=[self.prompts.query(q) for q in queries], padding="longest", padding_side=self.prompts.padding_side,
+            return_tensors="pt", **query_kwargs,
+        )
+        return RaggedBatch.from_features(features, layout=self.layout, image_counts=[0] * len(queries), token_ids=self.token_ids)
+
+    def _collate_images(self, ids: list[str], images: list[Any]) -> RaggedBatch:
+        features = self.processor(text=[self.prompts.doc_template] * len(images), images=images, padding="longest",
+                                  padding_side=self.prompts.padding_side, return_tensors="pt")
+        self._check_doc_lengths(ids, features)
+        return RaggedBatch.from_features(features, layout=self.layout, image_counts=[1] * len(images), token_ids=self.token_ids)
+
+    def collate_documents(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """``{"docs", "ids", "skipped"}`` for examples holding an ``image`` (any query is ignored):
+        the document side of :meth:`__call__`."""
+        kept, images, skipped = self._prepare(examples, with_query=False)
+        ids = [ident for ident, _ in kept]
+        return {"docs": self._collate_images(ids, images), "ids": ids, "skipped": skipped}
+
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         kept, images, skipped = self._prepare(examples)
         ids = [ident for ident, _ in kept]
-        query_kwargs = {"truncation": True, "max_length": self.max_length} if self.max_length else {}
-        side = self.prompts.padding_side
-        query_features = self.processor(
-            text=[self.prompts.query(q) for _, q in kept],
-            padding="longest", padding_side=side, return_tensors="pt", **query_kwargs,
-        )
-        doc_features = self.processor(
-            text=[self.prompts.doc_template] * len(kept), images=images, padding="longest", padding_side=side,
-            return_tensors="pt",
-        )
-        self._check_doc_lengths(ids, doc_features)
-        ones = [1] * len(kept)
         return {
-            "queries": RaggedBatch.from_features(query_features, layout=self.layout, image_counts=[0] * len(kept), token_ids=self.token_ids),
-            "docs": RaggedBatch.from_features(doc_features, layout=self.layout, image_counts=ones, token_ids=self.token_ids),
+            "queries": self.collate_queries([q for _, q in kept]),
+            "docs": self._collate_images(ids, images),
             "ids": ids,
             "skipped": skipped,
         }
+
+
+def _check_query(query: Any, name: str) -> None:
+    if not isinstance(query, str) or not query.strip():
+        raise ValueError(f"{name} has an empty or non-string query {query!r}")
+    marker = next((m for m in _VISUAL_MARKERS if m in query), None)
+    if marker is not None:
+        raise ValueError(
+            f"{name}: the query text contains {marker!r}, which the tokenizer reads as a visual placeholder; "
+            "remove it from the query"
+        )

@@ -229,6 +229,11 @@ class RetrievalDataset(Sequence):
         access."""
         return self._sizes if self._sizes is not None else self.image_sources
 
+    def sample(self, limit: int | None) -> "RetrievalDataset":
+        """The ``limit`` rows whose ids hash lowest, in their order (all rows for None): the same
+        stable sample as the loaders' ``limit=``."""
+        return self if limit is None else self.select(_limit_order(self.ids(), limit))
+
     def queries(self) -> list[str | None]:
         """Each row's query (None for a corpus-only row kept by ``on_empty_query="keep"``)."""
         return [r.get("query") for r in self.records]

@@ -21,6 +21,7 @@ Two layouts, as the ViDoRe benchmarks publish them:
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -63,15 +64,24 @@ class RetrievalBenchmark:
         return {"queries": len(self.queries), "documents": len(self.documents),
                 "relevant": sum(sum(1 for g in r.values() if g >= 1) for r in self.qrels), **{f"dropped_{k}": v for k, v in self.dropped.items()}}
 
+    def sample_queries(self, limit: int | None) -> "RetrievalBenchmark":
+        """The ``limit`` queries whose ids hash lowest (a stable sample), the whole corpus kept
+        (dropping documents would make the task easier). The number left out is added to
+        ``dropped["sampled_out_queries"]``."""
+        if limit is None or limit >= len(self.queries):
+            return self
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        keep = sorted(sorted(range(len(self.query_ids)), key=lambda i: (hashlib.sha256(self.query_ids[i].encode()).digest(), i))[:limit])
+        dropped = {**self.dropped, "sampled_out_queries": self.dropped.get("sampled_out_queries", 0) + len(self.queries) - limit}
+        return RetrievalBenchmark(self.name, self.split, self.documents, [self.query_ids[i] for i in keep],
+                                  [self.queries[i] for i in keep], [self.qrels[i] for i in keep], dropped)
+
     @classmethod
     def from_pairs(cls, pairs: RetrievalDataset, name: str = "pairs") -> "RetrievalBenchmark":
         """ViDoRe v1 protocol over (query, image) rows (module docstring). A document's id is
         the id of the first row holding its image."""
-        digests = pairs.image_digests()
-        first_row: dict[str, int] = {}
-        doc_of_row = []
-        for row, digest in enumerate(digests):
-            doc_of_row.append(first_row.setdefault(digest, row))
+        doc_of_row = distinct_images(pairs)
         doc_rows = sorted(set(doc_of_row))
         position = {row: i for i, row in enumerate(doc_rows)}
         query_index: dict[str, int] = {}
@@ -87,9 +97,30 @@ class RetrievalBenchmark:
                 queries.append(query)
                 qrels.append({})
             qrels[query_index[query]][position[doc_of_row[row]]] = 1
-        dropped = {"duplicate_images": len(digests) - len(doc_rows), "corpus_only_rows": corpus_only,
+        dropped = {"duplicate_images": len(pairs) - len(doc_rows), "corpus_only_rows": corpus_only,
                    "duplicate_queries": len(pairs) - corpus_only - len(queries)}
         return cls(name, pairs.split, pairs.select(doc_rows), query_ids, queries, qrels, dropped)
+
+
+def distinct_images(rows: RetrievalDataset) -> list[int]:
+    """For each row, the first row holding a byte-identical image (SHA-256 of the encoded bytes)."""
+    first_row: dict[str, int] = {}
+    return [first_row.setdefault(digest, row) for row, digest in enumerate(rows.image_digests())]
+
+
+def load_corpus(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_image: str = "error",
+                image_column: str = "image", id_column: str | None = None, **load_kwargs) -> RetrievalDataset:
+    """The documents of a benchmark or dataset, each distinct image once (for indexing): the
+    ``corpus`` of a BEIR layout, else the distinct images of the rows (queries not needed)."""
+    import datasets
+
+    path = Path(name_or_path)
+    if is_beir_layout(path) or (not path.exists() and str(name_or_path) != "rdocs"
+                                and "corpus" in datasets.get_dataset_config_names(str(name_or_path))):
+        return _corpus_documents(name_or_path, split, on_bad_image, **load_kwargs)
+    rows = load_retrieval_dataset(name_or_path, split, on_bad_image=on_bad_image, on_empty_query="keep",
+                                  image_column=image_column, id_column=id_column, **load_kwargs)
+    return rows.select(sorted(set(distinct_images(rows))))
 
 
 def _find(root: Path, stem: str) -> Path | None:
@@ -129,6 +160,18 @@ def _load_table(name_or_path: str | os.PathLike, part: str, split: str, **load_k
     return datasets.load_dataset(str(name_or_path), part, split=pick_split(available, split, f"{name_or_path} ({part})"), **load_kwargs)
 
 
+def _corpus_documents(name_or_path, split: str, on_bad_image: str, **load_kwargs) -> RetrievalDataset:
+    import datasets
+
+    corpus = _load_table(name_or_path, "corpus", split, **load_kwargs)
+    cid = _column(corpus.column_names, ("corpus-id", "corpus_id", "_id", "id"), "corpus")
+    corpus = corpus.cast_column(cid, datasets.Value("string"))
+    base = Path(name_or_path) if Path(name_or_path).is_dir() else None
+    return RetrievalDataset.from_hf(corpus.add_column("_no_query", [None] * len(corpus)), split,
+                                    query_column="_no_query", image_column=_column(corpus.column_names, ("image",), "corpus"),
+                                    id_column=cid, base_dir=base, on_empty_query="keep", on_bad_image=on_bad_image)
+
+
 def load_beir(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_image: str = "error", **load_kwargs) -> RetrievalBenchmark:
     """A BEIR-layout benchmark (module docstring (b)). Column names: ``corpus-id`` / ``corpus_id``
     / ``_id`` / ``id`` with ``image``; ``query-id`` / ``query_id`` / ``_id`` / ``id`` with
@@ -136,22 +179,14 @@ def load_beir(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_im
 
     Raises ``ValueError`` for a missing part or column, a repeated id, or a qrels row naming an
     unknown corpus id."""
-    import datasets
-
-    corpus = _load_table(name_or_path, "corpus", split, **load_kwargs)
+    documents = _corpus_documents(name_or_path, split, on_bad_image, **load_kwargs)
     queries = _load_table(name_or_path, "queries", split, **load_kwargs)
     qrels = _load_table(name_or_path, "qrels", split, **load_kwargs)
-    cid = _column(corpus.column_names, ("corpus-id", "corpus_id", "_id", "id"), "corpus")
     qid = _column(queries.column_names, ("query-id", "query_id", "_id", "id"), "queries")
     qtext = _column(queries.column_names, ("query", "text"), "queries")
     r_q = _column(qrels.column_names, ("query-id", "query_id"), "qrels")
     r_c = _column(qrels.column_names, ("corpus-id", "corpus_id"), "qrels")
     r_s = _column(qrels.column_names, ("score", "relevance"), "qrels")
-    corpus = corpus.cast_column(cid, datasets.Value("string"))
-    base = Path(name_or_path) if Path(name_or_path).is_dir() else None
-    documents = RetrievalDataset.from_hf(corpus.add_column("_no_query", [None] * len(corpus)), split,
-                                         query_column="_no_query", image_column=_column(corpus.column_names, ("image",), "corpus"),
-                                         id_column=cid, base_dir=base, on_empty_query="keep", on_bad_image=on_bad_image)
     position = {d: i for i, d in enumerate(documents.ids())}
     if len(position) != len(documents):
         raise ValueError(f"{name_or_path}: corpus ids repeat ({len(documents) - len(position)} duplicates)")
@@ -177,13 +212,14 @@ def load_beir(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_im
 
 def load_benchmark(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_image: str = "error",
                    query_column: str = "query", image_column: str = "image", id_column: str | None = None,
-                   **load_kwargs) -> RetrievalBenchmark:
+                   limit: int | None = None, cache_dir: str | os.PathLike | None = None, **load_kwargs) -> RetrievalBenchmark:
     """A benchmark from a BEIR-layout folder or hub dataset (configs ``corpus``/``queries``/``qrels``)
     or from (query, image) pairs (any source :func:`raggedvl.data.load_retrieval_dataset` reads;
-    query-less rows kept as corpus-only documents)."""
+    query-less rows kept as corpus-only documents). ``limit``: pairs, a stable sample of that
+    many rows; BEIR, that many queries over the whole corpus."""
     path = Path(name_or_path)
     if is_beir_layout(path):
-        return load_beir(path, split, on_bad_image=on_bad_image, **load_kwargs)
+        return load_beir(path, split, on_bad_image=on_bad_image, **load_kwargs).sample_queries(limit)
     if not path.exists() and str(name_or_path) != "rdocs":
         import datasets
 
@@ -192,7 +228,8 @@ def load_benchmark(name_or_path: str | os.PathLike, split: str = "test", *, on_b
         except Exception:  # noqa: BLE001 - an unreachable hub: fall through to the pairs loader's error
             configs = []
         if {"corpus", "queries", "qrels"} <= set(configs):
-            return load_beir(name_or_path, split, on_bad_image=on_bad_image, **load_kwargs)
-    pairs = load_retrieval_dataset(name_or_path, split, on_bad_image=on_bad_image, on_empty_query="keep",
-                                   query_column=query_column, image_column=image_column, id_column=id_column, **load_kwargs)
+            return load_beir(name_or_path, split, on_bad_image=on_bad_image, **load_kwargs).sample_queries(limit)
+    pairs = load_retrieval_dataset(name_or_path, split, on_bad_image=on_bad_image, on_empty_query="keep", limit=limit,
+                                   query_column=query_column, image_column=image_column, id_column=id_column,
+                                   cache_dir=cache_dir, **load_kwargs)
     return RetrievalBenchmark.from_pairs(pairs, name=str(name_or_path))

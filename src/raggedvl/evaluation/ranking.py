@@ -54,10 +54,11 @@ def _order(scores_QM: torch.Tensor, keys_QM: torch.Tensor, k: int) -> torch.Tens
     return by_key.gather(1, by_score[:, :k])
 
 
-def top_k(scores_QC: torch.Tensor, k: int, keys_C: torch.Tensor, offset: int = 0) -> TopK:
+def top_k(scores_QC: torch.Tensor, k: int, keys_C: torch.Tensor, offset: int | torch.Tensor = 0) -> TopK:
     """Exact top-``k`` of each row of ``scores_QC`` in trec_eval order (``keys_C`` from
-    :func:`tie_keys`); indices are column positions plus ``offset`` (for a corpus scored in
-    chunks). Cost: one ``topk`` to find each row's k-th score, then a sort of only the scores
+    :func:`tie_keys`, one per column); indices are column positions plus ``offset`` (for a corpus
+    scored in chunks), or ``offset[column]`` when ``offset`` is a ``[C]`` tensor of corpus
+    positions. Cost: one ``topk`` to find each row's k-th score, then a sort of only the scores
     at or above it (all of them when every score ties, as for a collapsed model).
 
     Raises ``ValueError`` for ``k < 1`` or mismatched shapes."""
@@ -79,6 +80,8 @@ def top_k(scores_QC: torch.Tensor, k: int, keys_C: torch.Tensor, offset: int = 0
     keys = keys_C.to(scores_QC.device)[cand_cols]
     pick = _order(cand_scores, keys, kk)
     cols = cand_cols.gather(1, pick)
+    if isinstance(offset, torch.Tensor):
+        return TopK(cand_scores.gather(1, pick), offset.to(cols.device)[cols])
     return TopK(cand_scores.gather(1, pick), cols + offset)
 
 

@@ -127,4 +127,6 @@ def build_retriever(
                                  expected_modalities=tuple(expected_modalities), lora=lora, source=str(model))
         retriever = Retriever(backbone, config)
     retriever.set_gradient_checkpointing(gradient_checkpointing)
+    if processor is not None and hasattr(processor, "image_processor"):
+        retriever.processor = processor  # for Retriever.encode_queries / encode_documents
     return retriever

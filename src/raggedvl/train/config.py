@@ -44,7 +44,16 @@ class TrainConfig:
     # data
     dataset: str = option("rdocs", "training data: 'rdocs' (embedded), a hub id, a local parquet file or image folder")
     train_split: str = option("train", "dataset split to train on")
-    eval_split: str = option("dev", "dataset split to evaluate on")
+    eval_split: str = option(
+        "dev", "split to evaluate on (of eval_dataset when given, else of dataset); dev and validation find each other")
+    eval_dataset: str | None = option(
+        None, "evaluation set when it is not a split of dataset: hub id, local folder or parquet file of (query, image) "
+              "pairs, or a BEIR folder (corpus*, queries*, qrels*) (none: dataset)")
+    eval_fraction: float | None = option(
+        None, "hold out this share of the training split for evaluation, by a hash of each image's bytes "
+              "(none: evaluate on eval_split)", above=0)
+    allow_eval_overlap: bool = option(
+        False, "train even when evaluation documents (same image bytes) or queries (same text) occur in training pairs")
     max_train_samples: int | None = option(
         256, "training pairs used (rdocs: also built), in samples (none: all; rdocs has ~1,300)", at_least=1)
     max_eval_samples: int | None = option(128, "evaluation pairs used, in samples (none: all)", at_least=1)
@@ -88,17 +97,25 @@ class TrainConfig:
                                    at_least=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept on disk", at_least=1)
     log_every: int = option(1, "metrics interval, in optimizer steps", at_least=1)
-    eval_before: bool = option(True, "evaluate before training (nDCG@5, Recall@1/5, MRR@10)")
+    eval_before: bool = option(True, "evaluate before training (nDCG@1/3/5/10, Recall@1/5/10, MRR@10, MAP@10)")
     eval_after: bool = option(True, "evaluate after training")
     eval_train_samples: int = option(128, "training pairs also scored at evaluation, to show memorisation",
                                      at_least=0)
     eval_batch_size: int = option(16, "samples per forward pass at evaluation", at_least=1)
+    save_best: Literal["ndcg@1", "ndcg@3", "ndcg@5", "ndcg@10", "recall@1", "recall@5", "recall@10", "mrr@10",
+                       "map@10"] | None = option(
+        None, "evaluate every checkpoint_every steps and keep the weights with the best dev value of this metric "
+              "in <output_dir>/best (none: off)")
     resume: bool = option(False, "continue from the newest valid checkpoint in output_dir")
     collective_timeout_s: int = option(300, "every collective fails after this many seconds", at_least=1)
     data_cache: str | None = option(None, "where built datasets are cached (none: ~/.cache/raggedvl)")
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.eval_fraction is not None and not self.eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be < 1 (a share of the training split), got {self.eval_fraction}")
+        if self.eval_fraction is not None and self.eval_dataset is not None:
+            raise ValueError("eval_fraction holds out part of dataset; it cannot be combined with eval_dataset")
         if (self.head == "bi_encoder") != (self.loss == "infonce"):
             raise ValueError(
                 f"head={self.head!r} does not go with loss={self.loss!r}: use loss='infonce' with the "

@@ -1,44 +1,114 @@
-"""``raggedvl eval CHECKPOINT``: retrieval metrics of a saved checkpoint beside a random ranker."""
+"""``raggedvl eval CHECKPOINT [--dataset PATH_OR_ID --split NAME]``: retrieval metrics of a saved
+checkpoint on a benchmark, beside a random ranker, as a table and a results JSON."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from pathlib import Path
+from typing import Any
 
+import torch
 
+from raggedvl import __version__
+from raggedvl.data import RetrievalCollator
+from raggedvl.evaluation.metrics import METRICS
 from raggedvl.parallel.runtime import init_distributed, shutdown
 from raggedvl.parallel.wrap import load_full_state_dicts
-from raggedvl.train.checkpoint import load_checkpoint_or_latest
+from raggedvl.train.checkpoint import MANIFEST, list_checkpoints, load_checkpoint_or_latest
 from raggedvl.train.config import TrainConfig
-from raggedvl.train.evaluate import evaluate_retrieval
-from raggedvl.evaluation.metrics import random_ranker_metrics
 from raggedvl.train.report import format_metrics_table
 
 
-def evaluate_checkpoint(path: str | Path, *, split: str | None = None, batch_size: int = 16, max_samples: int | None = None) -> dict[str, float]:
-    """Load a checkpoint (verified, code-free), rebuild its model from the saved config and
-    evaluate it on ``split`` (default: the run's eval split). Runs on one process or under
-    torchrun (encoding is sharded over ranks). Prints a table on rank 0 and returns the metrics."""
-    from raggedvl.train.setup import build_components
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text).rstrip("/")).strip("_")[-80:] or "dataset"
 
+
+def _is_training_checkpoint(path: Path) -> bool:
+    """A raggedvl training checkpoint (MANIFEST.json) or a run directory holding some."""
+    return (path / MANIFEST).exists() or (path / "checkpoints").is_dir() or bool(list_checkpoints(path))
+
+
+def _processor_source(path: Path) -> str:
+    """Where a model directory's processor comes from: the tiny preset's for a saved tiny
+    retriever, else the directory itself."""
+    from raggedvl.models.retriever import is_saved_retriever, read_retriever_meta
+
+    if is_saved_retriever(path) and read_retriever_meta(path)["retriever"].get("source") == "tiny":
+        return "tiny"
+    return str(path)
+
+
+def load_model(path: Path, info) -> tuple[torch.nn.Module, Any, TrainConfig | None, dict[str, Any]]:
+    """(model on the device, processor, the run's config or None, model description) for a
+    raggedvl checkpoint / run directory, or any retriever ``build_retriever`` loads."""
+    from raggedvl.data import build_processor
+    from raggedvl.models import build_retriever
+    from raggedvl.train.setup import build_cfg_processor, build_model
+
+    if not _is_training_checkpoint(path):
+        processor = build_processor(_processor_source(path))
+        model = build_retriever(str(path), processor=processor)
+        return model.to(info.device), processor, None, {"path": str(path)}
     ckpt = load_checkpoint_or_latest(path)
-    values = dict(ckpt.state["config"])
-    if max_samples is not None:
-        values["max_eval_samples"] = max_samples
-    if split is not None:
-        values["eval_split"] = split
-    cfg = dataclasses.replace(TrainConfig.from_dict(values), resume=False, eval_train_samples=1)
-    info = init_distributed(timeout_s=cfg.collective_timeout_s)
+    cfg = dataclasses.replace(TrainConfig.from_dict(dict(ckpt.state["config"])), resume=False)
+    processor = build_cfg_processor(cfg)
+    model = build_model(cfg, processor).to(info.device)
+    load_full_state_dicts(model, None, ckpt.model, None)
+    return model, processor, cfg, {"path": str(ckpt.path), "step": ckpt.state["step"], "model": cfg.model, "head": cfg.head}
+
+
+def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: str | None = None, batch_size: int = 16,
+                        max_samples: int | None = None, output: str | Path | None = None,
+                        on_bad_image: str = "error") -> dict[str, Any]:
+    """Evaluate a checkpoint on a benchmark and write a results JSON.
+
+    ``path``: a raggedvl checkpoint or run directory (newest checkpoint that verifies), or any
+    model directory ``build_retriever`` loads. ``dataset``: a benchmark (pairs or BEIR layout,
+    local or hub; see ``raggedvl.evaluation.benchmark.load_benchmark``); default: the run's own
+    evaluation split (with the run's overlap check). ``split`` default: the run's eval split, else
+    "test". Runs on one process or under torchrun (queries and documents sharded over ranks).
+    Rank 0 prints a table and writes ``output`` (default ``<run>/eval/<dataset>-<split>.json``
+    for a run, else ``./<dataset>-<split>.eval.json``). Returns the results dict."""
+    from raggedvl.evaluation.benchmark import load_benchmark
+    from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
+    from raggedvl.train.setup import load_splits
+
+    path = Path(path)
+    info = init_distributed()
     try:
-        c = build_components(cfg, info)
-        model = c.model.to(info.device)
-        load_full_state_dicts(model, None, ckpt.model, None)
-        metrics = evaluate_retrieval(model, c.eval_set, c.collate, batch_size=batch_size, device=info.device)
+        model, processor, cfg, described = load_model(path, info)
+        if dataset is None:
+            if cfg is None:
+                raise ValueError(f"{path} is not a raggedvl run: name the benchmark with --dataset PATH_OR_ID")
+            cfg = dataclasses.replace(cfg, eval_split=split or cfg.eval_split,
+                                      max_eval_samples=max_samples if max_samples is not None else cfg.max_eval_samples)
+            _, bench = load_splits(cfg, warn=info.is_main)
+            name, split = cfg.eval_dataset or cfg.dataset, cfg.eval_split
+        else:
+            split = split or "test"
+            bench = load_benchmark(dataset, split, limit=max_samples, on_bad_image=on_bad_image)
+            name = dataset
+        max_length = cfg.max_length if cfg is not None else None
+        collate = RetrievalCollator(processor, max_length=max_length, on_bad_image=on_bad_image, prompts=model.config.prompts)
+        metrics = evaluate_benchmark(model, collate, bench, batch_size=batch_size, device=info.device, progress=info.is_main)
+        results = {
+            "dataset": str(name), "split": split, "model": described, "raggedvl_version": __version__,
+            "metrics": {k: metrics[k] for k in METRICS}, "random_ranker": random_baseline(bench),
+            "counts": {**bench.counts(), "skipped_documents": metrics["skipped_documents"]},
+            "doc_mean_cosine": metrics["doc_mean_cosine"], "world_size": info.world_size,
+        }
         if info.is_main:
-            n = int(metrics["n"])
-            print(f"{ckpt.path} (step {ckpt.state['step']}), split {cfg.eval_split!r}, {n} query-document pairs")
-            print(format_metrics_table({f"random ranker ({n} docs)": random_ranker_metrics(n), "checkpoint": metrics}))
-            print(f"documents: mean pairwise cosine {metrics['doc_mean_cosine']:.4f}")
-        return metrics
+            if output is None:
+                run_dir = Path(described["path"]).parent.parent if cfg is not None else None
+                output = (run_dir / "eval" / f"{_slug(name)}-{split}.json") if run_dir else Path(f"{_slug(name)}-{split}.eval.json")
+            output = Path(output)
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+            print(f"{described['path']}: {name} split {split!r}, {len(bench.queries)} queries, {len(bench.documents)} documents")
+            print(format_metrics_table({"random ranker": results["random_ranker"], "checkpoint": metrics}))
+            print(f"documents: mean pairwise cosine {metrics['doc_mean_cosine']:.4f}; results written to {output}")
+        return results
     finally:
         shutdown()

@@ -71,8 +71,8 @@ def local_world_size(nproc_per_node: str) -> int:
     raise ValueError(f"--nproc-per-node must be a number, gpu, auto or cpu, got {nproc_per_node!r}")
 
 
-def torchrun_command(args, train_argv: Sequence[str]) -> list[str]:
-    """The ``python -m torch.distributed.run ... -m raggedvl.cli train ...`` command line."""
+def torchrun_command(args, train_argv: Sequence[str], command: str = "train") -> list[str]:
+    """The ``python -m torch.distributed.run ... -m raggedvl.cli COMMAND ...`` command line."""
     opts = {name: getattr(args, name) for name in TORCHRUN_OPTIONS if getattr(args, name, None) is not None}
     opts.setdefault("nproc_per_node", str(default_nproc()))
     multi_node = any(k in opts for k in ("nnodes", "rdzv_endpoint", "master_addr"))
@@ -81,7 +81,7 @@ def torchrun_command(args, train_argv: Sequence[str]) -> list[str]:
         cmd.append("--standalone")
     for name, value in opts.items():
         cmd += ["--" + name.replace("_", "-"), str(value)]
-    return cmd + ["-m", "raggedvl.cli", "train", *train_argv]
+    return cmd + ["-m", "raggedvl.cli", command, *train_argv]
 
 
 def strip_torchrun_arguments(argv: Sequence[str]) -> list[str]:

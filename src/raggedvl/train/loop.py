@@ -34,7 +34,7 @@ from raggedvl.parallel.wrap import (
 )
 from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from raggedvl.train.config import TrainConfig
-from raggedvl.train.evaluate import evaluate_retrieval
+from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
 from raggedvl.parallel.faults import StallWatchdog, inject_fault, report_failure
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.train.report import MetricsLog, format_metrics_table, plot_run
@@ -86,12 +86,14 @@ class Trainer:
         self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     # ----------------------------------------------------------------- checkpoints
-    def save(self) -> None:
+    def save(self, root: Path | None = None, keep: int | None = None) -> None:
+        """A full checkpoint of this step under ``root`` (default: the run's checkpoints/).
+        Collective: every rank calls it."""
         model_sd, optim_sd = full_state_dicts(self.model, self.optimizer)
         rng = all_gather_objects(capture_rng_state())
         if self.info.is_main:
             save_checkpoint(
-                self.ckpt_dir,
+                root or self.ckpt_dir,
                 self.step,
                 model_state=model_sd,
                 optimizer_state=optim_sd,
@@ -104,8 +106,29 @@ class Trainer:
                     "scheduler": self.scheduler.state_dict(),
                     "config": self.cfg.to_dict(),
                 },
-                keep=self.cfg.keep_checkpoints,
+                keep=keep or self.cfg.keep_checkpoints,
             )
+        barrier()
+
+    def save_best(self) -> None:
+        """With ``--save-best METRIC``: evaluate the dev benchmark and, when METRIC beats every
+        earlier evaluation of this run (ties keep the earlier one), replace ``<output_dir>/best``
+        with a checkpoint of this step; ``best/best.json`` holds the step and the dev metrics.
+        Collective: every rank calls it (the evaluation is sharded)."""
+        metric = self.cfg.save_best
+        dev = self.evaluate("best")["dev"]
+        best_file = self.run_dir / "best" / "best.json"
+        previous = json.loads(best_file.read_text())["value"] if best_file.is_file() else None
+        value = dev[metric]
+        if previous is not None and not value > previous:
+            self.log(f"step {self.step}: dev {metric} {value:.4f} (best {previous:.4f})")
+            return
+        self.save(self.run_dir / "best", keep=1)
+        if self.info.is_main:
+            record = {"metric": metric, "value": value, "step": self.step,
+                      "dev": {k: v for k, v in dev.items() if k != "random"}}
+            best_file.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+            self.log(f"step {self.step}: dev {metric} {value:.4f}: new best, saved to {best_file.parent}")
         barrier()
 
     def resume(self) -> bool:
@@ -175,13 +198,16 @@ class Trainer:
         return StepResult(global_loss, len(indices) - n_skipped, t2 - t1, time.perf_counter() - t0, n_skipped)
 
     def evaluate(self) -> dict[str, dict[str, float]]:
+        """Metrics on the training pairs (memorisation) and the dev benchmark, sharded over ranks
+        (``raggedvl.evaluation.evaluator``); ``n`` is the number of documents ranked."""
         model = unwrap_model(self.model) if self.cfg.strategy == "ddp" else self.model
         out = {}
-        for name, ds in (("train", self.c.train_eval_set), ("dev", self.c.eval_set)):
-            out[name] = evaluate_retrieval(
-                model, ds, self.c.collate, batch_size=self.cfg.eval_batch_size, device=self.info.device,
-                autocast=self.autocast,
-            )
+        for name, bench in (("train", self.c.train_eval_set), ("dev", self.c.eval_set)):
+            if bench is None:
+                continue
+            metrics = evaluate_benchmark(model, self.c.collate, bench, batch_size=self.cfg.eval_batch_size,
+                                         device=self.info.device, autocast=self.autocast)
+            out[name] = {**metrics, "n": metrics["documents"], "random": random_baseline(bench)}
         return out
 
     # ----------------------------------------------------------------- run
@@ -198,7 +224,7 @@ class Trainer:
         if cfg.eval_before and not resumed:
             before = self.evaluate()
             if info.is_main:
-                log.write({"event": "eval_before", "step": 0, **{f"{s}/{k}": v for s, m in before.items() for k, v in m.items() if k != "n"}, "raw": before})
+                log.write({"event": "eval_before", "step": 0, **{f"{s}/{k}": v for s, m in before.items() for k, v in m.items() if k not in ("n", "random")}, "raw": before})
         if info.is_main:
             self.log(
                 f"training {self.total_steps} steps on {info.world_size} rank(s) ({info.backend}, {info.device.type}), "
@@ -232,6 +258,9 @@ class Trainer:
             if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps:
                 self.watchdog.enter(f"writing the checkpoint of step {self.step}")
                 self.save()
+                if cfg.save_best is not None:
+                    self.watchdog.enter(f"evaluating step {self.step} for --save-best", watch=False)
+                    self.save_best()
         bar.close()
         self.watchdog.enter("in evaluation after training", watch=False)
         after = self.evaluate() if cfg.eval_after else None
@@ -242,8 +271,6 @@ class Trainer:
         return summary
 
     def _report(self, log: MetricsLog, before, after) -> dict[str, Any]:
-        from raggedvl.evaluation.metrics import random_ranker_metrics
-
         records = log.read()
         if after is not None:
             log.write({"event": "eval_after", "step": self.step, "raw": after})
@@ -253,7 +280,7 @@ class Trainer:
         for split in ("train", "dev"):
             ref = (after or before or {}).get(split)
             if ref:
-                rows[f"{split}: random ranker ({ref['n']} docs)"] = random_ranker_metrics(int(ref["n"]))
+                rows[f"{split}: random ranker ({ref['queries']} queries, {ref['n']} docs)"] = ref["random"]
             if before:
                 rows[f"{split}: before training"] = before[split]
             if after:

@@ -10,14 +10,15 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from filelock import FileLock
-from torch.utils.data import Subset
 
-from raggedvl.data import RetrievalCollator, build_processor, build_rdocs, load_retrieval_dataset
+from raggedvl.data import RetrievalCollator, RetrievalDataset, build_processor, build_rdocs, load_retrieval_dataset
+from raggedvl.data.splits import find_overlap, hash_split
 from raggedvl.data.cache import cache_root
+from raggedvl.evaluation.benchmark import RetrievalBenchmark, load_benchmark
 from raggedvl.losses import RetrievalLoss, make_retrieval_loss
 from raggedvl.models import LoraSettings, build_retriever
 from raggedvl.parallel.runtime import DistInfo
@@ -29,9 +30,9 @@ from raggedvl.train.config import TrainConfig
 @dataclass
 class Components:
     processor: Any
-    train_set: Sequence[dict[str, Any]]
-    eval_set: Sequence[dict[str, Any]]
-    train_eval_set: Sequence[dict[str, Any]]
+    train_set: RetrievalDataset
+    eval_set: RetrievalBenchmark | None  # None when the run does not evaluate
+    train_eval_set: RetrievalBenchmark | None  # training pairs scored to show memorisation
     collate: Callable[[list[dict[str, Any]]], dict[str, Any]]
     model: torch.nn.Module
     sampler: BalancedDistributedBatchSampler
@@ -44,7 +45,7 @@ def prepare_data(cfg: TrainConfig) -> None:
     once, before the ranks start (each is a no-op when cached).
 
     Safe to call from several processes at once: a file lock serialises the dataset build."""
-    build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels, cache_dir=cfg.data_cache)
+    build_cfg_processor(cfg)
     if cfg.dataset != "rdocs":
         return
     root = cache_root(cfg.data_cache)
@@ -53,26 +54,55 @@ def prepare_data(cfg: TrainConfig) -> None:
         build_rdocs(root, train_limit=cfg.max_train_samples, dev_limit=cfg.max_eval_samples)
 
 
-def load_splits(cfg: TrainConfig) -> tuple[Sequence[dict[str, Any]], Sequence[dict[str, Any]]]:
+def _evaluates(cfg: TrainConfig) -> bool:
+    return cfg.eval_before or cfg.eval_after or cfg.save_best is not None
+
+
+def load_splits(cfg: TrainConfig, *, warn: bool = True) -> tuple[RetrievalDataset, RetrievalBenchmark | None]:
+    """The training pairs and the evaluation benchmark (None when the run does not evaluate).
+
+    Evaluation data, in order of precedence: ``eval_fraction`` (a content-hash split of the
+    training split), ``eval_dataset`` (its ``eval_split``), else ``dataset``'s own
+    ``eval_split``; a dataset without that split is a ``ValueError`` naming the two options.
+    Evaluation documents or queries that also occur in the training pairs (by content, see
+    ``raggedvl.data.splits``) are refused (``ValueError``) unless ``allow_eval_overlap``, then
+    reported as a warning; either way before any training or collective."""
+    common = {"on_bad_image": cfg.on_bad_image}
     if cfg.dataset == "rdocs":
         prepare_data(cfg)
         root = cache_root(cfg.data_cache)
-        path = build_rdocs(root, train_limit=cfg.max_train_samples, dev_limit=cfg.max_eval_samples)
-        return (
-            load_retrieval_dataset(path, split=cfg.train_split, on_bad_image=cfg.on_bad_image),
-            load_retrieval_dataset(path, split=cfg.eval_split, on_bad_image=cfg.on_bad_image),
+        source = build_rdocs(root, train_limit=cfg.max_train_samples, dev_limit=cfg.max_eval_samples)
+        train_limit = None  # the build already holds max_train_samples pairs
+    else:
+        source, train_limit = cfg.dataset, cfg.max_train_samples
+    train = load_retrieval_dataset(source, split=cfg.train_split, **common)
+    if cfg.eval_fraction is not None:
+        train, held_out = hash_split(train, cfg.eval_fraction)
+        bench = RetrievalBenchmark.from_pairs(held_out.sample(cfg.max_eval_samples), name=f"{cfg.dataset} (held out)")
+    elif not _evaluates(cfg):
+        bench = None
+    else:
+        bench = load_benchmark(cfg.eval_dataset or source, cfg.eval_split, limit=cfg.max_eval_samples, **common)
+    train = train.sample(train_limit)
+    if bench is not None:
+        check_overlap(cfg, train, bench, warn=warn)
+    return train, bench
+
+
+def check_overlap(cfg: TrainConfig, train: RetrievalDataset, bench: RetrievalBenchmark, *, warn: bool = True) -> None:
+    """Refuse (``ValueError``) or, with ``allow_eval_overlap``, warn about evaluation content
+    that occurs in the training pairs."""
+    overlap = find_overlap(train, bench.documents, bench.queries, bench.query_ids)
+    if not overlap:
+        return
+    where = f"evaluation set {cfg.eval_dataset or cfg.dataset!r} (split {cfg.eval_split!r})"
+    if not cfg.allow_eval_overlap:
+        raise ValueError(
+            f"{where} overlaps the training pairs: {overlap.describe()}; dev metrics would measure memorisation. "
+            "Evaluate on held-out data (--eval-dataset, --eval-split, --eval-fraction) or pass --allow-eval-overlap"
         )
-    train = load_retrieval_dataset(cfg.dataset, split=cfg.train_split, limit=cfg.max_train_samples, on_bad_image=cfg.on_bad_image)
-    dev = load_retrieval_dataset(cfg.dataset, split=cfg.eval_split, limit=cfg.max_eval_samples, on_bad_image=cfg.on_bad_image)
-    shared = set(train.ids()) & set(dev.ids())
-    if shared:
-        print(
-            f"warning: {len(shared)} of the {len(dev)} evaluation pairs of {cfg.dataset!r} (split {cfg.eval_split!r}) are "
-            f"also training pairs (split {cfg.train_split!r}): dev metrics measure memorisation, not generalisation. "
-            "A single parquet file or image folder holds one split; point --dataset at a folder with a file per split.",
-            file=sys.stderr,
-        )
-    return train, dev
+    if warn:
+        print(f"warning: {where} overlaps the training pairs (--allow-eval-overlap): {overlap.describe()}", file=sys.stderr, flush=True)
 
 
 def check_output_dir(cfg: TrainConfig) -> None:
@@ -80,7 +110,7 @@ def check_output_dir(cfg: TrainConfig) -> None:
     would be mixed with this run's). Raises ``ValueError`` naming the fix."""
     from raggedvl.train.checkpoint import list_checkpoints
 
-    found = list_checkpoints(Path(cfg.output_dir) / "checkpoints")
+    found = list_checkpoints(Path(cfg.output_dir) / "checkpoints") + list_checkpoints(Path(cfg.output_dir) / "best")
     if found and not cfg.resume:
         raise ValueError(
             f"{cfg.output_dir} already holds checkpoints of a run ({', '.join(p.name for p in found)}); "
@@ -115,16 +145,27 @@ def make_sampler(cfg: TrainConfig, costs: SampleCosts, info: DistInfo) -> Balanc
     )
 
 
-def build_components(cfg: TrainConfig, info: DistInfo) -> Components:
-    processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels, cache_dir=cfg.data_cache)
-    train_set, eval_set = load_splits(cfg)
-    costs = estimate_train_costs(cfg, train_set, ImagePolicy.from_processor(processor))  # before the model: bad pages fail fast
+def build_model(cfg: TrainConfig, processor: Any) -> torch.nn.Module:
+    """The retriever of ``cfg`` (fresh weights, seeded by ``cfg.seed``)."""
     lora = LoraSettings(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout) if cfg.use_lora else None
-    model = build_retriever(
+    return build_retriever(
         cfg.model, processor=processor, head=cfg.head, dim=cfg.dim, pooling=cfg.pooling, lora=lora,
         attn_implementation=cfg.attn_implementation, gradient_checkpointing=cfg.gradient_checkpointing,
         seed=cfg.seed, merge_lora=not cfg.use_lora,
     )
+
+
+def build_cfg_processor(cfg: TrainConfig) -> Any:
+    return build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels, cache_dir=cfg.data_cache)
+
+
+def build_components(cfg: TrainConfig, info: DistInfo) -> Components:
+    processor = build_cfg_processor(cfg)
+    train_set, eval_set = load_splits(cfg, warn=info.is_main)
+    train_eval = train_set.select(range(min(cfg.eval_train_samples, len(train_set))))
+    train_eval_set = RetrievalBenchmark.from_pairs(train_eval, name="training pairs") if eval_set is not None and len(train_eval) else None
+    costs = estimate_train_costs(cfg, train_set, ImagePolicy.from_processor(processor))  # before the model: bad pages fail fast
+    model = build_model(cfg, processor)
     # the model's own prompts: a colpali / transformers checkpoint is fed as its library feeds it
     collate = RetrievalCollator(processor, max_length=cfg.max_length, on_bad_image=cfg.on_bad_image,
                                 prompts=model.config.prompts)
@@ -132,7 +173,7 @@ def build_components(cfg: TrainConfig, info: DistInfo) -> Components:
         processor=processor,
         train_set=train_set,
         eval_set=eval_set,
-        train_eval_set=Subset(train_set, range(min(cfg.eval_train_samples, len(train_set)))),
+        train_eval_set=train_eval_set,
         collate=collate,
         model=model,
         sampler=make_sampler(cfg, costs, info),

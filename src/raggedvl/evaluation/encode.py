@@ -1,0 +1,170 @@
+"""Encode queries and document images with a retriever: size-bucketed batches, a progress bar,
+and (for evaluation and indexing) contiguous shards over ranks.
+
+Shape legend: n items, L_i valid vectors of item i, D embedding dim.
+
+Outputs are CPU float32: per item a ``[L_i, D]`` tensor of its valid vectors (multi-vector
+head) or a ``[D]`` vector (bi-encoder). Batches are formed after sorting the items by size
+(image area for documents, characters for queries), so a batch pads little; results come back
+in input order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from raggedvl.parallel.runtime import get_rank, get_world_size
+
+
+def valid_rows(emb: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """Per item: its valid vectors ``[L_i, D]`` (mask True), or its vector ``[D]`` (no mask)."""
+    if mask is None:
+        return [e.float().cpu() for e in emb]
+    return [e[m].float().cpu() for e, m in zip(emb, mask.bool())]
+
+
+def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """This rank's contiguous ``[lo, hi)`` of ``n`` items (ceil(n / W) per rank, the last ones
+    may be short or empty)."""
+    per = math.ceil(n / world_size) if n else 0
+    return min(n, rank * per), min(n, (rank + 1) * per)
+
+
+@torch.no_grad()
+def encode_in_batches(
+    model: torch.nn.Module,
+    positions: Sequence[int],
+    collate: Callable[[list[int]], tuple[Any, list[int]]],
+    *,
+    batch_size: int,
+    device: torch.device | str = "cpu",
+    autocast: Any = None,
+    n_calls: int | None = None,
+    filler: int | None = None,
+    desc: str | None = None,
+    progress: bool = False,
+) -> dict[int, torch.Tensor]:
+    """Encode ``positions`` (already in bucket order) in batches of ``batch_size``.
+
+    ``collate(positions)`` returns (a model input batch, the positions it kept: a position it
+    could not use, e.g. a skipped image, is left out). ``n_calls``: make exactly this many
+    forward calls, encoding position ``filler`` (default: the first position) and dropping its
+    output when there are fewer real batches, so every rank of a sharded job makes the same
+    calls (FSDP2 runs collectives inside forward).
+    Returns position -> embedding rows (see module docstring)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    positions = list(positions)
+    batches = [positions[i:i + batch_size] for i in range(0, len(positions), batch_size)]
+    calls = len(batches) if n_calls is None else n_calls
+    if calls < len(batches):
+        raise ValueError(f"n_calls={calls} is fewer than the {len(batches)} batches to encode")
+    was_training = model.training
+    model.eval()
+    out: dict[int, torch.Tensor] = {}
+    ctx = autocast or contextlib.nullcontext()
+    try:
+        for call in tqdm(range(calls), desc=desc, disable=not progress, dynamic_ncols=True):
+            real = call < len(batches)
+            if not real and filler is None and not positions:
+                raise ValueError("n_calls exceeds the batches and there is no item to repeat: pass filler=")
+            batch, kept = collate(batches[call] if real else [positions[0] if filler is None else filler])
+            with ctx:
+                result = model(**batch.to(device))
+            if real:
+                out.update(zip(kept, valid_rows(result.embeddings, result.mask)))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def bucket_order(sizes: Sequence[float | None]) -> list[int]:
+    """Positions sorted by size, largest first (unknown sizes last, in input order)."""
+    return sorted(range(len(sizes)), key=lambda i: (sizes[i] is None, -(sizes[i] or 0), i))
+
+
+def _image_area(item: Any) -> float | None:
+    size = getattr(item, "size", None)
+    return float(size[0] * size[1]) if isinstance(size, tuple) and len(size) == 2 else None
+
+
+def as_output(rows: list[torch.Tensor], padded: bool):
+    """The public return forms: ragged list, or (padded ``[n, L_max, D]``, bool mask
+    ``[n, L_max]``); single vectors stack into ``[n, D]`` either way."""
+    if rows and rows[0].ndim == 1:
+        return torch.stack(rows)
+    if not padded:
+        return rows
+    from raggedvl.evaluation.search import pad_rows
+
+    return pad_rows(rows)
+
+
+def encode_queries(model: torch.nn.Module, collator: Any, texts: Sequence[str], *, batch_size: int = 32,
+                   device: torch.device | str = "cpu", autocast: Any = None, progress: bool = True, padded: bool = False):
+    """Embeddings of query ``texts`` in input order (``collator``: a
+    :class:`raggedvl.data.RetrievalCollator`; its query template and augmentation are applied).
+    Returns a list of ``[L_i, D]`` (default), ``(emb [n, L_max, D], mask [n, L_max])`` with
+    ``padded=True``, or ``[n, D]`` for a bi-encoder."""
+    texts = list(texts)
+    order = bucket_order([float(len(t)) if isinstance(t, str) else None for t in texts])
+    rows = encode_in_batches(model, order, lambda pos: (collator.collate_queries([texts[p] for p in pos]), pos),
+                             batch_size=batch_size, device=device, autocast=autocast, desc="queries", progress=progress)
+    return as_output([rows[i] for i in range(len(texts))], padded)
+
+
+def document_collate(collator: Any, documents: Sequence[Any]) -> Callable[[list[int]], tuple[Any, list[int]]]:
+    """A ``collate`` for :func:`encode_in_batches` over ``documents`` (images, paths, bytes, or a
+    dataset whose rows hold an ``image``); positions whose image is skipped are left out."""
+    def collate(positions: list[int]):
+        examples = []
+        for p in positions:
+            item = documents[p]
+            examples.append({"image": item["image"], "id": str(item.get("id", p)), **({"image_error": item["image_error"]} if "image_error" in item else {})}
+                            if isinstance(item, dict) else {"image": item, "id": str(p)})
+        out = collator.collate_documents(examples)
+        kept_ids = set(out["ids"])
+        kept = [p for p, e in zip(positions, examples) if e["id"] in kept_ids]
+        return out["docs"], kept
+    return collate
+
+
+def document_sizes(documents: Sequence[Any]) -> list[float | None]:
+    """Image areas for bucketing, without decoding where the dataset knows them."""
+    sizes = getattr(documents, "image_sizes", None)
+    if callable(sizes):
+        return [None if s is None else float(s[0] * s[1]) for s in sizes()]
+    return [_image_area(d) for d in documents]
+
+
+def encode_documents(model: torch.nn.Module, collator: Any, documents: Sequence[Any], *, batch_size: int = 8,
+                     device: torch.device | str = "cpu", autocast: Any = None, progress: bool = True, padded: bool = False):
+    """Embeddings of document images in input order (``documents``: PIL images, paths, bytes, or a
+    :class:`raggedvl.data.RetrievalDataset`). Same return forms as :func:`encode_queries`.
+    Raises ``ValueError`` when an image is skipped (``on_bad_image="skip"``): use
+    :func:`encode_in_batches` with :func:`document_collate` to handle skips yourself."""
+    order = bucket_order(document_sizes(documents))
+    rows = encode_in_batches(model, order, document_collate(collator, documents), batch_size=batch_size, device=device,
+                             autocast=autocast, desc="documents", progress=progress)
+    missing = [i for i in range(len(documents)) if i not in rows]
+    if missing:
+        raise ValueError(f"documents {missing[:8]} were skipped (unreadable images); {len(missing)} in all")
+    return as_output([rows[i] for i in range(len(documents))], padded)
+
+
+def encode_shard(model, n: int, collate, sizes: Sequence[float | None], *, batch_size: int, device, autocast=None,
+                 desc: str | None = None, progress: bool = False) -> tuple[int, dict[int, torch.Tensor]]:
+    """This rank's contiguous shard of ``n`` items, encoded in size buckets with the same number
+    of forward calls on every rank. Returns (shard start, position -> rows)."""
+    rank, world = get_rank(), get_world_size()
+    lo, hi = shard_bounds(n, rank, world)
+    calls = math.ceil(math.ceil(n / world) / batch_size) if n else 0
+    order = [lo + i for i in bucket_order(list(sizes[lo:hi]))]
+    return lo, encode_in_batches(model, order, collate, batch_size=batch_size, device=device, autocast=autocast,
+                                 n_calls=calls, filler=0, desc=desc, progress=progress)

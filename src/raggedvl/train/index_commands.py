@@ -1,0 +1,91 @@
+"""``raggedvl encode`` (document embeddings -> an index folder) and ``raggedvl search`` (top-k of
+queries over an index), for any checkpoint ``raggedvl eval`` loads."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raggedvl import __version__
+from raggedvl.data import RetrievalCollator
+from raggedvl.evaluation.encode import document_collate, document_sizes, encode_shard
+from raggedvl.evaluation.index import EmbeddingIndex, write_index, write_shard
+from raggedvl.evaluation.ranking import tie_keys
+from raggedvl.evaluation.search import search
+from raggedvl.parallel.runtime import init_distributed, shutdown
+from raggedvl.parallel.wrap import all_gather_objects, barrier
+from raggedvl.train.evaluate_checkpoint import load_model
+
+
+def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str, output: str | Path, batch_size: int = 8,
+                  on_bad_image: str = "error", dtype: torch.dtype = torch.float16) -> Path:
+    """Encode every distinct document image of ``dataset`` (a BEIR corpus, or the distinct
+    images of (query, image) rows) into an index folder (``raggedvl.evaluation.index``). Under
+    torchrun each rank encodes a contiguous shard and writes its own safetensors file; rank 0
+    writes ``index.json``. Unreadable images under ``on_bad_image="skip"`` are left out and
+    counted. Refuses an ``output`` that already holds an index (``ValueError``)."""
+    from raggedvl.evaluation.benchmark import load_corpus
+
+    out = Path(output)
+    if (out / "index.json").exists():
+        raise ValueError(f"{out} already holds an index; choose a new --output")
+    info = init_distributed()
+    try:
+        model, processor, _, described = load_model(Path(checkpoint), info)
+        docs = load_corpus(dataset, split, on_bad_image=on_bad_image)
+        collate = RetrievalCollator(processor, on_bad_image=on_bad_image, prompts=model.config.prompts)
+        lo, rows = encode_shard(model, len(docs), document_collate(collate, docs), document_sizes(docs), batch_size=batch_size,
+                                device=info.device, desc="documents", progress=info.is_main)
+        ids = docs.ids()
+        kept = sorted(rows)
+        out.mkdir(parents=True, exist_ok=True)
+        entry = write_shard(out, info.rank, [rows[p] for p in kept], [ids[p] for p in kept], dtype=dtype) if kept else None
+        entries = all_gather_objects(entry)
+        shards = [e for e in entries if e is not None]
+        first = next((rows[p] for p in kept), None)
+        dims = [d for d in all_gather_objects(None if first is None else (first.ndim, first.shape[-1])) if d is not None]
+        if not dims:
+            raise ValueError(f"{dataset}: no document could be encoded")
+        if info.is_main:
+            kind = "single_vector" if dims[0][0] == 1 else "multi_vector"
+            skipped = len(docs) - sum(s["documents"] for s in shards)
+            write_index(out, shards, kind=kind, dim=dims[0][1], dtype=dtype, model=described, dataset=str(dataset), split=split,
+                        skipped_documents=skipped, raggedvl_version=__version__)
+            print(f"{sum(s['documents'] for s in shards)} documents ({skipped} skipped) in {len(shards)} shard(s): {out}")
+        barrier()
+        return out
+    finally:
+        shutdown()
+
+
+def search_index(checkpoint: str | Path, *, index: str | Path, queries: list[str], k: int = 10, chunk_size: int = 1024,
+                 batch_size: int = 32) -> list[list[tuple[str, float]]]:
+    """Top-``k`` (document id, score) of each query over ``index``, best first, exact (chunked
+    MaxSim or dot products; ties in trec_eval's order). One process. Raises ``ValueError`` when
+    the index was built by a model with another head or dimension."""
+    idx = EmbeddingIndex(index)
+    info = init_distributed()
+    try:
+        model, processor, _, _ = load_model(Path(checkpoint), info)
+        collate = RetrievalCollator(processor, prompts=model.config.prompts)
+        from raggedvl.evaluation.encode import encode_queries
+
+        encoded: Any = encode_queries(model, collate, queries, batch_size=batch_size, device=info.device, progress=False, padded=True)
+        q_emb, q_mask = (encoded, None) if isinstance(encoded, torch.Tensor) else encoded
+        if (q_mask is not None) != idx.multi_vector or q_emb.shape[-1] != idx.meta["dim"]:
+            raise ValueError(f"{index} holds {idx.meta['kind']} embeddings of dim {idx.meta['dim']}; the model gives "
+                             f"{'multi' if q_mask is not None else 'single'}-vector embeddings of dim {q_emb.shape[-1]}")
+        top = search(q_emb, q_mask, idx.chunks(chunk_size), k, tie_keys(idx.ids))
+        return [[(idx.ids[int(d)], float(s)) for d, s in zip(row_i, row_s)] for row_i, row_s in zip(top.indices, top.scores)]
+    finally:
+        shutdown()
+
+
+def print_results(queries: list[str], results: list[list[tuple[str, float]]], file=sys.stdout) -> None:
+    for query, hits in zip(queries, results):
+        print(f"query: {query}", file=file)
+        for rank, (doc, score) in enumerate(hits, 1):
+            print(f"  {rank:>3}  {score:10.4f}  {doc}", file=file)

@@ -1,0 +1,94 @@
+"""``raggedvl eval CHECKPOINT --dataset BEIR``, ``raggedvl encode`` and ``raggedvl search`` on a
+tiny retriever and a BEIR-layout parquet set written here."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from raggedvl.cli import main
+from raggedvl.data import build_processor
+from raggedvl.evaluation import METRICS, score_metrics, tie_keys, top_k
+from raggedvl.evaluation.benchmark import load_benchmark
+from raggedvl.evaluation.search import pad_rows
+from raggedvl.losses import late_interaction_scores
+from raggedvl.models import build_retriever
+from raggedvl.train.index_commands import search_index
+
+from .test_benchmark import write_beir
+
+
+def noise_png(seed: int, size) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 255, (size[1], size[0]), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval-cli")
+    processor = build_processor("tiny")
+    model = build_retriever("tiny", processor=processor, seed=0)
+    model.save_pretrained(root / "model")
+    sizes = [(56, 56), (84, 56), (56, 112), (112, 84), (56, 56), (140, 56), (84, 84)]
+    corpus = [(f"doc-{i}", noise_png(i, s)) for i, s in enumerate(sizes)]
+    queries = [("q1", "sample quantiles"), ("q2", "biplot of data"), ("q3", "writing extensions"), ("q4", "an introduction")]
+    qrels = [("q1", "doc-0", 1), ("q1", "doc-3", 2), ("q2", "doc-1", 1), ("q3", "doc-6", 1), ("q4", "doc-2", 3)]
+    bench_dir = write_beir(root / "bench", corpus, queries, qrels)
+    return root, model, bench_dir
+
+
+def brute_force_scores(model, bench):
+    q = model.encode_queries(bench.queries, batch_size=3, progress=False)
+    d = model.encode_documents(bench.documents, batch_size=2, progress=False)
+    (qe, qm), (de, dm) = pad_rows(q), pad_rows(d)
+    return late_interaction_scores(qe, qm, de, dm)
+
+
+def test_eval_dataset_beir_writes_results_json(setup, capsys):
+    root, model, bench_dir = setup
+    out = root / "results.json"
+    assert main(["eval", str(root / "model"), "--dataset", str(bench_dir), "--batch-size", "3", "--output", str(out)]) == 0
+    results = json.loads(out.read_text())
+    bench = load_benchmark(bench_dir)
+    want = score_metrics(brute_force_scores(model, bench), bench.qrels, bench.doc_ids)
+    assert set(results["metrics"]) == set(METRICS)
+    for name in METRICS:
+        assert results["metrics"][name] == pytest.approx(want[name], abs=1e-6)
+    assert results["dataset"] == str(bench_dir) and results["split"] == "test"
+    assert results["counts"]["queries"] == 4 and results["counts"]["documents"] == 7
+    assert results["raggedvl_version"] and results["model"]["path"] == str(root / "model")
+    assert "ndcg@10" in capsys.readouterr().out
+
+
+def test_encode_then_search_returns_the_brute_force_top_k(setup):
+    root, model, bench_dir = setup
+    index = root / "index"
+    assert main(["encode", str(root / "model"), "--dataset", str(bench_dir), "--output", str(index), "--batch-size", "2"]) == 0
+    bench = load_benchmark(bench_dir)
+    want = top_k(brute_force_scores(model, bench), 5, tie_keys(bench.doc_ids))
+    got = search_index(root / "model", index=index, queries=bench.queries, k=5, chunk_size=3)
+    for q in range(len(bench.queries)):
+        assert [doc for doc, _ in got[q]] == [bench.doc_ids[i] for i in want.indices[q].tolist()]
+        assert [s for _, s in got[q]] == pytest.approx(want.scores[q].tolist(), rel=2e-3)  # the index stores float16
+    with pytest.raises(ValueError, match="already holds an index"):
+        main_raises(["encode", str(root / "model"), "--dataset", str(bench_dir), "--output", str(index)])
+
+
+def main_raises(argv):
+    from raggedvl.train.index_commands import encode_corpus
+
+    encode_corpus(argv[1], dataset=argv[3], split="test", output=argv[5])
+
+
+def test_retriever_encode_forms(setup):
+    _, model, _ = setup
+    ragged = model.encode_queries(["a b", "a much longer query text", "c"], batch_size=2, progress=False)
+    emb, mask = model.encode_queries(["a b", "a much longer query text", "c"], batch_size=1, progress=False, padded=True)
+    assert [r.shape[0] for r in ragged] == mask.sum(1).tolist()
+    for i, r in enumerate(ragged):  # same vectors whatever the batching (bucketed, then restored to input order)
+        assert torch.allclose(emb[i][mask[i]], r, atol=1e-5)

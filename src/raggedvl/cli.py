@@ -24,11 +24,12 @@ def _train(args, argv: Sequence[str]) -> int:
 
         train(cfg)
         return 0
-    from raggedvl.train.setup import prepare_data
+    from raggedvl.train.setup import load_splits, prepare_data
 
     cmd = torchrun_command(args, strip_torchrun_arguments(argv))
     check_world_fits(cfg, cmd)
     prepare_data(cfg)  # build / cache the dataset once, before the ranks start
+    load_splits(cfg)  # split and overlap errors (and the overlap warning) before any process starts
     print("+ " + " ".join(cmd), flush=True)
     return run_torchrun(cmd)
 

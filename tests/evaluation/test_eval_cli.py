@@ -59,6 +59,10 @@ def test_eval_dataset_beir_writes_results_json(setup, capsys):
     assert set(results["metrics"]) == set(METRICS)
     for name in METRICS:
         assert results["metrics"][name] == pytest.approx(want[name], abs=1e-6)
+    full = top_k(brute_force_scores(model, bench), len(bench.doc_ids), tie_keys(bench.doc_ids)).indices.tolist()
+    first = [1 + next(r for r, d in enumerate(row) if bench.qrels[q].get(d, 0) >= 1) for q, row in enumerate(full)]
+    assert results["mean_rank"] == pytest.approx(sum(first) / len(first))
+    assert results["random_mean_rank"] == pytest.approx((8 / 3 + 8 / 2 * 3) / 4)  # (n + 1) / (R + 1)
     assert results["dataset"] == str(bench_dir) and results["split"] == "test"
     assert results["counts"]["queries"] == 4 and results["counts"]["documents"] == 7
     assert results["raggedvl_version"] and results["model"]["path"] == str(root / "model")

@@ -8,9 +8,14 @@ them against its own document shard in chunks and keep the exact top-k
 trec_eval's order and compute the metrics (identical on every rank). Memory per rank: its
 shard's document embeddings plus one scoring chunk; no rank holds the whole corpus.
 
-Collectives: three ``all_gather_object`` calls (query embeddings; top-k lists with skipped
-counts; pooled document vectors for the collapse statistic), plus the model's own under FSDP2.
-No gradient.
+The rank of each query's first relevant document in the whole corpus is also computed (a
+second pass counts the documents ranked ahead of it): its mean, beside a random ranker's
+(n + 1) / (R + 1), tells a model at chance from one that ranks systematically wrong, which
+the top-10 metrics of a small set cannot (their spread under chance is wide).
+
+Collectives: five ``all_gather_object`` calls (query embeddings; each rank's best relevant
+document; counts ahead; top-k lists with pooled document vectors for the collapse statistic),
+plus the model's own under FSDP2. No gradient.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ import torch
 from raggedvl.evaluation.benchmark import RetrievalBenchmark
 from raggedvl.evaluation.encode import document_collate, document_sizes, encode_shard
 from raggedvl.evaluation.metrics import MAX_CUTOFF, mean_pairwise_cosine, random_ranker_metrics, ranking_metrics
-from raggedvl.evaluation.ranking import merge_top_k, tie_keys
-from raggedvl.evaluation.search import chunks_of, pad_rows, search
+from raggedvl.evaluation.ranking import TopK, merge_top_k, tie_keys, top_k
+from raggedvl.evaluation.search import chunks_of, count_ahead, pad_rows, score_chunk
 from raggedvl.parallel.wrap import all_gather_objects
 
 @torch.no_grad()
@@ -60,9 +65,13 @@ def evaluate_benchmark(
         q_emb, q_mask = pad_rows(q_list)
     keys = tie_keys(benchmark.doc_ids)
     positions = sorted(d_rows)
-    local = None
-    if positions:
-        local = search(q_emb, q_mask, chunks_of([d_rows[p] for p in positions], chunk_size, positions), MAX_CUTOFF, keys)
+    chunks = lambda: chunks_of([d_rows[p] for p in positions], chunk_size, positions) if positions else iter(())  # noqa: E731
+    local, best, best_key = _scan(q_emb, q_mask, chunks(), keys, benchmark.qrels)
+    for other_best, other_key in all_gather_objects((best, best_key)):  # the best relevant document over all ranks
+        better = (other_best > best) | ((other_best == best) & (other_key < best_key))
+        best, best_key = torch.where(better, other_best, best), torch.where(better, other_key, best_key)
+    ahead = sum(all_gather_objects(count_ahead(q_emb, q_mask, chunks(), best, best_key, keys)))
+    first_rank = torch.where(torch.isinf(best), torch.full_like(ahead, len(docs)), ahead) + 1
     pooled = torch.stack([r if r.ndim == 1 else r.mean(dim=0) for r in (d_rows[p] for p in positions)]) if positions else None
     gathered = all_gather_objects((local, pooled, len(positions)))
     ranked = merge_top_k([g[0] for g in gathered if g[0] is not None], MAX_CUTOFF, keys)
@@ -70,10 +79,35 @@ def evaluate_benchmark(
     vectors = torch.cat([g[1] for g in gathered if g[1] is not None])
     metrics: dict[str, Any] = ranking_metrics(ranked.indices, benchmark.qrels)
     metrics.update({
+        "mean_rank": float(first_rank.double().mean()),
+        "random_mean_rank": sum((len(docs) + 1) / (1 + sum(1 for g in r.values() if g >= 1)) for r in benchmark.qrels) / len(texts),
         "queries": len(texts), "documents": len(docs), "skipped_documents": len(docs) - encoded,
         "doc_mean_cosine": mean_pairwise_cosine(vectors),
     })
     return metrics
+
+
+def _scan(q_emb, q_mask, chunks, keys, qrels) -> tuple[TopK | None, torch.Tensor, torch.Tensor]:
+    """One pass over this rank's chunks: the exact top-k, and each query's best-ranked relevant
+    document (score ``[Q]`` float64, -inf when none is here; tie key ``[Q]``)."""
+    n_q = q_emb.shape[0]
+    best = torch.full((n_q,), float("-inf"), dtype=torch.float64)
+    best_key = torch.full((n_q,), len(keys), dtype=torch.long)
+    running = None
+    for where, docs, mask in chunks:
+        scores = score_chunk(q_emb, q_mask, docs, mask)
+        cols = where if isinstance(where, torch.Tensor) else torch.arange(where, where + scores.shape[1])
+        column = {int(p): j for j, p in enumerate(cols)}
+        for q, rels in enumerate(qrels):
+            for d, g in rels.items():
+                j = column.get(d)
+                if g >= 1 and j is not None:
+                    score, key = float(scores[q, j]), int(keys[d])
+                    if score > best[q] or (score == best[q] and key < best_key[q]):
+                        best[q], best_key[q] = score, key
+        part = top_k(scores, MAX_CUTOFF, keys[cols], cols)
+        running = part if running is None else merge_top_k([running, part], MAX_CUTOFF, keys)
+    return running, best, best_key
 
 
 def random_baseline(benchmark: RetrievalBenchmark) -> dict[str, float]:

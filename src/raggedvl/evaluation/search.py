@@ -84,3 +84,18 @@ def search(queries: torch.Tensor, query_mask: torch.Tensor | None, chunks: Itera
     if running is None:
         raise ValueError("search over an empty corpus")
     return running
+
+
+@torch.no_grad()
+def count_ahead(queries: torch.Tensor, query_mask: torch.Tensor | None, chunks: Iterable[Chunk], scores_Q: torch.Tensor,
+                keys_Q: torch.Tensor, keys_C: torch.Tensor, *, block_elements: int = 1 << 22) -> torch.Tensor:
+    """``[Q]`` number of corpus documents ranked ahead of a reference document of each query
+    (score above ``scores_Q[q]``, or equal with a smaller tie key than ``keys_Q[q]``), in
+    trec_eval's order: 1 + count is the reference document's rank. Pure."""
+    ahead = torch.zeros(queries.shape[0], dtype=torch.long)
+    for where, docs, mask in chunks:
+        scores = score_chunk(queries, query_mask, docs, mask, block_elements=block_elements)
+        keys = keys_C[where] if isinstance(where, torch.Tensor) else keys_C[where:where + scores.shape[1]]
+        ref = scores_Q.to(scores.dtype)[:, None]
+        ahead += ((scores > ref) | ((scores == ref) & (keys[None, :] < keys_Q[:, None]))).sum(dim=1)
+    return ahead

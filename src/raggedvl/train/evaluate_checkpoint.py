@@ -97,6 +97,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             "dataset": str(name), "split": split, "model": described, "raggedvl_version": __version__,
             "metrics": {k: metrics[k] for k in METRICS}, "random_ranker": random_baseline(bench),
             "counts": {**bench.counts(), "skipped_documents": metrics["skipped_documents"]},
+            "mean_rank": metrics["mean_rank"], "random_mean_rank": metrics["random_mean_rank"],
             "doc_mean_cosine": metrics["doc_mean_cosine"], "world_size": info.world_size,
         }
         if info.is_main:
@@ -108,7 +109,8 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             output.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
             print(f"{described['path']}: {name} split {split!r}, {len(bench.queries)} queries, {len(bench.documents)} documents")
             print(format_metrics_table({"random ranker": results["random_ranker"], "checkpoint": metrics}))
-            print(f"documents: mean pairwise cosine {metrics['doc_mean_cosine']:.4f}; results written to {output}")
+            print(f"first relevant document's mean rank {metrics['mean_rank']:.1f} (random ranker {metrics['random_mean_rank']:.1f}); "
+                  f"documents' mean pairwise cosine {metrics['doc_mean_cosine']:.4f}; results written to {output}")
         return results
     finally:
         shutdown()

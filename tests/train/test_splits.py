@@ -1,0 +1,77 @@
+"""Which pairs a run trains and evaluates on: datasets' split inference, held-out fractions, and
+train/evaluation overlap by content (refused unless allowed)."""
+
+import pytest
+
+from raggedvl.data import load_retrieval_dataset
+from raggedvl.data.splits import hash_split
+from raggedvl.train.config import TrainConfig
+from raggedvl.train.setup import load_splits
+
+from ..evaluation.test_benchmark import png, write_pairs
+
+
+def pairs(prefix, n, offset=0):
+    return [(f"{prefix} query {i}", png(offset + i, (30 + i, 20))) for i in range(n)]
+
+
+def cfg(dataset, **kw):
+    return TrainConfig(dataset=str(dataset), max_train_samples=None, max_eval_samples=None, **kw)
+
+
+def test_two_file_folder_evaluates_on_the_dev_file_only(tmp_path):
+    write_pairs(tmp_path / "train.parquet", pairs("train", 24))
+    write_pairs(tmp_path / "dev.parquet", pairs("dev", 12, offset=100))
+    train, bench = load_splits(cfg(tmp_path))
+    assert len(train) == 24 and all(q.startswith("train") for q in train.queries())
+    assert len(bench.queries) == 12 and all(q.startswith("dev") for q in bench.queries)
+    assert len(bench.documents) == 12
+
+
+def test_hub_layout_folder_splits_are_respected(tmp_path):
+    (tmp_path / "data").mkdir()
+    write_pairs(tmp_path / "data" / "train-00000-of-00001.parquet", pairs("train", 10))
+    write_pairs(tmp_path / "data" / "test-00000-of-00001.parquet", pairs("test", 5, offset=50))
+    train, bench = load_splits(cfg(tmp_path, eval_split="test"))
+    assert {q.split()[0] for q in train.queries()} == {"train"} and {q.split()[0] for q in bench.queries} == {"test"}
+    with pytest.raises(ValueError, match=r"no split 'dev'.*\['test', 'train'\].*--eval-dataset"):
+        load_splits(cfg(tmp_path))
+
+
+def test_one_file_is_a_training_set_only(tmp_path):
+    path = write_pairs(tmp_path / "pairs.parquet", pairs("p", 40))
+    with pytest.raises(ValueError, match="--eval-fraction"):
+        load_splits(cfg(path))
+    train, bench = load_splits(cfg(path, eval_fraction=0.25))
+    assert len(train) + len(bench.documents) == 40 and 0 < len(bench.documents) < 40
+    assert not set(bench.queries) & set(train.queries())
+    # no evaluation asked for: nothing to split
+    assert load_splits(cfg(path, eval_before=False, eval_after=False))[1] is None
+
+
+def test_hash_split_keeps_copies_of_one_image_together(tmp_path):
+    rows = pairs("p", 30) + [(f"copy {i}", png(i, (30 + i, 20))) for i in range(30)]
+    ds = load_retrieval_dataset(write_pairs(tmp_path / "x.parquet", rows), "train")
+    rest, held = hash_split(ds, 0.3)
+    assert not set(rest.image_digests()) & set(held.image_digests())
+
+
+def test_overlap_is_refused_unless_allowed(tmp_path, capsys):
+    write_pairs(tmp_path / "train.parquet", pairs("train", 8))
+    other = tmp_path / "other"
+    other.mkdir()
+    shared = pairs("train", 8)[2:4]  # same image bytes and same query text as two training pairs
+    write_pairs(other / "test.parquet", shared + pairs("fresh", 4, offset=200))
+    with pytest.raises(ValueError, match=r"2 of 6 evaluation documents .* 2 of 6 evaluation queries.*--allow-eval-overlap"):
+        load_splits(cfg(tmp_path, eval_dataset=str(other), eval_split="test"))
+    load_splits(cfg(tmp_path, eval_dataset=str(other), eval_split="test", allow_eval_overlap=True))
+    assert "overlaps the training pairs" in capsys.readouterr().err
+
+
+def test_config_rejects_conflicting_eval_options():
+    with pytest.raises(ValueError, match="eval_fraction"):
+        TrainConfig(eval_fraction=1.0)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        TrainConfig(eval_fraction=0.1, eval_dataset="x")
+    with pytest.raises(ValueError, match="save_best"):
+        TrainConfig(save_best="ndcg@7")

@@ -39,7 +39,7 @@ def test_a_skipped_bad_image_is_counted_in_the_log_and_the_summary(tmp_path, cap
     images[1] = {"bytes": _png((2000, 2), 0), "path": None}  # a strip: padded, never skipped
     path = _parquet(tmp_path / "pairs.parquet", images)
     cfg = TrainConfig(dataset=path, train_split="train", eval_split="train", max_steps=2, global_batch_size=4,
-                      eval_before=False, eval_after=True, on_bad_image="skip", checkpoint_every=100,
+                      eval_before=False, eval_after=True, on_bad_image="skip", checkpoint_every=100, allow_eval_overlap=True,
                       output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache))
     train(cfg)  # one process: 2 steps of 4 cover all 8 pairs once
     err = capfd.readouterr().err
@@ -56,8 +56,9 @@ def test_a_skipped_bad_image_is_counted_in_the_log_and_the_summary(tmp_path, cap
     summary = (tmp_path / "run" / "summary.md").read_text()
     assert "examples skipped for bad images (on_bad_image='skip'): 2" in summary
     assert "training pairs rejected by the size estimate (image header unreadable or out of limits): 1 of 8" in summary
-    # evaluation drops the bad pairs with their queries: 6 queries ranked among 6 documents
-    assert "random ranker (6 docs)" in summary
+    # evaluation keeps the queries of the bad pairs (their documents can never be retrieved: misses)
+    assert "random ranker (8 queries, 8 docs)" in summary
+    assert "dev: 2 documents with unreadable images are never retrieved" in summary
 
 
 def test_a_strip_page_trains_from_the_cli_and_the_patch_cap_applies(tmp_path, monkeypatch, small_data_cache):

@@ -80,7 +80,7 @@ def evaluate_benchmark(
     metrics: dict[str, Any] = ranking_metrics(ranked.indices, benchmark.qrels)
     metrics.update({
         "mean_rank": float(first_rank.double().mean()),
-        "random_mean_rank": sum((len(docs) + 1) / (1 + sum(1 for g in r.values() if g >= 1)) for r in benchmark.qrels) / len(texts),
+        **random_rank_moments(len(docs), benchmark.qrels),
         "queries": len(texts), "documents": len(docs), "skipped_documents": len(docs) - encoded,
         "doc_mean_cosine": mean_pairwise_cosine(vectors),
     })
@@ -108,6 +108,33 @@ def _scan(q_emb, q_mask, chunks, keys, qrels) -> tuple[TopK | None, torch.Tensor
         part = top_k(scores, MAX_CUTOFF, keys[cols], cols)
         running = part if running is None else merge_top_k([running, part], MAX_CUTOFF, keys)
     return running, best, best_key
+
+
+def random_rank_moments(n_docs: int, qrels) -> dict[str, float]:
+    """A random ranker's mean rank of the first relevant document, averaged over queries, and the
+    standard error of that average: with R relevant among n, the first relevant rank (the
+    minimum of R draws without replacement from 1..n) has mean (n+1)/(R+1) and variance
+    R(n+1)(n-R) / ((R+1)^2 (R+2))."""
+    means, variances = [], []
+    for rels in qrels:
+        r = max(1, sum(1 for g in rels.values() if g >= 1))
+        means.append((n_docs + 1) / (r + 1))
+        variances.append(r * (n_docs + 1) * (n_docs - r) / ((r + 1) ** 2 * (r + 2)))
+    return {"random_mean_rank": sum(means) / len(means), "random_mean_rank_se": sum(variances) ** 0.5 / len(means)}
+
+
+def chance_verdict(metrics: dict[str, float]) -> str:
+    """One line on whether a mean rank differs from a random ranker's by more than 3 standard
+    errors (``evaluate_benchmark``'s ``mean_rank``, ``random_mean_rank``, ``random_mean_rank_se``)."""
+    mean, ref, se = metrics["mean_rank"], metrics["random_mean_rank"], metrics["random_mean_rank_se"]
+    z = (mean - ref) / se if se > 0 else 0.0
+    head = f"first relevant document's mean rank {mean:.1f}, random ranker {ref:.1f} +- {se:.1f} (z = {z:+.1f}): "
+    if z < -3:
+        return head + "better than chance"
+    if z > 3:
+        return head + "systematically WORSE than chance: look for an evaluation error or a bias against relevant documents"
+    return head + ("at chance: the model ranks these documents no better than random; metrics below a random ranker's "
+                   "expectation are the spread of a small set (top-k metrics count few hits), not a systematic error")
 
 
 def random_baseline(benchmark: RetrievalBenchmark) -> dict[str, float]:

@@ -98,6 +98,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             "metrics": {k: metrics[k] for k in METRICS}, "random_ranker": random_baseline(bench),
             "counts": {**bench.counts(), "skipped_documents": metrics["skipped_documents"]},
             "mean_rank": metrics["mean_rank"], "random_mean_rank": metrics["random_mean_rank"],
+            "random_mean_rank_se": metrics["random_mean_rank_se"],
             "doc_mean_cosine": metrics["doc_mean_cosine"], "world_size": info.world_size,
         }
         if info.is_main:

@@ -34,7 +34,7 @@ from raggedvl.parallel.wrap import (
 )
 from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from raggedvl.train.config import TrainConfig
-from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
+from raggedvl.evaluation.evaluator import chance_verdict, evaluate_benchmark, random_baseline
 from raggedvl.parallel.faults import StallWatchdog, inject_fault, report_failure
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.train.report import MetricsLog, format_metrics_table, plot_run
@@ -120,6 +120,8 @@ class Trainer:
         best_file = self.run_dir / "best" / "best.json"
         previous = json.loads(best_file.read_text())["value"] if best_file.is_file() else None
         value = dev[metric]
+        if self.info.is_main:
+            self.metrics_log.write({"event": "eval_best", "step": self.step, f"dev/{metric}": value})
         if previous is not None and not value > previous:
             self.log(f"step {self.step}: dev {metric} {value:.4f} (best {previous:.4f})")
             return
@@ -215,6 +217,7 @@ class Trainer:
         cfg, info = self.cfg, self.info
         resumed = self.resume() if cfg.resume else False
         log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resumed else None) if info.is_main else None
+        self.metrics_log = log
         if info.is_main and not resumed:
             log.write({"event": "config", **cfg.to_dict(), "world_size": info.world_size})
             log.write({"event": "size_estimate", "pairs": len(self.c.costs.costs), "patches": int(self.c.costs.patches.sum()),
@@ -304,10 +307,17 @@ class Trainer:
             "",
         ]
         for split in ("train", "dev"):
-            cos = (after or before or {}).get(split, {}).get("doc_mean_cosine")
+            result = (after or before or {}).get(split, {})
+            cos = result.get("doc_mean_cosine")
             if cos is not None:
                 warn = "  WARNING: document embeddings have collapsed (> 0.999)" if cos > 0.999 else ""
                 lines.append(f"{split} documents: mean pairwise cosine {cos:.4f}{warn}")
+            if "mean_rank" in result:
+                lines.append(f"{split} ({'after' if after else 'before'} training): {chance_verdict(result)}")
+            if result.get("skipped_documents"):
+                lines.append(f"{split}: {result['skipped_documents']} documents with unreadable images are never retrieved")
+        lines += ["", "Metrics are trec_eval's (pytrec_eval, as BEIR / mteb / ViDoRe report them): distinct images are "
+                      "the corpus, equal scores rank by document id, graded gains; see docs/EVALUATION.md."]
         (self.run_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
         print("\n".join(lines), flush=True)
         print("run directory:", flush=True)

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 from raggedvl.data import RetrievalCollator
-from raggedvl.evaluation import METRICS, random_ranker_metrics, score_metrics
+from raggedvl.evaluation import random_ranker_metrics, score_metrics
 from raggedvl.evaluation.encode import encode_documents, encode_queries
 from raggedvl.evaluation.search import pad_rows
 from raggedvl.losses import late_interaction_scores

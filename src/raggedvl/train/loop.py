@@ -11,6 +11,7 @@ checkpoints; all ranks run the same number of steps (the sampler guarantees it).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import sys
 import time
@@ -116,7 +117,7 @@ class Trainer:
         with a checkpoint of this step; ``best/best.json`` holds the step and the dev metrics.
         Collective: every rank calls it (the evaluation is sharded)."""
         metric = self.cfg.save_best
-        dev = self.evaluate("best")["dev"]
+        dev = self.evaluate()["dev"]
         best_file = self.run_dir / "best" / "best.json"
         previous = json.loads(best_file.read_text())["value"] if best_file.is_file() else None
         value = dev[metric]

@@ -104,5 +104,7 @@ class EmbeddingIndex:
                         block = flat[lo:hi].float()
                         rows = [block[int(offsets[j]) - lo:int(offsets[j + 1]) - lo] for j in range(start, stop)]
                         emb, mask = pad_rows(rows)
+                        del block, rows  # only the padded chunk stays alive while the caller scores it
                         yield offset + start, emb, mask
+                        del emb, mask
             offset += shard["documents"]

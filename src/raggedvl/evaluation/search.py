@@ -80,6 +80,7 @@ def search(queries: torch.Tensor, query_mask: torch.Tensor | None, chunks: Itera
         scores = score_chunk(queries, query_mask, docs, mask, block_elements=block_elements)
         keys = keys_C[where] if isinstance(where, torch.Tensor) else keys_C[where:where + scores.shape[1]]
         part = top_k(scores, k, keys, where)
+        del scores, docs, mask  # free this chunk before the next one is read
         running = part if running is None else merge_top_k([running, part], k, keys_C)
     if running is None:
         raise ValueError("search over an empty corpus")

@@ -16,7 +16,10 @@ Public API (imported lazily, so ``import raggedvl`` stays cheap):
 - ``build_retriever``, ``build_processor``, ``RetrievalCollator``, ``build_rdocs``: model and
   data building blocks of ``raggedvl train`` (``raggedvl.models``, ``raggedvl.data``);
   ``build_retriever`` also loads colpali-engine and transformers ColQwen2 checkpoints
-  (``raggedvl.models.interop``); ``RetrievalPrompts``: how a retriever's inputs are written.
+  (``raggedvl.models.interop``); ``RetrievalPrompts``: how a retriever's inputs are written;
+- ``load_benchmark``, ``evaluate_benchmark``, ``score_metrics``, ``search``,
+  ``EmbeddingIndex``: evaluation as the field reports it and exact chunked search
+  (``raggedvl.evaluation``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,12 @@ _EXPORTS = {
     "RetrievalCollator": "raggedvl.data",
     "RetrievalPrompts": "raggedvl.prompts",
     "load_retrieval_dataset": "raggedvl.data",
+    "load_benchmark": "raggedvl.evaluation.benchmark",
+    "RetrievalBenchmark": "raggedvl.evaluation.benchmark",
+    "evaluate_benchmark": "raggedvl.evaluation.evaluator",
+    "score_metrics": "raggedvl.evaluation",
+    "search": "raggedvl.evaluation.search",
+    "EmbeddingIndex": "raggedvl.evaluation.index",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -32,7 +32,7 @@ def test_sharded_evaluation_equals_single_process(tmp_path):
     qrels = [("q0", "c1", 1), ("q1", "c4", 2), ("q1", "c6", 1), ("q2", "c0", 1), ("q3", "c2", 1), ("q4", "c5", 1)]
     bench = write_beir(tmp_path / "bench", corpus, queries, qrels)
     single = _evaluate(0, 1, tmp_path / "model", bench)
-    ranks = run_distributed(_evaluate, 2, tmp_path / "model", bench, timeout=120)
+    ranks = run_distributed(_evaluate, 2, tmp_path / "model", bench, timeout=300)
     for got in ranks:
         assert got.keys() == single.keys()
         for key, value in single.items():

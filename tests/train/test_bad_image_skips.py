@@ -46,7 +46,7 @@ def test_a_skipped_bad_image_is_counted_in_the_log_and_the_summary(tmp_path, cap
     assert err.count("the size estimate rejected dataset split 'train' row 5 (id 'train-5')") == 1
     assert "cannot read the image header" in err
     assert err.count("skipped example 'train-5'") == 1 and err.count("skipped example 'train-3'") == 1
-    assert "cannot be decoded" in err and "train-1" not in err
+    assert "cannot be decoded" in err and "skipped example 'train-1'" not in err and "(id 'train-1')" not in err
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     estimate = next(r for r in records if r.get("event") == "size_estimate")
     assert estimate["rejected"] == ["dataset split 'train' row 5 (id 'train-5')"]

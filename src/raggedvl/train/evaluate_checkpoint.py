@@ -35,7 +35,7 @@ def _processor_source(path: Path) -> str:
     retriever, else the directory itself."""
     from raggedvl.models.retriever import is_saved_retriever, read_retriever_meta
 
-    if is_saved_retriever(path) and read_retriever_meta(path)["retriever"].get("source") == "tiny":
+    if is_saved_retriever(path) and read_retriever_meta(path)[0]["retriever"].get("source") == "tiny":
         return "tiny"
     return str(path)
 

@@ -214,8 +214,6 @@ def check(args) -> int:
     (raggedvl's through its own parser and config validation; colpali's TrainingArguments),
     both workloads at a few pairs, raggedvl's token-padding replay and the (c) simulation on the
     sampler's cost estimates standing in for measured times."""
-    import numpy as np
-
     configs = configurations(args)
     print(f"check: {len(configs)} trained configuration(s): " + "; ".join(s.label for s in configs))
     for s in configs:

@@ -41,6 +41,8 @@ from .dummy_vision import MODALITY_KEYS, dummy_vision_term, missing_modalities
 from .families import FAMILIES, family_of
 from .heads import EmbeddingOutput, RetrievalHead
 from .lora import LoraSettings, apply_lora
+from .packed_attention import set_packed_attention
+from .packing import pack_batch, unpack_hidden
 from .weights import save_tensors, write_json
 
 MODEL_INPUTS = frozenset({
@@ -101,6 +103,8 @@ class Retriever(nn.Module):
     (optionally wrapped by peft; apply LoRA through ``config.lora`` at construction).
     Gradient: flows to the head, the trainable backbone parameters and, through the dummy pass,
     zeros to vision parameters unused by a text-only batch. Issues no collective.
+    ``packing`` (:meth:`set_packing`, off by default): run the backbone on padding-free packed
+    rows (``raggedvl.models.packing``); outputs equal the padded path's up to float rounding.
     """
 
     def __init__(self, backbone: nn.Module, config: RetrieverConfig | None = None) -> None:
@@ -112,6 +116,7 @@ class Retriever(nn.Module):
         self.backbone = backbone
         hidden = self.base_model.config.text_config.hidden_size
         self.head = RetrievalHead(hidden, self.config.dim, self.config.head, self.config.pooling, self.config.eps)
+        self.packing = False
 
     @property
     def base_model(self) -> nn.Module:
@@ -150,6 +155,13 @@ class Retriever(nn.Module):
         elif self.base_model.is_activation_checkpointing:
             self.base_model.activation_checkpointing_disable()
 
+    def set_packing(self, enabled: bool = True) -> None:
+        """Toggle padding-free sequences: each encode call packs its samples into one row
+        (``raggedvl.models.packing``); the language model's ``sdpa`` becomes per-sequence SDPA
+        (``raggedvl.models.packed_attention``), flash-attention uses its varlen path."""
+        self.packing = bool(enabled)
+        set_packed_attention(self.base_model, self.packing)
+
     def forward(self, queries: Any = None, docs: Any = None, **batch: Any):
         if queries is not None or docs is not None:
             if queries is None or docs is None or batch:
@@ -185,7 +197,11 @@ class Retriever(nn.Module):
         for modality in missing_modalities(inputs, MODALITY_KEYS):  # zero-row pixel tensors carry no image
             inputs.pop(MODALITY_KEYS[modality], None)
             inputs.pop("image_grid_thw" if modality == "image" else "video_grid_thw", None)
-        hidden_BLH = self.backbone(**inputs, use_cache=False).last_hidden_state
+        if self.packing:
+            packed = pack_batch(self.base_model, inputs)
+            hidden_BLH = unpack_hidden(self.backbone(**packed.inputs, use_cache=False).last_hidden_state, packed)
+        else:
+            hidden_BLH = self.backbone(**inputs, use_cache=False).last_hidden_state
         dummy = dummy_vision_term(self.base_model.visual, len(missing_modalities(inputs, self.config.expected_modalities)))
         if dummy is not None:
             hidden_BLH = hidden_BLH + dummy.to(hidden_BLH.dtype)

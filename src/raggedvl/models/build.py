@@ -62,6 +62,7 @@ def build_retriever(
     attn_implementation: str | None = None,
     torch_dtype: torch.dtype | str | None = None,
     gradient_checkpointing: bool = False,
+    packing: bool = False,
     eps: float = 1e-6,
     expected_modalities: tuple[str, ...] = ("image",),
     tiny_family: str = "qwen2_vl",
@@ -84,7 +85,8 @@ def build_retriever(
     ``head``: "late_interaction" ([B, L, D] multi-vector) or "bi_encoder" ([B, D]);
     ``pooling`` ("last" | "mean") applies to the bi-encoder. ``lora``: wrap the language model
     with peft LoRA (base weights frozen; head trainable). ``seed`` makes random init
-    reproducible (``torch.manual_seed``). Raises ``ValueError`` for an unknown model source,
+    reproducible (``torch.manual_seed``). ``packing``: padding-free sequences
+    (:meth:`Retriever.set_packing`). Raises ``ValueError`` for an unknown model source,
     a tokenizer without the Qwen-VL special tokens, or a tokenizer larger than the checkpoint's
     embedding table.
     """
@@ -127,6 +129,7 @@ def build_retriever(
                                  expected_modalities=tuple(expected_modalities), lora=lora, source=str(model))
         retriever = Retriever(backbone, config)
     retriever.set_gradient_checkpointing(gradient_checkpointing)
+    retriever.set_packing(packing)
     if processor is not None and hasattr(processor, "image_processor"):
         retriever.processor = processor  # for Retriever.encode_queries / encode_documents
     return retriever

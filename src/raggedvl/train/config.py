@@ -41,6 +41,9 @@ class TrainConfig:
     gradient_checkpointing: bool = option(False, "recompute the backbone's activations in backward (less memory)")
     attn_implementation: str | None = option(
         None, "transformers attention implementation, e.g. sdpa, eager, flash_attention_2 (none: sdpa)")
+    packing: bool = option(
+        False, "padding-free sequences: each encode call packs its samples into one token row with per-sample "
+               "M-RoPE positions and per-sequence attention (same embeddings and losses, no padding tokens)")
     # data
     dataset: str = option("rdocs", "training data: 'rdocs' (embedded), a hub id, a local parquet file or image folder")
     train_split: str = option("train", "dataset split to train on")

@@ -151,7 +151,7 @@ def build_model(cfg: TrainConfig, processor: Any) -> torch.nn.Module:
     return build_retriever(
         cfg.model, processor=processor, head=cfg.head, dim=cfg.dim, pooling=cfg.pooling, lora=lora,
         attn_implementation=cfg.attn_implementation, gradient_checkpointing=cfg.gradient_checkpointing,
-        seed=cfg.seed, merge_lora=not cfg.use_lora,
+        packing=cfg.packing, seed=cfg.seed, merge_lora=not cfg.use_lora,
     )
 
 

@@ -20,7 +20,9 @@ is left, and the next part starts on time; the whole run stays inside ``--budget
    bf16 autocast vs fp32, sdpa (vision tower on ``cu_seqlens``) / flash-attn vs eager.
 3. timing (the rest): ``benchmarks/gpu/workload.py``: optimizer steps of the tiny and a
    mid-size ColQwen-style model (text hidden 1024 x 8 layers, vision depth 8), ragged vs
-   pad-per-image batches, plain vs GradCache: samples/s and peak ``max_memory_allocated``.
+   pad-per-image batches, plain vs GradCache, padded vs packed token rows (``--packing``; with
+   flash-attn also flash_attention_2 padded vs packed, its varlen path): samples/s and peak
+   ``max_memory_allocated``.
 
 ``--dry-run`` (or no CUDA): the same code on CPU with the tiny model, small pages and 1 step
 each; GPU-only parts print "skipped: no CUDA". Written to OUT_DIR: ``gpu_check.md`` (header +
@@ -234,44 +236,65 @@ def part_timing(rep: Report, device, deadline: float, sizes: dict, dry: bool) ->
     rep.log(f"[timing] batches ready in {time.perf_counter() - t0:.1f} s: {sizes['batch']} pairs per step, "
             f"visual tokens per batch ragged {tokens[False]:.0f} vs pad-per-image {tokens[True]:.0f}; "
             f"GradCache budget {sizes['cache_budget']} patches + tokens per chunk")
+    pad = workload.token_padding(batches[False])
+    rep.log(f"[timing] token padding of the ragged batches (queries + documents): {pad:.1%}; packed rows: 0 %")
     specs = [workload.TINY] if dry else [workload.TINY, workload.MID]
     if dry:
         rep.row("timing", workload.MID.name, "skipped: no CUDA" if device.type != "cuda" else "skipped: dry run")
+    flash = _flash_available()
     last = 0.0
     for spec in specs:
-        model = optimizer = None
+        models: dict = {}
         base = None
-        for padded in (False, True):
-            for cached in (False, True):
-                item = f"{spec.name}, {'pad-per-image' if padded else 'ragged'}, {'GradCache' if cached else 'plain'}"
-                if time.time() + 1.5 * last > deadline:
-                    rep.row("timing", item, "skipped: budget")
-                    continue
-                t1 = time.perf_counter()
-                try:
-                    if model is None:
-                        model, optimizer = workload.build_model(spec, processor, device)
-                    r = workload.time_steps(model, optimizer, batches[padded], device, grad_cache=cached,
-                                            budget=sizes["cache_budget"], warmup=sizes["warmup"], steps=sizes["steps"])
-                except torch.cuda.OutOfMemoryError as exc:
-                    rep.row("timing", item, "OOM", _first_line(exc), time.perf_counter() - t1)
-                    torch.cuda.empty_cache()
-                    continue
-                except Exception as exc:  # noqa: BLE001 - a failing mode is a row, the run goes on
-                    rep.log(traceback.format_exc())
-                    rep.row("timing", item, "FAIL", _first_line(exc),
-                            time.perf_counter() - t1)
-                    continue
-                last = time.perf_counter() - t1
-                base = base or r
-                mem_ratio = r["peak_gib"] / base["peak_gib"] if device.type == "cuda" else None
-                rep.row("timing", item, "pass" if math.isfinite(r["loss"]) else "FAIL",
-                        f"{tokens[padded]:.0f} visual tokens/step, {r['step_s'] * 1000:.0f} ms/step, loss {r['loss']:.3f}",
-                        last, samples_per_s=r["samples_per_s"], peak_gib=r["peak_gib"],
-                        speed_ratio=r["samples_per_s"] / base["samples_per_s"], memory_ratio=mem_ratio)
-        del model, optimizer
+        for mode in workload.timing_modes(flash):
+            item = f"{spec.name}, {mode.label}"
+            if mode.attn == "flash_attention_2" and not flash:
+                rep.row("timing", item, "skipped: no CUDA" if device.type != "cuda" else "n/a: flash-attn missing")
+                continue
+            if time.time() + 1.5 * last > deadline:
+                rep.row("timing", item, "skipped: budget")
+                continue
+            t1 = time.perf_counter()
+            try:
+                if mode.attn not in models:
+                    models.clear()  # one model at a time on the device
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    models[mode.attn] = workload.build_model(spec, processor, device, attn=mode.attn)
+                model, optimizer = models[mode.attn]
+                model.set_packing(mode.packing)
+                r = workload.time_steps(model, optimizer, batches[mode.padded_images], device, grad_cache=mode.cached,
+                                        budget=sizes["cache_budget"], warmup=sizes["warmup"], steps=sizes["steps"])
+            except torch.cuda.OutOfMemoryError as exc:
+                rep.row("timing", item, "OOM", _first_line(exc), time.perf_counter() - t1)
+                torch.cuda.empty_cache()
+                continue
+            except Exception as exc:  # noqa: BLE001 - a failing mode is a row, the run goes on
+                rep.log(traceback.format_exc())
+                rep.row("timing", item, "FAIL", _first_line(exc), time.perf_counter() - t1)
+                continue
+            last = time.perf_counter() - t1
+            base = base or r
+            mem_ratio = r["peak_gib"] / base["peak_gib"] if device.type == "cuda" else None
+            padding = "" if mode.padded_images else f"{0.0 if mode.packing else pad:.1%} padding tokens, "
+            rep.row("timing", item, "pass" if math.isfinite(r["loss"]) else "FAIL",
+                    f"{tokens[mode.padded_images]:.0f} visual tokens/step, {padding}"
+                    f"{r['step_s'] * 1000:.0f} ms/step, loss {r['loss']:.3f}",
+                    last, samples_per_s=r["samples_per_s"], peak_gib=r["peak_gib"],
+                    speed_ratio=r["samples_per_s"] / base["samples_per_s"], memory_ratio=mem_ratio)
+        models.clear()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _flash_available() -> bool:
+    import warnings
+
+    from raggedvl.models.build import resolve_attn_implementation
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return resolve_attn_implementation("flash_attention_2") == "flash_attention_2"
 
 
 # --------------------------------------------------------------------------------------- main

@@ -10,6 +10,8 @@ What one GPU can and cannot show (written into the report):
   on the same device, each run by the model, gathered back in order, outputs and gradients equal
   to the unsplit batch; whether ``nn.DataParallel``'s replicate/parallel_apply machinery accepts
   ``device_ids=[0, 0]`` (two replicas on one GPU) is tried and reported as found;
+- can: packed rows (padding-free sequences) against the padded batch, with per-sequence SDPA
+  and, when flash-attn is installed, flash-attention's varlen kernel;
 - cannot: NCCL between processes (NCCL refuses two ranks on one GPU, and at world size 1
   ``all_gather_variable`` issues no collective), DDP/FSDP2 across GPUs (``wrap_model`` leaves a
   1-rank model unwrapped). Those run in the ``gpu`` tests when 2 GPUs are present, and on
@@ -127,10 +129,68 @@ def check_attention(device) -> tuple[str, str]:
     return ("pass" if ok else "FAIL"), detail
 
 
+def check_packing(device) -> tuple[str, str]:
+    """Padding-free sequences (``Retriever.set_packing``): queries and documents packed into one
+    row each give the padded batch's embeddings and gradients, float32 with SDPA (per-sequence
+    SDPA on packed rows); on CUDA with flash-attn also flash_attention_2 under bf16 autocast
+    (varlen kernel, ``cu_seqlens`` from the text positions) against flash_attention_2 padded."""
+    import torch
+
+    from raggedvl.data import RetrievalCollator, build_processor
+    from raggedvl.losses import LateInteractionLoss
+    from raggedvl.models import build_retriever
+    from raggedvl.models.build import resolve_attn_implementation
+
+    processor = build_processor("tiny", max_pixels=50_176)
+    batch = RetrievalCollator(processor)(make_pages(4, seed=2))
+    queries, docs = batch["queries"].to(device), batch["docs"].to(device)
+    loss_fn = LateInteractionLoss(temperature=0.02, gather_across_ranks=False)
+    slots = sum(b["attention_mask"].numel() for b in (queries, docs))
+    pad = 1 - sum(int(b["attention_mask"].sum()) for b in (queries, docs)) / slots
+
+    def run(model, packing: bool, bf16: bool):
+        model.set_packing(packing)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            q, d = model(queries=queries, docs=docs)
+        loss = loss_fn(q.embeddings, q.mask, d.embeddings, d.mask)
+        loss.backward()
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return torch.cat([q.embeddings.flatten(), d.embeddings.flatten()]).float(), float(loss), grads
+
+    def compare(attn: str, bf16: bool) -> tuple[float, float, float]:
+        model = build_retriever("tiny", processor=processor, seed=0, attn_implementation=attn).to(device).train()
+        (e0, l0, g0), (e1, l1, g1) = run(model, False, bf16), run(model, True, bf16)
+        return _max_diff(e1, e0), abs(l1 - l0), max(_max_diff(g1[n], g0[n]) for n in g0)
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # exact fp32 on GPUs
+    try:
+        emb, loss, grad = compare("sdpa", bf16=False)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    ok = emb < 1e-4 and loss < 1e-4 and grad < 1e-3
+    detail = (f"padding tokens {pad:.1%} -> 0 %; fp32 sdpa: max |diff| embeddings {emb:.1e}, loss {loss:.1e}, "
+              f"gradients {grad:.1e}")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flash = resolve_attn_implementation("flash_attention_2") == "flash_attention_2"
+    if flash:
+        emb, loss, grad = compare("flash_attention_2", bf16=True)
+        ok = ok and emb < 5e-2 and loss < 5e-2
+        detail += f"; bf16 flash_attention_2 varlen: embeddings {emb:.1e}, loss {loss:.1e}, gradients {grad:.1e}"
+    else:
+        detail += "; flash_attention_2: n/a (needs CUDA and flash-attn)"
+    return ("pass" if ok else "FAIL"), detail
+
+
 CHECKS = [
     ("DataParallel scatter, 2 logical replicas on one device", check_logical_replicas, False),
     ("RaggedDataParallel device_ids=[0, 0]", check_data_parallel_same_gpu, True),
     ("bf16 autocast vs fp32", check_bf16_autocast, True),
     ("attention: sdpa / flash-attn vs eager", check_attention, False),
+    ("packing: packed vs padded rows", check_packing, False),
 ]
 """(name, function, needs CUDA)."""

@@ -1,5 +1,5 @@
 """The timed workload of gpu_check: ColQwen-style training steps, ragged vs pad-per-image,
-plain vs GradCache, for the tiny preset and a mid-size model.
+plain vs GradCache, padded vs packed token rows, for the tiny preset and a mid-size model.
 
 Data: synthetic document pages drawn with PIL (white pages with dark text-like bars) whose sizes
 mix a small crop, a half page, a portrait page and a two-page spread, as dynamic-resolution
@@ -99,13 +99,41 @@ def visual_tokens(batch: dict[str, Any]) -> int:
     return int(grid.prod(-1).sum()) // 4
 
 
-def build_model(spec: ModelSpec, processor, device):
+@dataclass(frozen=True)
+class TimingMode:
+    label: str
+    padded_images: bool  # every page pasted onto the batch's largest canvas
+    cached: bool  # GradCache
+    packing: bool = False  # padding-free token rows (Retriever.set_packing)
+    attn: str | None = None  # attn_implementation (None: sdpa)
+
+
+def timing_modes(flash: bool) -> list[TimingMode]:
+    """The timed modes of one model; the first is the reference of the ratios. The two
+    flash_attention_2 modes are listed always (reported as skipped without flash-attn)."""
+    modes = [TimingMode(f"{'pad-per-image' if padded else 'ragged'}, {'GradCache' if cached else 'plain'}", padded, cached)
+             for padded in (False, True) for cached in (False, True)]
+    modes += [TimingMode(f"ragged, packed, {'GradCache' if cached else 'plain'}", False, cached, packing=True)
+              for cached in (False, True)]
+    modes += [TimingMode(f"ragged, {'packed, ' if packing else ''}flash_attention_2, plain", False, False, packing=packing,
+                         attn="flash_attention_2") for packing in (False, True)]
+    return modes
+
+
+def token_padding(batches: list[dict[str, Any]]) -> float:
+    """Share of the padded token slots (queries and documents) that are padding."""
+    masks = [b[key]["attention_mask"] for b in batches for key in ("queries", "docs")]
+    return 1 - sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks)
+
+
+def build_model(spec: ModelSpec, processor, device, attn: str | None = None):
     import torch
 
     from raggedvl.models import TinySizes, build_retriever
 
     sizes = TinySizes(**spec.sizes) if spec.sizes else None
-    model = build_retriever("tiny", processor=processor, head="late_interaction", dim=128, tiny_sizes=sizes, seed=0)
+    model = build_retriever("tiny", processor=processor, head="late_interaction", dim=128, tiny_sizes=sizes, seed=0,
+                            attn_implementation=attn)
     model = model.to(device).train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     return model, optimizer

@@ -3,7 +3,8 @@
 One subprocess run (the script as a user starts it) checks the files it writes, that every
 GPU-only part says "skipped: no CUDA", that the CPU-safe checks pass (DataParallel scatter on
 two logical replicas: outputs and gradients equal the unsplit batch; sdpa vs eager), that the
-``gpu`` tests are found by marker, and that the four timing modes of the tiny model ran.
+``gpu`` tests are found by marker, that packed rows equal the padded batch (packing check), and
+that the timing modes of the tiny model ran (ragged / pad-per-image, plain / GradCache, packed).
 """
 
 from __future__ import annotations
@@ -66,9 +67,12 @@ def test_dry_run_cpu_safe_checks_pass(dry_run):
     assert "shards [2, 2]" in scatter["detail"]
     attention = checks["attention: sdpa / flash-attn vs eager"]
     assert attention["result"] == "pass" and "flash_attention_2 -> sdpa" in attention["detail"]
+    packing = checks["packing: packed vs padded rows"]
+    assert packing["result"] == "pass", packing["detail"]
+    assert "-> 0 %; fp32 sdpa" in packing["detail"] and "flash_attention_2: n/a" in packing["detail"]
 
 
-def test_dry_run_times_all_four_modes_of_the_tiny_model(dry_run):
+def test_dry_run_times_the_modes_of_the_tiny_model(dry_run):
     _, _, report = dry_run
     timing = _rows(report, "timing")
     modes = [f"tiny, {b}, {m}" for b in ("ragged", "pad-per-image") for m in ("plain", "GradCache")]
@@ -77,3 +81,8 @@ def test_dry_run_times_all_four_modes_of_the_tiny_model(dry_run):
         assert row["result"] == "pass", (mode, row)
         assert row["samples_per_s"] > 0 and row["speed_ratio"] > 0
     assert timing[modes[0]]["speed_ratio"] == 1.0  # the reference row
+    for mode in ("tiny, ragged, packed, plain", "tiny, ragged, packed, GradCache"):
+        assert timing[mode]["result"] == "pass" and "0.0% padding tokens" in timing[mode]["detail"], timing[mode]
+    assert "0.0% padding tokens" not in timing[modes[0]]["detail"]  # the padded rows have some
+    for mode in ("tiny, ragged, flash_attention_2, plain", "tiny, ragged, packed, flash_attention_2, plain"):
+        assert timing[mode]["result"] == "skipped: no CUDA"

@@ -170,3 +170,18 @@ def test_set_packing_switches_only_sdpa():
         assert model.base_model.config.vision_config._attn_implementation == attn  # the tower keeps its own
         model.set_packing(False)
         assert text_attention(model.base_model) == attn
+
+
+def test_packing_with_lora_and_gradient_checkpointing():
+    from raggedvl.models import LoraSettings
+
+    backbone = tiny_model("qwen2_vl")
+    backbone.set_attn_implementation("sdpa")
+    model = Retriever(backbone, RetrieverConfig(dim=16, lora=LoraSettings(r=4, alpha=8, dropout=0.0))).train()
+    model.set_gradient_checkpointing(True)
+    docs, queries = make_features(DOCS, "qwen2_vl", seed=8), make_features(QUERIES, "qwen2_vl", seed=9)
+    want = _run(model, queries, docs, packing=False)
+    got = _run(model, queries, docs, packing=True)
+    assert any("lora_" in n for n in want[3]) and got[3].keys() == want[3].keys()
+    assert _max_diff(got[1], want[1]) < TOL and _max_diff(got[2], want[2]) < TOL
+    assert max(_max_diff(got[3][n], want[3][n]) for n in want[3]) < TOL

@@ -40,8 +40,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from raggedvl.data import RetrievalCollator, build_processor, build_rdocs, load_retrieval_dataset  # noqa: E402
-from raggedvl.data.rdocs import DEFAULT_JOB_DEV_PAIRS, DEFAULT_JOB_TRAIN_PAIRS, default_cache_root  # noqa: E402
-from raggedvl.losses import LateInteractionLoss  # noqa: E402
+from raggedvl.data.cache import cache_root  # noqa: E402
+from raggedvl.data.rdocs import DEFAULT_JOB_DEV_PAIRS, DEFAULT_JOB_TRAIN_PAIRS  # noqa: E402
+from raggedvl.losses import make_retrieval_loss  # noqa: E402
 from raggedvl.models import build_retriever  # noqa: E402
 from raggedvl.models.packed_attention import set_packed_attention  # noqa: E402
 
@@ -58,7 +59,7 @@ def uptime() -> str:
 
 def load_pairs(workload: str, n: int, cache: Path | None):
     """``n`` training pairs of ``workload`` (a RetrievalDataset), rendered once and cached."""
-    cache = cache or default_cache_root()
+    cache = cache_root(cache)
     if workload == "uniform":  # the default job's pairs (already built by `raggedvl train`)
         root = build_rdocs(cache, train_limit=max(n, DEFAULT_JOB_TRAIN_PAIRS), dev_limit=DEFAULT_JOB_DEV_PAIRS)
         return load_retrieval_dataset(root, split="train")
@@ -85,7 +86,7 @@ def step(model, loss_fn, batch) -> tuple[float, float, float]:
     """CPU seconds (this process) and wall seconds of one forward + loss + backward, and the loss."""
     c0, t0 = time.process_time(), time.perf_counter()
     q, d = model(queries=batch["queries"], docs=batch["docs"])
-    loss = loss_fn(q.embeddings, q.mask, d.embeddings, d.mask)
+    loss = loss_fn(q, d)
     loss.backward()
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
@@ -98,7 +99,7 @@ def run_workload(workload: str, args) -> dict:
     collate = RetrievalCollator(processor)
     batches = [collate([pairs[i] for i in range(k * args.batch, (k + 1) * args.batch)]) for k in range(args.batches)]
     model = build_retriever("tiny", processor=processor, seed=0).train()
-    loss_fn = LateInteractionLoss(temperature=0.02, gather_across_ranks=False)
+    loss_fn = make_retrieval_loss("late_interaction", temperature=0.02)
     for mode in MODES:  # warm-up: one step per mode
         set_mode(model, mode)
         step(model, loss_fn, batches[0])

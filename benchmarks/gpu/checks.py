@@ -137,14 +137,14 @@ def check_packing(device) -> tuple[str, str]:
     import torch
 
     from raggedvl.data import RetrievalCollator, build_processor
-    from raggedvl.losses import LateInteractionLoss
+    from raggedvl.losses import make_retrieval_loss
     from raggedvl.models import build_retriever
     from raggedvl.models.build import resolve_attn_implementation
 
     processor = build_processor("tiny", max_pixels=50_176)
     batch = RetrievalCollator(processor)(make_pages(4, seed=2))
     queries, docs = batch["queries"].to(device), batch["docs"].to(device)
-    loss_fn = LateInteractionLoss(temperature=0.02, gather_across_ranks=False)
+    loss_fn = make_retrieval_loss("late_interaction", temperature=0.02)
     slots = sum(b["attention_mask"].numel() for b in (queries, docs))
     pad = 1 - sum(int(b["attention_mask"].sum()) for b in (queries, docs)) / slots
 
@@ -153,7 +153,7 @@ def check_packing(device) -> tuple[str, str]:
         model.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             q, d = model(queries=queries, docs=docs)
-        loss = loss_fn(q.embeddings, q.mask, d.embeddings, d.mask)
+        loss = loss_fn(q, d)
         loss.backward()
         grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
         return torch.cat([q.embeddings.flatten(), d.embeddings.flatten()]).float(), float(loss), grads

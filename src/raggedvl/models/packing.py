@@ -15,8 +15,10 @@ one row [1, T] and gives the backbone ``position_ids`` [4, 1, T]:
 - row 0: the text positions 0..l_i - 1 of each sample. transformers' Qwen-VL text models read a
   4-row ``position_ids`` as (text, t, h, w) and use the text row to find packed sequences (a
   new sequence wherever the position does not grow by 1): flash-attention's varlen path derives
-  ``cu_seqlens`` from it, the sdpa / eager mask becomes block-diagonal causal, and
-  ``raggedvl.models.packed_attention`` runs SDPA per sequence.
+  ``cu_seqlens`` from it (only for one row, batch size 1), the sdpa / eager mask becomes
+  block-diagonal causal, and ``raggedvl.models.packed_attention`` runs SDPA per sequence. A
+  3-row ``position_ids`` carries no text row: transformers then builds the mask from
+  ``attention_mask`` alone and a packed row would attend across its samples.
 
 ``attention_mask`` is dropped (the row has no padding). Visual inputs are passed unchanged (the
 vision tower already runs per image on ``cu_seqlens``; the placeholders stay in sample order,

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), str(out), "--dry-run"],
-                          capture_output=True, text=True, timeout=240, cwd=REPO,
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     report = json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").is_file() else None
     return done, out, report

@@ -13,9 +13,10 @@ so every mode sees the same weights and the losses must agree). Modes, on the sa
 - packed, block-diagonal mask: the same rows through transformers' own ``sdpa`` packed path
   (one [T, T] block-diagonal causal mask per row).
 
-Workloads: ``uniform``, the rdocs pages of the default job at max_pixels 200,704 (issue 17's
-workload (a)); ``heavy``, the heavy-tailed document mix of ``benchmarks/colpali_bench``
-(thumbnails, strips, crops, slides, full pages, spreads) at max_pixels 1,003,520 (workload (b)).
+Workloads (``benchmarks/colpali_bench/workloads.py``, shared with ``vs_colpali.py``):
+``uniform``, rdocs pages as the embedded dataset renders them, at max_pixels 200,704 (issue 17's
+workload (a)); ``heavy``, the heavy-tailed document mix (thumbnails, strips, crops, slides, full
+pages, spreads) at max_pixels 1,003,520 (workload (b)).
 The machine is shared: modes are interleaved within each repeat (rotating the order), times are
 this process's CPU seconds (``time.process_time``; one thread, so CPU time is what an idle
 machine's wall time would be, minus waiting for a core) beside the wall seconds, the ratio to
@@ -39,15 +40,14 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from raggedvl.data import RetrievalCollator, build_processor, build_rdocs, load_retrieval_dataset  # noqa: E402
+from colpali_bench.workloads import WORKLOADS, build_workload  # noqa: E402
+from raggedvl.data import RetrievalCollator, build_processor, load_retrieval_dataset  # noqa: E402
 from raggedvl.data.cache import cache_root  # noqa: E402
-from raggedvl.data.rdocs import DEFAULT_JOB_DEV_PAIRS, DEFAULT_JOB_TRAIN_PAIRS  # noqa: E402
 from raggedvl.losses import make_retrieval_loss  # noqa: E402
 from raggedvl.models import build_retriever  # noqa: E402
 from raggedvl.models.packed_attention import set_packed_attention  # noqa: E402
 
 MODES = ("padded", "packed, per-sequence SDPA", "packed, block-diagonal mask")
-MAX_PIXELS = {"uniform": 200_704, "heavy": 1_003_520}
 
 
 def uptime() -> str:
@@ -59,17 +59,7 @@ def uptime() -> str:
 
 def load_pairs(workload: str, n: int, cache: Path | None):
     """``n`` training pairs of ``workload`` (a RetrievalDataset), rendered once and cached."""
-    cache = cache_root(cache)
-    if workload == "uniform":  # the default job's pairs (already built by `raggedvl train`)
-        root = build_rdocs(cache, train_limit=max(n, DEFAULT_JOB_TRAIN_PAIRS), dev_limit=DEFAULT_JOB_DEV_PAIRS)
-        return load_retrieval_dataset(root, split="train")
-    try:
-        from colpali_bench.workloads import build_workload
-    except ImportError as exc:
-        raise SystemExit(f"the heavy mix is built by benchmarks/colpali_bench/workloads.py (issue 17 item 1), which "
-                         f"cannot be imported here ({exc}); run with --workloads uniform") from exc
-
-    directory = build_workload("heavy", Path(cache) / "bench", train_pairs=max(n, 16), dev_pairs=8)
+    directory = build_workload(workload, cache_root(cache) / "bench", train_pairs=max(n, 16), dev_pairs=8)
     return load_retrieval_dataset(str(directory / "train.parquet"), split="train")
 
 
@@ -98,7 +88,7 @@ def step(model, loss_fn, batch) -> tuple[float, float, float]:
 
 
 def run_workload(workload: str, args) -> dict:
-    processor = build_processor("tiny", max_pixels=MAX_PIXELS[workload] if not args.check else 50_176)
+    processor = build_processor("tiny", max_pixels=WORKLOADS[workload].max_pixels if not args.check else 50_176)
     pairs = load_pairs(workload, args.batch * args.batches, args.cache)
     collate = RetrievalCollator(processor)
     batches = [collate([pairs[i] for i in range(k * args.batch, (k + 1) * args.batch)]) for k in range(args.batches)]

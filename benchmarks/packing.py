@@ -57,9 +57,9 @@ def uptime() -> str:
         return f"load average {os.getloadavg()[0]:.2f}"
 
 
-def load_pairs(workload: str, n: int, cache: Path | None):
-    """``n`` training pairs of ``workload`` (a RetrievalDataset), rendered once and cached."""
-    directory = build_workload(workload, cache_root(cache) / "bench", train_pairs=max(n, 16), dev_pairs=8)
+def load_pairs(workload: str, train_pairs: int, dev_pairs: int, cache: Path | None):
+    """The training split of ``workload`` at that size (a RetrievalDataset), rendered once and cached."""
+    directory = build_workload(workload, cache_root(cache) / "bench", train_pairs=train_pairs, dev_pairs=dev_pairs)
     return load_retrieval_dataset(str(directory / "train.parquet"), split="train")
 
 
@@ -89,7 +89,8 @@ def step(model, loss_fn, batch) -> tuple[float, float, float]:
 
 def run_workload(workload: str, args) -> dict:
     processor = build_processor("tiny", max_pixels=WORKLOADS[workload].max_pixels if not args.check else 50_176)
-    pairs = load_pairs(workload, args.batch * args.batches, args.cache)
+    n = args.batch * args.batches
+    pairs = load_pairs(workload, n, 2, args.cache) if args.check else load_pairs(workload, max(n, 16), 8, args.cache)
     collate = RetrievalCollator(processor)
     batches = [collate([pairs[i] for i in range(k * args.batch, (k + 1) * args.batch)]) for k in range(args.batches)]
     model = build_retriever("tiny", processor=processor, seed=0).train()

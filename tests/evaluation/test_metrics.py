@@ -46,3 +46,21 @@ def test_mean_pairwise_cosine_detects_collapse():
     same = torch.ones(5, 4) + 1e-6 * torch.randn(5, 4)
     assert mean_pairwise_cosine(same) > 0.999
     assert abs(mean_pairwise_cosine(torch.eye(4))) < 1e-12
+
+
+def test_random_rank_moments_and_the_chance_verdict():
+    import itertools
+    import statistics
+
+    from raggedvl.evaluation.evaluator import chance_verdict, random_rank_moments
+
+    n = 6
+    for relevant in (1, 2, 3):
+        firsts = [1 + min(perm.index(d) for d in range(relevant)) for perm in itertools.permutations(range(n))]
+        got = random_rank_moments(n, [dict.fromkeys(range(relevant), 1)] * 4)  # 4 queries: se = sd / 2
+        assert got["random_mean_rank"] == pytest.approx(statistics.fmean(firsts))
+        assert got["random_mean_rank_se"] == pytest.approx(statistics.pstdev(firsts) / 2)
+    at_chance = {"mean_rank": 64.3, "random_mean_rank": 64.5, "random_mean_rank_se": 3.3}
+    assert "at chance" in chance_verdict(at_chance)
+    assert "better than chance" in chance_verdict({**at_chance, "mean_rank": 1.4})
+    assert "WORSE than chance" in chance_verdict({**at_chance, "mean_rank": 90.0})

@@ -129,7 +129,7 @@ class Trainer:
         self.save(self.run_dir / "best", keep=1)
         if self.info.is_main:
             record = {"metric": metric, "value": value, "step": self.step,
-                      "dev": {k: v for k, v in dev.items() if k != "random"}}
+                      "dev": dev}
             best_file.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
             self.log(f"step {self.step}: dev {metric} {value:.4f}: new best, saved to {best_file.parent}")
         barrier()
@@ -210,7 +210,7 @@ class Trainer:
                 continue
             metrics = evaluate_benchmark(model, self.c.collate, bench, batch_size=self.cfg.eval_batch_size,
                                          device=self.info.device, autocast=self.autocast)
-            out[name] = {**metrics, "n": metrics["documents"], "random": random_baseline(bench)}
+            out[name] = {**metrics, "n": metrics["documents"]}
         return out
 
     # ----------------------------------------------------------------- run
@@ -228,7 +228,7 @@ class Trainer:
         if cfg.eval_before and not resumed:
             before = self.evaluate()
             if info.is_main:
-                log.write({"event": "eval_before", "step": 0, **{f"{s}/{k}": v for s, m in before.items() for k, v in m.items() if k not in ("n", "random")}, "raw": before})
+                log.write({"event": "eval_before", "step": 0, **{f"{s}/{k}": v for s, m in before.items() for k, v in m.items() if k != "n"}, "raw": before})
         if info.is_main:
             self.log(
                 f"training {self.total_steps} steps on {info.world_size} rank(s) ({info.backend}, {info.device.type}), "
@@ -284,7 +284,8 @@ class Trainer:
         for split in ("train", "dev"):
             ref = (after or before or {}).get(split)
             if ref:
-                rows[f"{split}: random ranker ({ref['queries']} queries, {ref['n']} docs)"] = ref["random"]
+                bench = self.c.eval_set if split == "dev" else self.c.train_eval_set
+                rows[f"{split}: random ranker ({ref['queries']} queries, {ref['n']} docs)"] = random_baseline(bench)
             if before:
                 rows[f"{split}: before training"] = before[split]
             if after:

@@ -56,7 +56,7 @@ def test_image_batch_runs_no_image_dummy_but_a_video_dummy_when_videos_are_expec
     docs = make_batch(["biplot"], [[(1, 4, 4)]])
     model(**docs)
     pixels, grid = dummy_vision_inputs(model.base_model.visual)
-    assert calls == [(16, 1176), tuple(pixels.shape)]  # the real image, then one dummy for video
+    assert calls == [tuple(pixels.shape), (16, 1176)]  # one dummy for video, then the real image
     assert grid.tolist() == [[1, 2, 2]] and pixels.shape == (4, FAMILIES["qwen2_vl"].patch_dim)
     calls.clear()
     model(**make_batch(["x"], [[]]))

@@ -65,7 +65,7 @@ accelerate's own (dispatch broadcast, DDP all-reduce, token-count gather).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -74,6 +74,7 @@ from transformers import Trainer
 from raggedvl.batch import RaggedBatch
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.losses import RetrievalLoss, make_retrieval_loss
+from raggedvl.models import install_dummy_vision
 from raggedvl.parallel import RaggedDataParallel, check_repeats_identifiable, real_sample_mask
 from raggedvl.parallel.runtime import set_collective_timeout
 from raggedvl.parallel.faults import StallWatchdog, inject_fault, report_failure
@@ -150,6 +151,12 @@ class RaggedTrainer(Trainer):
         collective_timeout_s: seconds after which any collective of the process group fails
             (default ``args.ddp_timeout``, which accelerate applied when it created the group);
             given, it is applied to the existing default group.
+        expected_modalities: for ``task="sft"``, the vision inputs any process may see ("image",
+            "video"); :func:`raggedvl.models.install_dummy_vision` makes every forward call the
+            vision tower once per modality, with a zero-weight dummy input where the batch has
+            none, so a process with text-only samples neither hangs DDP (which runs without
+            ``find_unused_parameters`` under activation checkpointing) nor crosses FSDP's
+            parameter gathers. A retriever carries its own (``RetrieverConfig``).
 
     Raises ``ValueError`` for an unknown task, a loss of the wrong kind or with parameters, a
     non-positive timeout, and for ``grad_cache_budget`` with SFT, below 1, with fp16 loss
@@ -158,7 +165,8 @@ class RaggedTrainer(Trainer):
 
     def __init__(self, model: nn.Module | None = None, args: Any = None, *, processor: Any, task: str = "retrieval",
                  loss: nn.Module | None = None, grad_cache_budget: int | None = None,
-                 collective_timeout_s: float | None = None, **kwargs: Any) -> None:
+                 collective_timeout_s: float | None = None, expected_modalities: Sequence[str] = ("image",),
+                 **kwargs: Any) -> None:
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         if collective_timeout_s is not None and not collective_timeout_s > 0:
@@ -184,6 +192,8 @@ class RaggedTrainer(Trainer):
             raise ValueError("task='sft' uses the model's own causal-LM loss; do not pass loss=")
         if task == "sft":  # a Retriever's config is no PretrainedConfig: the Trainer cannot align its tokens
             kwargs.setdefault("processing_class", processor)
+            if model is not None:  # before the Trainer wraps it (DDP / FSDP)
+                install_dummy_vision(model, expected_modalities)
         super().__init__(model=model, args=args, **kwargs)
         self.task = task
         self.retrieval_loss = loss

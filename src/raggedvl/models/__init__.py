@@ -2,7 +2,13 @@
 
 from .attention import resolve_attn_implementation
 from .build import build_retriever, load_backbone
-from .dummy_vision import dummy_vision_inputs, dummy_vision_term, missing_modalities
+from .dummy_vision import (
+    dummy_vision_inputs,
+    dummy_vision_term,
+    install_dummy_vision,
+    missing_modalities,
+    vision_base_model,
+)
 from .families import FAMILIES, Family, TinySizes, family_of, special_token_ids, tiny_backbone_config
 from .heads import EmbeddingOutput, RetrievalHead, pool_hidden
 from .lora import LoraSettings, apply_generation_lora, apply_lora
@@ -26,10 +32,12 @@ __all__ = [
     "dummy_vision_inputs",
     "dummy_vision_term",
     "family_of",
+    "install_dummy_vision",
     "load_backbone",
     "missing_modalities",
     "pool_hidden",
     "resolve_attn_implementation",
     "special_token_ids",
     "tiny_backbone_config",
+    "vision_base_model",
 ]

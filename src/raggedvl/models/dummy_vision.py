@@ -1,37 +1,54 @@
-"""Dummy vision pass: every forward calls the vision tower once per expected modality.
+"""Dummy vision pass: every forward calls the vision tower once per expected modality, before the decoder.
 
-Why (issue 7 item 1, case C04): under DDP without ``find_unused_parameters`` a rank whose batch
-has no image never uses the vision tower's parameters, its reducer waits for gradients that
-never come, and the next iteration fails with "Expected to have finished reduction in the prior
-iteration" (or hangs); FSDP2 / ZeRO-3 deadlock when ranks call the tower a different number of
-times (images and videos on one rank, images only on another).
+Why (issue 7 item 1, case C04; issue 12 section 2): under DDP without ``find_unused_parameters``
+(what the HF Trainer picks with activation checkpointing) a rank whose batch has no image never
+uses the vision tower's parameters; its reducer never sees their gradients and the job hangs in
+the first backward (or fails with "Expected to have finished reduction in the prior
+iteration"). FSDP2 / ZeRO-3 all-gather each sharded block's parameters when the block runs, so
+every rank must run the same blocks in the same order: a rank that calls the tower fewer times,
+or after the decoder instead of before it, crosses the gathers (gloo: "Received data size
+doesn't match expected size").
 
-Fix: for each modality in ``expected`` ("image", "video") that the batch lacks, run the smallest
-valid input, one ``[t, h, w] = [1, 2, 2]`` grid (4 patch rows of zeros, one merged visual
-token), through the tower and return ``0.0 * sum(outputs)``; the caller adds that scalar to the
-language model's hidden states. Properties:
+Fix, for every Qwen-VL base model (``Qwen2VLModel``, ``Qwen2_5_VLModel``, ``Qwen3VLModel``,
+inside a retriever, a ``*ForConditionalGeneration`` generator or a peft wrapper alike):
+:func:`install_dummy_vision` registers a forward pre-hook on the base model. For each modality
+in ``expected`` ("image", "video") that the call lacks, the hook runs the smallest valid input,
+one ``[t, h, w] = [1, 2, 2]`` grid (4 patch rows of zeros, one merged visual token), through the
+tower and adds ``0.0 * sum(outputs)`` to the input embeddings (a forward hook on the embedding
+layer), where real visual features go too. So on every rank the forward runs: embedding, one
+tower call per expected modality (dummies first, then the real ones), then the decoder; the
+backward mirrors it. Properties:
 
 - value: ``x + 0.0 * s == x`` exactly for finite ``x`` (zero input keeps ``s`` finite), so the
   loss is bit-identical;
 - gradient: every vision parameter receives a gradient of exactly zero (a tensor, not ``None``),
   so DDP's reducer sees every parameter used on every rank and all-reduces zeros;
-- call count: one tower call per expected modality on every rank, real or dummy, so sharded
-  wrappers issue the same collectives everywhere;
+- call order: the same tower calls before the decoder on every rank, so sharded wrappers issue
+  the same collectives everywhere (the tower is one module: a dummy and a real call gather the
+  same parameters);
 - Qwen3-VL: its deepstack features (one per deepstack layer) are summed into the term too, so
   the deepstack mergers also receive zero gradients.
 
-Works with gradient checkpointing (the tower's blocks checkpoint the dummy like any input).
-Shapes: pixel rows [4, patch_dim], grid [1, 3]; patch_dim = 3 * temporal_patch * patch**2.
+Pixel tensors with zero rows count as absent (they are dropped before the model sees them).
+Decoding steps with a filled KV cache run no dummy (no rank runs the tower there). Works with
+activation checkpointing (the tower's blocks checkpoint the dummy like any input) and under
+``nn.DataParallel`` replicas (the hooks use the module they are called on). Issues no
+collective. Shapes: pixel rows [4, patch_dim], grid [1, 3]; patch_dim = 3 * temporal_patch * patch**2.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 MODALITY_KEYS = {"image": "pixel_values", "video": "pixel_values_videos"}
+GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
+_PENDING = "_raggedvl_dummy_vision_term"  # per-call term, set on the embedding module by the pre-hook
+_HOOK = "_raggedvl_dummy_vision"  # the installed DummyVisionPass, on the base model
 
 
 def dummy_vision_inputs(visual: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,3 +91,101 @@ def dummy_vision_term(visual: nn.Module, count: int = 1) -> torch.Tensor | None:
             total = total + feature.float().sum()
         term = total * 0.0 if term is None else term + total * 0.0
     return term
+
+
+def drop_empty_vision(inputs: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the model inputs ``inputs`` without the pixel tensors that have zero rows and
+    their grids (they carry no image or video; the model would run the tower on nothing)."""
+    inputs = dict(inputs)
+    for modality, pixels_key in MODALITY_KEYS.items():
+        pixels = inputs.get(pixels_key)
+        if pixels is not None and pixels.shape[0] == 0:
+            inputs.pop(pixels_key)
+            inputs.pop(GRID_KEYS[modality], None)
+    return inputs
+
+
+def check_modalities(expected: Iterable[str]) -> tuple[str, ...]:
+    """``expected`` as a tuple; ``ValueError`` for a modality other than "image" / "video"."""
+    expected = tuple(expected)
+    bad = [m for m in expected if m not in MODALITY_KEYS]
+    if bad:
+        raise ValueError(f"expected_modalities {bad} unknown; use a subset of {sorted(MODALITY_KEYS)}")
+    return expected
+
+
+def vision_base_model(model: nn.Module) -> nn.Module:
+    """The Qwen-VL base model (``Qwen2VLModel`` / ``Qwen2_5_VLModel`` / ``Qwen3VLModel``) in ``model``:
+    ``model`` itself, a ``*ForConditionalGeneration``'s ``.model``, inside a peft or DDP wrapper or
+    a :class:`~raggedvl.models.Retriever`. Raises ``ValueError`` when there is none."""
+    from .families import FAMILIES
+
+    classes = tuple(f.model_class for f in FAMILIES.values())
+    for module in model.modules():
+        if isinstance(module, classes):
+            return module
+    raise ValueError(
+        f"{type(model).__name__} holds no Qwen-VL base model ({', '.join(c.__name__ for c in classes)}); "
+        "the dummy vision pass applies to Qwen2-VL, Qwen2.5-VL and Qwen3-VL models"
+    )
+
+
+class DummyVisionPass:
+    """Forward pre-hook of a Qwen-VL base model (module docstring); holds no module, so replicas
+    and deep copies of the model share or copy it safely. ``expected``: the modalities any rank
+    may see, in the fixed order of :data:`MODALITY_KEYS`."""
+
+    def __init__(self, expected: Iterable[str]) -> None:
+        self.expected = check_modalities(expected)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        if args:  # name positional inputs (input_ids, attention_mask, ...) by the forward's signature
+            names = list(inspect.signature(module.forward).parameters)
+            kwargs = {**dict(zip(names, args)), **kwargs}
+        kwargs = drop_empty_vision(kwargs)
+        embeddings = module.get_input_embeddings()
+        embeddings.__dict__.pop(_PENDING, None)  # left over only if an earlier forward raised
+        if _decoding(kwargs):
+            return (), kwargs
+        encoded = kwargs.get("mm_encoder_outputs") or {}
+        missing = [m for m in missing_modalities(kwargs, self.expected) if encoded.get(m) is None]
+        term = dummy_vision_term(module.visual, len(missing))
+        if term is not None:
+            if kwargs.get("inputs_embeds") is not None:
+                kwargs["inputs_embeds"] = kwargs["inputs_embeds"] + term.to(kwargs["inputs_embeds"].dtype)
+            else:
+                embeddings.__dict__[_PENDING] = term
+        return (), kwargs
+
+
+def _decoding(kwargs: dict[str, Any]) -> bool:
+    """True for a generation step after the prefill (the KV cache already holds tokens)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    length = getattr(cache, "get_seq_length", None)
+    return callable(length) and int(length()) > 0
+
+
+def _add_pending_term(module: nn.Module, args: tuple, output: torch.Tensor):
+    term = module.__dict__.pop(_PENDING, None)
+    return None if term is None else output + term.to(output.dtype)
+
+
+def install_dummy_vision(model: nn.Module, expected: Iterable[str] = ("image",)) -> nn.Module:
+    """Make every forward of ``model``'s Qwen-VL base model call the vision tower once per modality
+    of ``expected``, real or dummy, before the decoder (module docstring). Returns the base model.
+
+    Call it before wrapping the model for DDP / FSDP2 (hooks on inner modules survive both).
+    Installing again only replaces ``expected``. Gradient: zeros (tensors) for vision parameters
+    a batch does not use; values and other gradients unchanged. Raises ``ValueError`` for an
+    unknown modality or a model without a Qwen-VL base model.
+    """
+    expected = check_modalities(expected)
+    base = vision_base_model(model)
+    hook = base.__dict__.get(_HOOK)
+    if hook is None:
+        hook = DummyVisionPass(expected)
+        base.register_forward_pre_hook(hook, with_kwargs=True)
+        base.get_input_embeddings().register_forward_hook(_add_pending_term)
+        base.__dict__[_HOOK] = hook
+    hook.expected = expected
+    return base

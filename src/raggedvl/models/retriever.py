@@ -37,7 +37,7 @@ from torch import nn
 from raggedvl.prompts import DEFAULT_PROMPTS, LEGACY_PROMPTS, RetrievalPrompts
 
 from .attention import resolve_attn_implementation
-from .dummy_vision import MODALITY_KEYS, dummy_vision_term, missing_modalities
+from .dummy_vision import MODALITY_KEYS, check_modalities, drop_empty_vision, install_dummy_vision
 from .families import FAMILIES, family_of
 from .heads import EmbeddingOutput, RetrievalHead
 from .lora import LoraSettings, apply_lora
@@ -77,10 +77,7 @@ class RetrieverConfig:
     prompts: RetrievalPrompts = field(default=DEFAULT_PROMPTS)
 
     def __post_init__(self) -> None:
-        self.expected_modalities = tuple(self.expected_modalities)
-        bad = [m for m in self.expected_modalities if m not in MODALITY_KEYS]
-        if bad:
-            raise ValueError(f"expected_modalities {bad} unknown; use a subset of {sorted(MODALITY_KEYS)}")
+        self.expected_modalities = check_modalities(self.expected_modalities)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -101,8 +98,9 @@ class Retriever(nn.Module):
 
     ``backbone`` is a transformers ``Qwen2VLModel`` / ``Qwen2_5_VLModel`` / ``Qwen3VLModel``
     (optionally wrapped by peft; apply LoRA through ``config.lora`` at construction).
-    Gradient: flows to the head, the trainable backbone parameters and, through the dummy pass,
-    zeros to vision parameters unused by a text-only batch. Issues no collective.
+    Gradient: flows to the head, the trainable backbone parameters and, through the dummy pass
+    (installed on the backbone at construction, run before the decoder), zeros to vision
+    parameters unused by a text-only batch. Issues no collective.
     ``packing`` (:meth:`set_packing`, off by default): run the backbone on padding-free packed
     rows (``raggedvl.models.packing``); outputs equal the padded path's up to float rounding.
     """
@@ -114,6 +112,7 @@ class Retriever(nn.Module):
         if self.config.lora is not None:
             backbone = apply_lora(backbone, self.config.lora)
         self.backbone = backbone
+        install_dummy_vision(backbone, self.config.expected_modalities)
         hidden = self.base_model.config.text_config.hidden_size
         self.head = RetrievalHead(hidden, self.config.dim, self.config.head, self.config.pooling, self.config.eps)
         self.packing = False
@@ -194,17 +193,13 @@ class Retriever(nn.Module):
             if (batch.get(pixels_key) is None) != (batch.get(grid_key) is None):
                 raise ValueError(f"{pixels_key} and {grid_key} must be given together (batch has only one)")
         inputs = {k: v for k, v in batch.items() if v is not None}
-        for modality in missing_modalities(inputs, MODALITY_KEYS):  # zero-row pixel tensors carry no image
-            inputs.pop(MODALITY_KEYS[modality], None)
-            inputs.pop("image_grid_thw" if modality == "image" else "video_grid_thw", None)
+        inputs = drop_empty_vision({k: v for k, v in batch.items() if v is not None})
+        # the backbone's pre-hook runs the dummy vision pass before the decoder (raggedvl.models.dummy_vision)
         if self.packing:
             packed = pack_batch(self.base_model, inputs)
             hidden_BLH = unpack_hidden(self.backbone(**packed.inputs, use_cache=False).last_hidden_state, packed)
         else:
             hidden_BLH = self.backbone(**inputs, use_cache=False).last_hidden_state
-        dummy = dummy_vision_term(self.base_model.visual, len(missing_modalities(inputs, self.config.expected_modalities)))
-        if dummy is not None:
-            hidden_BLH = hidden_BLH + dummy.to(hidden_BLH.dtype)
         return self.head(hidden_BLH, mask)
 
     def _collator(self, processor: Any):

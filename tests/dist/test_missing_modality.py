@@ -1,7 +1,9 @@
 """Ranks lacking a modality, on every path (issue 12 section 2), on 2 gloo processes.
 
 Rank 0 and rank 1 get different modality mixes (images vs text only, images + video vs images
-only, video vs text only). Before the fix these runs hung or aborted:
+only, video vs text only), for Qwen2-VL, Qwen2.5-VL and Qwen3-VL (deepstack), with and without
+activation checkpointing, full fine-tuning and LoRA, DDP and FSDP2. Before the fix these runs
+hung or aborted:
 
 - SFT through ``RaggedTrainer(task="sft")`` with activation checkpointing (DDP then runs with
   ``find_unused_parameters=False``), full fine-tuning: rank 0 (images) blocked forever in the
@@ -55,18 +57,19 @@ class Case:
 
 
 CASES = {
-    # the reported abort: FSDP2 retriever, image document vs text-only document
+    # the retriever under DDP (find_unused_parameters=False), plain and checkpointed (case C04)
+    "retrieval-qwen2_vl-ddp-text_only_rank": Case("retrieval", "qwen2_vl", "ddp", False, False, ("image",),
+                                                  (IMG, IMG2), (TXT,)),
+    "retrieval-qwen3_vl-ddp-ckpt-video_vs_text_only": Case("retrieval", "qwen3_vl", "ddp", True, False,
+                                                           ("image", "video"), (VID,), (TXT, TXT2)),
+    # the retriever under FSDP2: the reported abort, and image+video vs images (deepstack, checkpointed)
     "retrieval-qwen2_vl-fsdp2-text_only_rank": Case("retrieval", "qwen2_vl", "fsdp2", False, False, ("image",),
                                                     (IMG, IMG2), (TXT,)),
-    "retrieval-qwen2_vl-fsdp2-lora-ckpt-text_only_rank": Case("retrieval", "qwen2_vl", "fsdp2", True, True,
-                                                              ("image",), (TXT2,), (IMG2, TXT)),
     "retrieval-qwen2_5_vl-fsdp2-image_video_vs_images": Case("retrieval", "qwen2_5_vl", "fsdp2", False, False,
                                                              ("image", "video"), (IMG, VID), (IMG2,)),
     "retrieval-qwen3_vl-fsdp2-ckpt-image_video_vs_images": Case("retrieval", "qwen3_vl", "fsdp2", True, False,
                                                                 ("image", "video"), (VID, IMG), (IMG2, TXT)),
-    "retrieval-qwen3_vl-ddp-ckpt-video_vs_text_only": Case("retrieval", "qwen3_vl", "ddp", True, False,
-                                                           ("image", "video"), (VID,), (TXT, TXT2)),
-    # the SFT generator: DDP without find_unused_parameters, and FSDP2
+    # the SFT generator: DDP without find_unused_parameters, and FSDP2; full fine-tuning and LoRA
     "sft-qwen2_vl-ddp-ckpt-text_only_rank": Case("sft", "qwen2_vl", "ddp", True, False, ("image",),
                                                  (IMG, IMG2), (TXT, TXT2)),
     "sft-qwen2_vl-ddp-lora-ckpt-text_only_rank": Case("sft", "qwen2_vl", "ddp", True, True, ("image",),

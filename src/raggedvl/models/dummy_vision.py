@@ -67,9 +67,7 @@ def dummy_vision_inputs(visual: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 def missing_modalities(batch: dict, expected: Iterable[str]) -> list[str]:
     """Modalities of ``expected`` whose pixel tensor is absent (or has zero rows) in ``batch``."""
     missing = []
-    for modality in expected:
-        if modality not in MODALITY_KEYS:
-            raise ValueError(f"unknown vision modality {modality!r}; expected a subset of {sorted(MODALITY_KEYS)}")
+    for modality in check_modalities(expected):
         pixels = batch.get(MODALITY_KEYS[modality])
         if pixels is None or pixels.shape[0] == 0:
             missing.append(modality)
@@ -110,7 +108,7 @@ def check_modalities(expected: Iterable[str]) -> tuple[str, ...]:
     expected = tuple(expected)
     bad = [m for m in expected if m not in MODALITY_KEYS]
     if bad:
-        raise ValueError(f"expected_modalities {bad} unknown; use a subset of {sorted(MODALITY_KEYS)}")
+        raise ValueError(f"unknown vision modality {bad}; expected_modalities must be a subset of {sorted(MODALITY_KEYS)}")
     return expected
 
 
@@ -133,7 +131,7 @@ def vision_base_model(model: nn.Module) -> nn.Module:
 class DummyVisionPass:
     """Forward pre-hook of a Qwen-VL base model (module docstring); holds no module, so replicas
     and deep copies of the model share or copy it safely. ``expected``: the modalities any rank
-    may see, in the fixed order of :data:`MODALITY_KEYS`."""
+    may see (a subset of :data:`MODALITY_KEYS`)."""
 
     def __init__(self, expected: Iterable[str]) -> None:
         self.expected = check_modalities(expected)

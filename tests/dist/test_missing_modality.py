@@ -42,11 +42,12 @@ IMG2 = {"images": [(1, 2, 4), (1, 4, 2)], "text": 2}
 VID = {"videos": [(2, 4, 4)], "text": 2}
 TXT = {"text": 5}
 TXT2 = {"text": 3}
+TXT13 = {"text": 12}  # 13 tokens, as many as IMG2 (GradCache keeps every chunk at the batch's width)
 
 
 @dataclass(frozen=True)
 class Case:
-    task: str  # "retrieval" (Retriever + LateInteractionLoss) or "sft" (*ForConditionalGeneration)
+    task: str  # "retrieval" (Retriever + late-interaction loss) or "sft" (*ForConditionalGeneration)
     family: str
     strategy: str  # "ddp" | "fsdp2"
     checkpointing: bool
@@ -54,6 +55,7 @@ class Case:
     expected: tuple[str, ...]
     rank0: tuple[dict, ...]  # documents (retrieval) or samples (sft) of rank 0
     rank1: tuple[dict, ...]
+    grad_cache_budget: int | None = None  # retrieval: the step through GradCache, chunks of this many patches + tokens
 
 
 CASES = {
@@ -69,6 +71,9 @@ CASES = {
                                                              ("image", "video"), (IMG, VID), (IMG2,)),
     "retrieval-qwen3_vl-fsdp2-ckpt-image_video_vs_images": Case("retrieval", "qwen3_vl", "fsdp2", True, False,
                                                                 ("image", "video"), (VID, IMG), (IMG2, TXT)),
+    # GradCache under FSDP2: rank 0 cuts 2 document chunks (images), rank 1 one (text only) + a padding chunk
+    "retrieval-qwen2_vl-fsdp2-gradcache-text_only_rank": Case("retrieval", "qwen2_vl", "fsdp2", False, False,
+                                                              ("image",), (IMG2, IMG2), (TXT13,), grad_cache_budget=30),
     # the SFT generator: DDP without find_unused_parameters, and FSDP2; full fine-tuning and LoRA
     "sft-qwen2_vl-ddp-ckpt-text_only_rank": Case("sft", "qwen2_vl", "ddp", True, False, ("image",),
                                                  (IMG, IMG2), (TXT, TXT2)),
@@ -98,7 +103,9 @@ def _global_batches(case: Case):
                                      case.family, token_ids=SMALL_IDS)
     queries = None
     if case.task == "retrieval":
-        texts = [{"text": 2 + i % 3} for i in range(len(samples))]
+        # GradCache drops a chunk's all-padding columns, and a shorter text-only sequence gets float32
+        # rotary tables that differ in the last bit (~1e-8 in the gradient): equal query lengths there
+        texts = [{"text": 3 if case.grad_cache_budget else 2 + i % 3} for i in range(len(samples))]
         queries = RaggedBatch.from_features(make_features(texts, layout=case.family, seed=2), case.family,
                                             token_ids=SMALL_IDS)
     return queries, docs, len(case.rank0)
@@ -126,12 +133,11 @@ def _build(case: Case):
 
 
 def _loss(case: Case, model, queries, docs, n_items: int | None, world_size: int, gather: bool):
-    from raggedvl.losses import LateInteractionLoss
+    from raggedvl.losses import make_retrieval_loss
 
     if case.task == "retrieval":
-        q, d = model(queries=queries, docs=docs)
-        return LateInteractionLoss(temperature=TEMPERATURE, gather_across_ranks=gather)(
-            q.embeddings, q.mask, d.embeddings, d.mask)
+        loss_fn = make_retrieval_loss("late_interaction", temperature=TEMPERATURE, gather_across_ranks=gather)
+        return loss_fn(*model(queries=queries, docs=docs))
     # token sum over the global label count, times W: DDP / FSDP2 average the gradients over W
     out = model(**docs.to_dict(), use_cache=False, num_items_in_batch=n_items)
     return out.loss * world_size
@@ -163,9 +169,18 @@ def _run_case(case: Case, rank: int, world_size: int) -> dict:
     model = _build(case)
     calls = _record_calls(model)
     wrapped = wrap_model(model, strategy=case.strategy)
-    loss = _loss(case, wrapped, mine_q, mine_d, n_items, world_size, gather=True)
-    forward_calls = list(calls)
-    loss.backward()
+    if case.grad_cache_budget is None:
+        loss = _loss(case, wrapped, mine_q, mine_d, n_items, world_size, gather=True)
+        forward_calls = list(calls)
+        loss.backward()
+    else:  # the recorded calls include the replays' forwards
+        from raggedvl.gradcache import grad_cache_step
+        from raggedvl.losses import make_retrieval_loss
+
+        step = grad_cache_step(wrapped, mine_q, mine_d, make_retrieval_loss("late_interaction", temperature=TEMPERATURE),
+                               budget=case.grad_cache_budget)
+        forward_calls = list(calls)
+        forward_calls.append(f"doc chunks {step.doc_chunks}, forwards {step.doc_forwards}")
     grads = {}
     for name, p in unwrap_model(wrapped).named_parameters():
         if not p.requires_grad:
@@ -246,7 +261,11 @@ def test_every_rank_makes_the_same_tower_calls_before_the_decoder(results, name)
     r0, r1 = results[0][name], results[1][name]
     per_encode = ["vision tower"] * len(case.expected) + ["decoder"]
     encodes = 2 if case.task == "retrieval" else 1  # queries, then documents, in one forward
-    assert r0["calls"] == r1["calls"] == per_encode * encodes, (r0["calls"], r1["calls"])
+    if case.grad_cache_budget is None:
+        assert r0["calls"] == r1["calls"] == per_encode * encodes, (r0["calls"], r1["calls"])
+    else:  # 1 query chunk and 2 document chunks (rank 1: 1 + a padding chunk), each encoded twice
+        assert r0["calls"][-1] == "doc chunks 2, forwards 2" and r1["calls"][-1] == "doc chunks 1, forwards 2"
+        assert r0["calls"][:-1] == r1["calls"][:-1] == per_encode * 6
     wrapper = "DistributedDataParallel" if case.strategy == "ddp" else "FSDP"
     assert r0["wrapped"].startswith(wrapper)
 

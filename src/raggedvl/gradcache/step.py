@@ -37,8 +37,8 @@ Parallelism (``model`` is a ``Retriever`` or one wrapped by ``raggedvl.parallel.
   exactly zero contribution. ``set_requires_gradient_sync(False)`` replaces ``no_sync``.
   The query chunks are all replayed before the document chunks on every rank, so the ranks
   run their forwards in the same order of kinds. A rank whose documents have no images
-  while another's do still diverges (the vision tower runs at a different point of the
-  forward), as without GradCache.
+  while another's do makes the same calls too: the retriever's dummy vision pass runs the
+  tower before the decoder in every chunk (:mod:`raggedvl.models.dummy_vision`).
 - A single process (no wrapper): plain accumulation.
 
 Memory: the activations of one chunk, plus what grows with B: the cached embeddings and

@@ -156,7 +156,8 @@ class RaggedTrainer(Trainer):
             vision tower once per modality, with a zero-weight dummy input where the batch has
             none, so a process with text-only samples neither hangs DDP (which runs without
             ``find_unused_parameters`` under activation checkpointing) nor crosses FSDP's
-            parameter gathers. A retriever carries its own (``RetrieverConfig``).
+            parameter gathers. A retriever carries its own (``RetrieverConfig``). With
+            ``model_init`` instead of ``model``, call ``install_dummy_vision`` in it.
 
     Raises ``ValueError`` for an unknown task, a loss of the wrong kind or with parameters, a
     non-positive timeout, and for ``grad_cache_budget`` with SFT, below 1, with fp16 loss

@@ -26,10 +26,10 @@ import torch
 from torch.utils.data import IterableDataset
 from transformers import TrainingArguments
 
+from raggedvl import RetrievalBenchmark, evaluate_benchmark
 from raggedvl.data import RetrievalCollator, RetrievalDataset, build_processor, build_rdocs
 from raggedvl.hf import RaggedTrainer, RetrievalWireCollator
 from raggedvl.models import LoraSettings, build_retriever
-from raggedvl.train.evaluate import evaluate_retrieval
 
 
 class Streaming(IterableDataset):
@@ -68,7 +68,8 @@ def evaluate(trainer: RaggedTrainer, dev, collate) -> dict[str, float] | None:
     if dev is None:
         return None
     model = trainer.accelerator.unwrap_model(trainer.model)
-    return evaluate_retrieval(model.eval(), dev, collate, batch_size=8, device=trainer.args.device)
+    return evaluate_benchmark(model.eval(), collate, RetrievalBenchmark.from_pairs(dev), batch_size=8,
+                              device=trainer.args.device)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -104,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"({trainer.args.world_size} process(es), {trainer.args.n_gpu} GPU(s) per process)")
         for name, metrics in (("before", before), ("after", after)):
             if metrics:
-                print(f"dev {name}: nDCG@5 {metrics['ndcg@5']:.3f}  Recall@1 {metrics['recall@1']:.3f}  ({metrics['n']} pages)")
+                print(f"dev {name}: nDCG@5 {metrics['ndcg@5']:.3f}  Recall@1 {metrics['recall@1']:.3f}  ({metrics['documents']} pages)")
     return {"losses": losses, "before": before, "after": after}
 
 

@@ -70,14 +70,15 @@ def evaluate(checkpoint: str, dev_parquet: str, max_pixels: int, batch_size: int
     """dev metrics of a ColQwen2 checkpoint through colpali-engine's own processor and model
     (``process_queries`` / ``process_images``, ``ColQwen2.forward``); scores are MaxSim over each
     item's valid tokens (attention mask) and metrics come from ``raggedvl.evaluation.score_metrics``
-    with the ids raggedvl's ``evaluate_retrieval`` uses (trec_eval tie order): the same scoring and
+    with the ids raggedvl's ``evaluate_benchmark`` uses (trec_eval tie order): the same scoring and
     metric code as the raggedvl side."""
     import torch
     from colpali_engine.models import ColQwen2, ColQwen2Processor
     from datasets import load_dataset
 
     from raggedvl.evaluation import mean_pairwise_cosine, score_metrics
-    from raggedvl.train.evaluate import score_pairs
+    from raggedvl.evaluation.search import pad_rows
+    from raggedvl.losses import late_interaction_scores
 
     processor = ColQwen2Processor.from_pretrained(checkpoint, max_num_visual_tokens=max_pixels // (28 * 28))
     model = ColQwen2.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -90,7 +91,8 @@ def evaluate(checkpoint: str, dev_parquet: str, max_pixels: int, batch_size: int
                 emb = model(**batch)
                 out += [e[m.bool()].float() for e, m in zip(emb, batch["attention_mask"])]
     n = len(queries)
-    metrics = score_metrics(score_pairs(queries, docs), [{i: 1} for i in range(n)], [f"{i:08d}" for i in range(n)])
+    scores = late_interaction_scores(*pad_rows(queries), *pad_rows(docs))
+    metrics = score_metrics(scores, [{i: 1} for i in range(n)], [f"{i:08d}" for i in range(n)])
     metrics["doc_mean_cosine"] = mean_pairwise_cosine(torch.stack([d.mean(dim=0) for d in docs]))
     metrics["n"] = len(queries)
     return metrics

@@ -118,7 +118,7 @@ def token_padding(s: RunSettings, dataset: str) -> dict[str, int]:
 
 
 def evaluate(model_source: str, checkpoint_dir: str | None, dev_parquet: str, max_pixels: int, seed: int) -> dict[str, float]:
-    """raggedvl's own evaluation (``evaluate_retrieval``: its collator with the model's prompts,
+    """raggedvl's own evaluation (``evaluate_benchmark``: its collator with the model's prompts,
     MaxSim over valid tokens, trec_eval tie order) of the model built from ``model_source`` as
     ``raggedvl train`` builds it, with the weights of ``checkpoint_dir`` (a run directory) loaded
     when given."""
@@ -126,7 +126,8 @@ def evaluate(model_source: str, checkpoint_dir: str | None, dev_parquet: str, ma
 
     from raggedvl.data import RetrievalCollator, build_processor, load_retrieval_dataset
     from raggedvl.models import build_retriever
-    from raggedvl.train.evaluate import evaluate_retrieval
+    from raggedvl.evaluation.benchmark import RetrievalBenchmark
+    from raggedvl.evaluation.evaluator import evaluate_benchmark
 
     processor = build_processor(model_source, max_pixels=max_pixels)
     torch.manual_seed(seed)
@@ -139,7 +140,9 @@ def evaluate(model_source: str, checkpoint_dir: str | None, dev_parquet: str, ma
         load_full_state_dicts(model, None, ckpt.model, None)
     dev = load_retrieval_dataset(dev_parquet, split="dev")
     collate = RetrievalCollator(processor, prompts=model.config.prompts)
-    return evaluate_retrieval(model, dev, collate, batch_size=8, device=torch.device("cpu"))
+    metrics = evaluate_benchmark(model, collate, RetrievalBenchmark.from_pairs(dev), batch_size=8, device=torch.device("cpu"))
+    metrics["n"] = metrics["queries"]  # as the colpali side counts
+    return metrics
 
 
 def processor_works(model_source: str, max_pixels: int) -> str | None:

@@ -18,7 +18,7 @@ the real global batch), and evaluation never scores a repeat. One launch runs, o
    examples 0, 1, 2 and the weights equal one step on them (the repeat of 0 is not counted).
 5. ``eval5``: ``RaggedTrainer.evaluate`` on the 5 pairs: the evaluation loss is the mean over the
    5 real queries of their terms, each in its own step's real global batch.
-6. ``encode5``: ``evaluate_retrieval`` (sharded encoding, batch 2) on the 5 pairs: metrics equal
+6. ``encode5``: ``evaluate_benchmark`` (sharded encoding, batch 2) on the 5 pairs: metrics equal
    one process's.
 """
 
@@ -43,7 +43,7 @@ def _worker(rank: int, world_size: int, out_dir: str):
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     from raggedvl.data import RetrievalCollator
     from raggedvl.hf import RaggedTrainer, RetrievalWireCollator, SFTCollator, pack
-    from raggedvl.train.evaluate import evaluate_retrieval
+    from raggedvl import RetrievalBenchmark, evaluate_benchmark
     from tests.hf.helpers import retrieval_examples, sft_examples, tiny_generator, tiny_processor, tiny_retriever, training_args
 
     class Recorder(RaggedTrainer):
@@ -79,7 +79,7 @@ def _worker(rank: int, world_size: int, out_dir: str):
     evaluator = RaggedTrainer(tiny_retriever(), training_args(f"{out_dir}/e{rank}", per_device_eval_batch_size=2),
                               processor=proc, data_collator=collator)
     out["eval5"] = evaluator.evaluate(retrieval_examples(5))["eval_loss"]
-    out["encode5"] = evaluate_retrieval(tiny_retriever(), retrieval_examples(5), RetrievalCollator(proc),
+    out["encode5"] = evaluate_benchmark(tiny_retriever(), RetrievalCollator(proc), RetrievalBenchmark.from_pairs(retrieval_examples(5)),
                                         batch_size=2, device=torch.device("cpu"))
     path = f"{out_dir}/rank{rank}.pt"  # tensors through a file: the queue would share their memory
     torch.save(out, path)
@@ -209,11 +209,11 @@ def test_evaluation_loss_counts_each_real_query_once(results):
 
 def test_sharded_encoding_scores_every_pair_once(results):
     from raggedvl.data import RetrievalCollator
-    from raggedvl.train.evaluate import evaluate_retrieval
+    from raggedvl import RetrievalBenchmark, evaluate_benchmark
     from tests.hf.helpers import retrieval_examples, tiny_processor, tiny_retriever
 
-    ref = evaluate_retrieval(tiny_retriever(), retrieval_examples(5), RetrievalCollator(tiny_processor()),
-                             batch_size=2, device=torch.device("cpu"))
-    assert ref["n"] == 5
+    ref = evaluate_benchmark(tiny_retriever(), RetrievalCollator(tiny_processor()),
+                             RetrievalBenchmark.from_pairs(retrieval_examples(5)), batch_size=2, device=torch.device("cpu"))
+    assert ref["queries"] == 5 and ref["documents"] == 5
     for res in results:
         assert res["encode5"] == pytest.approx(ref, rel=1e-9)

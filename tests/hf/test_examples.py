@@ -25,7 +25,8 @@ def test_retrieval_example_trains_and_evaluates(tmp_path):
         "--logging-steps", "1", "--max-pixels", str(224 * 224), "--output-dir", str(tmp_path), "--streaming",
     ])
     assert len(out["losses"]) == 2 and all(math.isfinite(x) for x in out["losses"])
-    assert out["before"]["n"] == out["after"]["n"] == 4
+    assert out["before"]["queries"] == out["after"]["queries"] == 4
+    assert out["before"]["documents"] == out["after"]["documents"] == 4
     assert out["before"]["doc_mean_cosine"] != out["after"]["doc_mean_cosine"]  # training moved the embeddings
 
 

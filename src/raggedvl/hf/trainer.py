@@ -366,7 +366,7 @@ class RaggedTrainer(Trainer):
 
     def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys=None):
         """Evaluation: the loss of this step's real global batch, the same value on every process
-        (retrieval metrics live in ``raggedvl.train.evaluate``). Retrieval: the mean of the
+        (retrieval metrics: ``raggedvl.evaluate_benchmark``). Retrieval: the mean of the
         processes' shares ``L_r``; SFT: the token mean over every process's real label tokens.
         The Trainer repeats it per sample and ``gather_for_metrics`` keeps the real samples'
         copies, so the evaluation loss weights each step by its real samples. One all-reduce."""

@@ -44,7 +44,7 @@ def _worker(rank: int, world_size: int, out_dir: str):
     from raggedvl.data import RetrievalCollator
     from raggedvl.hf import RaggedTrainer, RetrievalWireCollator, SFTCollator, pack
     from raggedvl import RetrievalBenchmark, evaluate_benchmark
-    from tests.hf.helpers import retrieval_examples, sft_examples, tiny_generator, tiny_processor, tiny_retriever, training_args
+    from tests.hf.helpers import retrieval_examples, retrieval_pairs, sft_examples, tiny_generator, tiny_processor, tiny_retriever, training_args
 
     class Recorder(RaggedTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -79,7 +79,7 @@ def _worker(rank: int, world_size: int, out_dir: str):
     evaluator = RaggedTrainer(tiny_retriever(), training_args(f"{out_dir}/e{rank}", per_device_eval_batch_size=2),
                               processor=proc, data_collator=collator)
     out["eval5"] = evaluator.evaluate(retrieval_examples(5))["eval_loss"]
-    out["encode5"] = evaluate_benchmark(tiny_retriever(), RetrievalCollator(proc), RetrievalBenchmark.from_pairs(retrieval_examples(5)),
+    out["encode5"] = evaluate_benchmark(tiny_retriever(), RetrievalCollator(proc), RetrievalBenchmark.from_pairs(retrieval_pairs(5)),
                                         batch_size=2, device=torch.device("cpu"))
     path = f"{out_dir}/rank{rank}.pt"  # tensors through a file: the queue would share their memory
     torch.save(out, path)
@@ -210,10 +210,10 @@ def test_evaluation_loss_counts_each_real_query_once(results):
 def test_sharded_encoding_scores_every_pair_once(results):
     from raggedvl.data import RetrievalCollator
     from raggedvl import RetrievalBenchmark, evaluate_benchmark
-    from tests.hf.helpers import retrieval_examples, tiny_processor, tiny_retriever
+    from tests.hf.helpers import retrieval_pairs, tiny_processor, tiny_retriever
 
     ref = evaluate_benchmark(tiny_retriever(), RetrievalCollator(tiny_processor()),
-                             RetrievalBenchmark.from_pairs(retrieval_examples(5)), batch_size=2, device=torch.device("cpu"))
+                             RetrievalBenchmark.from_pairs(retrieval_pairs(5)), batch_size=2, device=torch.device("cpu"))
     assert ref["queries"] == 5 and ref["documents"] == 5
     for res in results:
         assert res["encode5"] == pytest.approx(ref, rel=1e-9)

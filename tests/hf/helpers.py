@@ -35,6 +35,14 @@ def retrieval_examples(n: int = 8) -> list[dict]:
     ]
 
 
+def retrieval_pairs(n: int = 8):
+    """``retrieval_examples(n)`` as a :class:`raggedvl.data.RetrievalDataset` (split "dev")."""
+    from raggedvl.data import RetrievalDataset
+
+    examples = retrieval_examples(n)
+    return RetrievalDataset([{"query": e["query"], "id": e["id"]} for e in examples], [e["image"] for e in examples], "dev")
+
+
 def sft_examples() -> list[dict]:
     """Multi-image, single-image and text-only samples."""
     return [

@@ -133,7 +133,7 @@ def evaluate(model_source: str, checkpoint_dir: str | None, dev_parquet: str, ma
     torch.manual_seed(seed)
     model = build_retriever(model_source, processor=processor, seed=seed)
     if checkpoint_dir is not None:
-        from raggedvl.parallel.wrap import load_full_state_dicts
+        from raggedvl.parallel import load_full_state_dicts
         from raggedvl.train.checkpoint import load_checkpoint_or_latest
 
         ckpt = load_checkpoint_or_latest(checkpoint_dir)

@@ -1,15 +1,20 @@
-"""RaggedDispatchSlicer in one process: the slice accelerate computes, applied to whole samples,
-through nested collator outputs (the multi-process case C03 is tests/dist/test_accelerate_dispatch.py)."""
+"""RaggedDispatchSlicer in one process: the slice accelerate computes, applied to whole samples of
+feature dicts and wire-form batches, through nested collator outputs (the multi-process case C03
+is tests/dist/test_accelerate_dispatch.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from accelerate.utils import slice_tensors
 from transformers import BatchFeature
 
 from raggedvl.batch import RaggedBatch
+from raggedvl.batch.wire import pack, unpack
 from raggedvl.parallel import RaggedDispatchSlicer
+from tests.batch.helpers import assert_same_batch
 from tests.batch.synth import SMALL_IDS, make_features
+from tests.batch.test_wire import MIXED, TEXT_ONLY, batch_of
 
 SPECS = [{"images": [(1, 4, 4)]}, {"text": 2}, {"images": [(1, 2, 2), (1, 8, 6)]}, {"images": [(1, 6, 6)]}]
 
@@ -50,3 +55,28 @@ def test_rejects_slices_measured_on_patch_rows_and_broken_full_batches():
     glued["image_grid_thw"] = torch.cat([a["image_grid_thw"], b["image_grid_thw"]])
     with pytest.raises(ValueError, match=r"position_ids has shape \[6, 2, 30\] but input_ids is \[4, 30\]"):
         slicer(glued, slice(0, 2))
+
+
+def test_wire_batches_keep_whole_samples_where_position_slicing_breaks():
+    queries, docs = batch_of(TEXT_ONLY * 2, seed=3), batch_of(MIXED, seed=4)
+    tree = {"queries": pack(queries), "docs": pack(docs)}
+    broken = slice_tensors(tree, slice(0, 2))  # accelerate's default
+    with pytest.raises(ValueError):
+        unpack(broken["docs"], token_ids=SMALL_IDS)
+    slice_fn = RaggedDispatchSlicer(token_ids=SMALL_IDS)
+    for p in range(2):
+        part = slice_fn(tree, slice(2 * p, 2 * p + 2), process_index=p, num_processes=2)
+        got_docs = unpack(part["docs"], token_ids=SMALL_IDS)
+        want = docs.select([2 * p, 2 * p + 1])
+        assert got_docs.image_counts == want.image_counts
+        assert torch.equal(got_docs["image_grid_thw"], want["image_grid_thw"])
+        assert torch.equal(got_docs["pixel_values"], want["pixel_values"])
+        assert unpack(part["queries"], token_ids=SMALL_IDS).num_samples == 2
+
+
+def test_plain_feature_dicts_padded_to_one_length_are_cut_by_samples():
+    feats = make_features(MIXED, pad_to=80)
+    part = RaggedDispatchSlicer(token_ids=SMALL_IDS)(feats, slice(2, 4))
+    got = RaggedBatch.from_features(part, token_ids=SMALL_IDS)
+    want = RaggedBatch.from_features(feats, token_ids=SMALL_IDS).select([2, 3])
+    assert_same_batch(got, want)

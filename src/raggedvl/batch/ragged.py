@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -30,7 +29,7 @@ import torch
 from . import ownership, validation
 from .costs import CostModel
 from .layouts import BatchLayout, TokenIds, get_layout
-from .offsets import exclusive_cumsum
+from .offsets import boundaries, exclusive_cumsum
 from .padded import pad_patches, ranges, unpad_patches
 
 
@@ -399,9 +398,9 @@ class RaggedBatch:
         sizes = [int(s) for s in sizes]
         if any(s < 0 for s in sizes) or sum(sizes) != self.num_samples:
             raise ValueError(f"split sizes {sizes} must be >= 0 and sum to the {self.num_samples} samples")
-        bounds = [0, *accumulate(sizes)]
-        item_cum = {n: [0, *accumulate(r.counts)] for n, r in self._streams.items()}
-        patch_cum = {n: [0, *accumulate(r.patch_counts.tolist())] for n, r in self._streams.items()}
+        bounds = boundaries(sizes)
+        item_cum = {n: boundaries(r.counts_t) for n, r in self._streams.items()}
+        patch_cum = {n: boundaries(r.patch_counts) for n, r in self._streams.items()}
         out = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             sample = {k: v.narrow(self._layout.sample_dims[k], lo, hi - lo) for k, v in self._sample.items()}

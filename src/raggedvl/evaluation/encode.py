@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from raggedvl.parallel.runtime import get_rank, get_world_size
+from raggedvl.parallel import get_rank, get_world_size
 
 
 def valid_rows(emb: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:

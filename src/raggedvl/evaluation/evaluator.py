@@ -29,7 +29,7 @@ from raggedvl.evaluation.encode import document_collate, document_sizes, encode_
 from raggedvl.evaluation.metrics import MAX_CUTOFF, mean_pairwise_cosine, random_ranker_metrics, ranking_metrics
 from raggedvl.evaluation.ranking import TopK, merge_top_k, tie_keys, top_k
 from raggedvl.evaluation.search import chunks_of, count_ahead, pad_rows, score_chunk
-from raggedvl.parallel.wrap import all_gather_objects
+from raggedvl.parallel import all_gather_objects
 
 @torch.no_grad()
 def evaluate_benchmark(

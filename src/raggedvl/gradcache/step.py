@@ -32,7 +32,7 @@ Parallelism (``model`` is a ``Retriever`` or one wrapped by ``raggedvl.parallel.
   step on every rank), so no rank waits for another.
 - FSDP2: every forward and backward is a collective, so the ranks first agree on the largest
   number of query chunks and of document chunks (two one-element all-reduces through
-  :func:`raggedvl.parallel.wrap.all_reduce_max`); a rank with fewer runs padding chunks
+  :func:`raggedvl.parallel.all_reduce_max`); a rank with fewer runs padding chunks
   (its last chunk of that kind again) whose replay back-propagates an all-zero gradient, an
   exactly zero contribution. ``set_requires_gradient_sync(False)`` replaces ``no_sync``.
   The query chunks are all replayed before the document chunks on every rank, so the ranks
@@ -62,7 +62,7 @@ from torch import nn
 
 from raggedvl.batch import RaggedBatch
 from raggedvl.models import EmbeddingOutput
-from raggedvl.parallel.wrap import all_reduce_max
+from raggedvl.parallel import all_reduce_max
 from raggedvl.rng import capture_rng_state, replayed_rng_state
 from raggedvl.gradcache.chunking import Chunk, chunk_grad, plan_chunks, scatter_embeddings
 

@@ -2,19 +2,22 @@
 
 ``RaggedTrainer`` (retrieval with exact cross-rank contrastive losses, or SFT with the model's
 causal-LM loss) in all three launch modes; ``RetrievalWireCollator`` / ``SFTCollator`` produce
-wire-form batches (``raggedvl.hf.wire``) that accelerate can dispatch by whole samples;
+wire-form batches (:mod:`raggedvl.batch.wire`, re-exported here) that accelerate can dispatch
+by whole samples (:class:`raggedvl.parallel.RaggedDispatchSlicer`, re-exported);
 ``apply_generation_lora`` puts peft LoRA on a generative model's language model.
 """
 
 from raggedvl.models.lora import apply_generation_lora
 
+from raggedvl.batch.wire import is_wire, pack, slice_samples, unpack
+from raggedvl.parallel import RaggedDispatchSlicer, install_ragged_dispatch
+
 from .collator import IGNORE_INDEX, RetrievalWireCollator, SFTCollator
-from .dispatch import install_ragged_dispatch, ragged_slice_fn
 from .trainer import RaggedTrainer, default_retrieval_loss
-from .wire import is_wire, pack, slice_samples, unpack
 
 __all__ = [
     "IGNORE_INDEX",
+    "RaggedDispatchSlicer",
     "RaggedTrainer",
     "RetrievalWireCollator",
     "SFTCollator",
@@ -23,7 +26,6 @@ __all__ = [
     "install_ragged_dispatch",
     "is_wire",
     "pack",
-    "ragged_slice_fn",
     "slice_samples",
     "unpack",
 ]

@@ -2,7 +2,7 @@
 
 Shape legend: B samples, L tokens per sample, N images, P patch rows.
 
-Both collators return tensors only (wire form, :mod:`raggedvl.hf.wire`), so the batch survives
+Both collators return tensors only (wire form, :mod:`raggedvl.batch.wire`), so the batch survives
 every path the Trainer and accelerate take: per-process loading, ``dispatch_batches``
 (concatenate, broadcast, slice), ``send_to_device``. :class:`raggedvl.hf.RaggedTrainer` turns
 the wire form back into :class:`~raggedvl.batch.RaggedBatch` es before the forward pass.
@@ -16,9 +16,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from raggedvl.batch import RaggedBatch
+from raggedvl.batch.wire import pack
 from raggedvl.images import ImagePolicy
-
-from .wire import pack
 
 IGNORE_INDEX = -100
 logger = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ Three launch modes, one script:
   (even chunking cuts patches away from grids, case C01); here it is
   :class:`raggedvl.parallel.RaggedDataParallel` (whole samples per replica, cost-balanced).
 - accelerate ``dispatch_batches`` (the default for an ``IterableDataset``): batches travel in
-  wire form (:mod:`raggedvl.hf.wire`) and are sliced by whole samples
-  (:mod:`raggedvl.hf.dispatch`, case C03).
+  wire form (:mod:`raggedvl.batch.wire`) and are sliced by whole samples
+  (:mod:`raggedvl.parallel.dispatch`, case C03).
 - ``torchrun`` / ``accelerate launch``: accelerate's DDP; each process collates its own batch.
 
 Batches arrive as wire-form tensor dicts (:mod:`raggedvl.hf.collator`) and are rebuilt into
@@ -74,14 +74,20 @@ from transformers import Trainer
 from raggedvl.batch import RaggedBatch
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.losses import RetrievalLoss, make_retrieval_loss
+from raggedvl.batch.wire import NUM_TOKENS, is_wire, unpack
 from raggedvl.models import install_dummy_vision
-from raggedvl.parallel import RaggedDataParallel, check_repeats_identifiable, real_sample_mask
-from raggedvl.parallel.runtime import set_collective_timeout
-from raggedvl.parallel.faults import StallWatchdog, inject_fault, report_failure
+from raggedvl.parallel import (
+    RaggedDataParallel,
+    StallWatchdog,
+    check_repeats_identifiable,
+    install_ragged_dispatch,
+    real_sample_mask,
+    report_failure,
+    set_collective_timeout,
+)
+from raggedvl.parallel.faults import inject_fault
 
 from .collator import IGNORE_INDEX
-from .dispatch import install_ragged_dispatch
-from .wire import NUM_TOKENS, is_wire, unpack
 
 TASKS = ("retrieval", "sft")
 

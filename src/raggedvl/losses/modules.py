@@ -46,8 +46,7 @@ from raggedvl.losses.scoring import (
     check_late_interaction_inputs,
     late_interaction_scores,
 )
-from raggedvl.parallel.gather import all_gather_padded, all_gather_variable
-from raggedvl.parallel.runtime import get_rank, get_world_size
+from raggedvl.parallel import all_gather_padded, all_gather_variable, get_rank, get_world_size
 
 
 def _negatives_per_query(n: int, neg_rows: int) -> int:

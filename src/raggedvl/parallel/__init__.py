@@ -1,47 +1,66 @@
-"""raggedvl.parallel: the only package that imports torch.distributed.
+"""raggedvl.parallel: the only package that imports torch.distributed; its front module.
 
-Process-group setup (``init_distributed``, ``get_rank``, ``get_world_size``), autograd-aware
-ragged all-gathers for cross-rank losses, and the single-process DataParallel / accelerate
+Callers outside the package import from here: process-group lifecycle (``init_distributed``,
+``is_distributed``, ``get_rank``, ``get_world_size``, ``shutdown``), small collectives on Python
+values (``barrier``, ``all_reduce_max``, ``all_reduce_mean``, ``all_gather_objects``),
+autograd-aware ragged all-gathers for cross-rank losses, the cross-rank shape check,
+DDP / FSDP2 wrapping and full state dicts, the single-process DataParallel and accelerate
 transports of ragged batches, and which samples of an accelerate batch are repeats
-(``real_sample_count``).
+(``real_sample_count``), and rank-failure reporting (``report_failure``, ``StallWatchdog``).
 """
 
-from raggedvl.parallel.distributed import (
+from raggedvl.parallel.agreement import DEBUG_ENV, exchange_shapes
+from raggedvl.parallel.collectives import all_gather_objects, all_reduce_max, all_reduce_mean, barrier
+from raggedvl.parallel.dataparallel import RaggedDataParallel, ScatteredBatch, gather_outputs, scatter_batch
+from raggedvl.parallel.dispatch import RaggedDispatchSlicer, install_ragged_dispatch, prepare_ragged_data_loader
+from raggedvl.parallel.faults import StallWatchdog, report_failure
+from raggedvl.parallel.gather import PaddedGather, VariableGather, all_gather_padded, all_gather_variable
+from raggedvl.parallel.repeats import check_repeats_identifiable, real_sample_count, real_sample_mask
+from raggedvl.parallel.runtime import (
     DEFAULT_TIMEOUT_S,
     DistInfo,
-    PaddedGather,
-    VariableGather,
-    all_gather_padded,
-    all_gather_variable,
     get_rank,
     get_world_size,
     init_distributed,
     is_distributed,
+    set_collective_timeout,
     shutdown,
 )
-from raggedvl.parallel.dataparallel import RaggedDataParallel, ScatteredBatch, gather_outputs, scatter_batch
-from raggedvl.parallel.dispatch import RaggedDispatchSlicer, prepare_ragged_data_loader
-from raggedvl.parallel.repeats import check_repeats_identifiable, real_sample_count, real_sample_mask
+from raggedvl.parallel.wrap import full_state_dicts, load_full_state_dicts, unwrap_model, wrap_model
 
 __all__ = [
+    "DEBUG_ENV",
     "DEFAULT_TIMEOUT_S",
     "DistInfo",
     "PaddedGather",
     "RaggedDataParallel",
     "RaggedDispatchSlicer",
     "ScatteredBatch",
+    "StallWatchdog",
     "VariableGather",
+    "all_gather_objects",
     "all_gather_padded",
     "all_gather_variable",
+    "all_reduce_max",
+    "all_reduce_mean",
+    "barrier",
     "check_repeats_identifiable",
+    "exchange_shapes",
+    "full_state_dicts",
     "gather_outputs",
     "get_rank",
     "get_world_size",
     "init_distributed",
+    "install_ragged_dispatch",
     "is_distributed",
+    "load_full_state_dicts",
     "prepare_ragged_data_loader",
     "real_sample_count",
     "real_sample_mask",
+    "report_failure",
     "scatter_batch",
+    "set_collective_timeout",
     "shutdown",
+    "unwrap_model",
+    "wrap_model",
 ]

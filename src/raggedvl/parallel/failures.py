@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from raggedvl.parallel.runtime import is_distributed
+
 _KEY = "raggedvl/failure-note/{rank}"
 
 
@@ -36,7 +38,7 @@ class FailureNote:
 
 
 def _store():
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return None
     try:
         return dist.distributed_c10d._get_default_store()
@@ -97,7 +99,7 @@ def abort() -> None:
     connections, so a peer blocked in a collective with this rank fails at once ("Connection
     closed by peer") instead of at its timeout. No-op without a process group; never raises.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return
     try:
         if dist.get_backend() == "nccl":

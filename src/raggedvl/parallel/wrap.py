@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raggedvl.parallel.runtime import is_distributed
+
 
 def wrap_model(model: nn.Module, *, strategy: str = "ddp", device: torch.device | None = None) -> nn.Module:
     """Wrap ``model`` for data parallelism; returns it unchanged without a process group.
@@ -30,7 +32,7 @@ def wrap_model(model: nn.Module, *, strategy: str = "ddp", device: torch.device 
     """
     if strategy not in ("ddp", "fsdp2"):
         raise ValueError(f"strategy must be 'ddp' or 'fsdp2', got {strategy!r}")
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not is_distributed() or dist.get_world_size() == 1:
         return model
     if strategy == "ddp":
         device_ids = [device.index] if device is not None and device.type == "cuda" else None
@@ -75,39 +77,3 @@ def load_full_state_dicts(
     else:
         set_state_dict(unwrap_model(model), optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts)
 
-
-def barrier() -> None:
-    """Synchronise all ranks (no-op without a process group). Bounded by the group's timeout."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _all_reduce_scalar(value: float, op) -> float:
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=op)
-    return float(t.item())
-
-
-def all_reduce_max(value: float) -> float:
-    """Max of a Python float over ranks (one all-reduce; no-op without a process group)."""
-    return _all_reduce_scalar(value, dist.ReduceOp.MAX) if dist.is_available() else value
-
-
-def all_reduce_mean(value: float) -> float:
-    """Mean of a Python float over ranks (one all-reduce; no-op without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    return _all_reduce_scalar(value, dist.ReduceOp.SUM) / dist.get_world_size()
-
-
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` as a list indexed by rank (``[obj]`` without a process group).
-
-    Uses ``all_gather_object`` (pickle between the job's own ranks, never from a file)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out

@@ -14,8 +14,7 @@ import torch
 from raggedvl import __version__
 from raggedvl.data import RetrievalCollator
 from raggedvl.evaluation.metrics import METRICS
-from raggedvl.parallel.runtime import init_distributed, shutdown
-from raggedvl.parallel.wrap import load_full_state_dicts
+from raggedvl.parallel import init_distributed, load_full_state_dicts, shutdown
 from raggedvl.train.checkpoint import MANIFEST, list_checkpoints, load_checkpoint_or_latest
 from raggedvl.train.config import TrainConfig
 from raggedvl.train.report import format_metrics_table

@@ -15,8 +15,7 @@ from raggedvl.evaluation.encode import document_collate, document_sizes, encode_
 from raggedvl.evaluation.index import EmbeddingIndex, write_index, write_shard
 from raggedvl.evaluation.ranking import tie_keys
 from raggedvl.evaluation.search import search
-from raggedvl.parallel.runtime import init_distributed, shutdown
-from raggedvl.parallel.wrap import all_gather_objects, barrier
+from raggedvl.parallel import all_gather_objects, barrier, init_distributed, shutdown
 from raggedvl.train.evaluate_checkpoint import load_model
 
 

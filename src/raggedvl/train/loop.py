@@ -23,20 +23,24 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from raggedvl.parallel.runtime import DistInfo, init_distributed, shutdown
-from raggedvl.parallel.wrap import (
+from raggedvl.parallel import (
+    DistInfo,
+    StallWatchdog,
     all_gather_objects,
     all_reduce_mean,
     barrier,
     full_state_dicts,
+    init_distributed,
     load_full_state_dicts,
+    report_failure,
+    shutdown,
     unwrap_model,
     wrap_model,
 )
 from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from raggedvl.train.config import TrainConfig
 from raggedvl.evaluation.evaluator import chance_verdict, evaluate_benchmark, random_baseline
-from raggedvl.parallel.faults import StallWatchdog, inject_fault, report_failure
+from raggedvl.parallel.faults import inject_fault
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.train.report import MetricsLog, format_metrics_table, plot_run
 from raggedvl.rng import capture_rng_state, restore_rng_state

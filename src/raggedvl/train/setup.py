@@ -21,7 +21,7 @@ from raggedvl.data.cache import cache_root
 from raggedvl.evaluation.benchmark import RetrievalBenchmark, load_benchmark
 from raggedvl.losses import RetrievalLoss, make_retrieval_loss
 from raggedvl.models import LoraSettings, build_retriever
-from raggedvl.parallel.runtime import DistInfo
+from raggedvl.parallel import DistInfo
 from raggedvl.images import ImagePolicy
 from raggedvl.sampling import BalancedDistributedBatchSampler, SampleCosts, estimate_costs
 from raggedvl.train.config import TrainConfig

@@ -1,13 +1,14 @@
-"""Wire form (raggedvl.hf.wire) and sample-wise dispatch slicing (raggedvl.hf.dispatch)."""
+"""Wire form (raggedvl.batch.wire): pack / unpack round trips, concatenation, slicing by samples
+(accelerate's dispatch of wire batches is tested in tests/parallel/test_dispatch.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from accelerate.utils import concatenate, slice_tensors
+from accelerate.utils import concatenate
 
 from raggedvl.batch import RaggedBatch
-from raggedvl.hf import is_wire, pack, ragged_slice_fn, slice_samples, unpack
+from raggedvl.batch.wire import is_wire, pack, slice_samples, unpack
 from tests.batch.helpers import assert_same_batch
 from tests.batch.synth import SMALL_IDS, make_features
 
@@ -70,31 +71,6 @@ def test_slice_samples_equals_select_for_every_range():
                     w = w[:, : got[k].shape[1]]  # unpack pads to the longest selected sample only
                     assert not want["attention_mask"][:, got[k].shape[1]:].any()
                 assert torch.equal(got[k], w), (start, stop, k)
-
-
-def test_dispatch_slice_keeps_whole_samples_where_position_slicing_breaks():
-    queries, docs = batch_of(TEXT_ONLY * 2, seed=3), batch_of(MIXED, seed=4)
-    tree = {"queries": pack(queries), "docs": pack(docs)}
-    broken = slice_tensors(tree, slice(0, 2))  # accelerate's default
-    with pytest.raises(ValueError):
-        unpack(broken["docs"], token_ids=SMALL_IDS)
-    slice_fn = ragged_slice_fn(token_ids=SMALL_IDS)
-    for p in range(2):
-        part = slice_fn(tree, slice(2 * p, 2 * p + 2), process_index=p, num_processes=2)
-        got_docs = unpack(part["docs"], token_ids=SMALL_IDS)
-        want = docs.select([2 * p, 2 * p + 1])
-        assert got_docs.image_counts == want.image_counts
-        assert torch.equal(got_docs["image_grid_thw"], want["image_grid_thw"])
-        assert torch.equal(got_docs["pixel_values"], want["pixel_values"])
-        assert unpack(part["queries"], token_ids=SMALL_IDS).num_samples == 2
-
-
-def test_dispatch_slice_hands_plain_feature_dicts_to_the_parallel_slicer():
-    feats = make_features(MIXED, pad_to=80)
-    part = ragged_slice_fn(token_ids=SMALL_IDS)(feats, slice(2, 4))
-    got = RaggedBatch.from_features(part, token_ids=SMALL_IDS)
-    want = RaggedBatch.from_features(feats, token_ids=SMALL_IDS).select([2, 3])
-    assert_same_batch(got, want)
 
 
 def test_pack_rejects_interior_padding_and_mrope_positions():

@@ -33,7 +33,9 @@ from typing import Any, Mapping
 
 import torch
 
-from raggedvl.batch import BatchLayout, RaggedBatch, get_layout
+from .layouts import BatchLayout, get_layout
+from .offsets import boundaries
+from .ragged import RaggedBatch
 
 NUM_TOKENS = "ragged_num_tokens"
 LEFT_PADDED = "ragged_left_padded"
@@ -89,8 +91,7 @@ def pack(batch: RaggedBatch) -> dict[str, torch.Tensor]:
     for k in sample_keys:
         wire[k] = batch[k][mask_BL]
     for s in lay.streams:
-        counts = batch.image_counts if s.name == "image" else batch.video_counts
-        wire[counts_key(s.name)] = torch.tensor(counts, dtype=torch.int64, device=ids_BL.device)
+        wire[counts_key(s.name)] = torch.tensor(batch.counts(s.name), dtype=torch.int64, device=ids_BL.device)
         if s.grid_key in batch:
             wire[s.grid_key] = batch[s.grid_key]
             wire[s.patches_key] = batch[s.patches_key]
@@ -129,7 +130,7 @@ def unpack(wire: Mapping[str, torch.Tensor], layout: str | BatchLayout = "qwen2_
             raise ValueError(
                 f"wire batch: {k!r} has {flat.shape[0] if flat.dim() else 0} token rows but ragged_num_tokens "
                 f"{n_B.tolist()} sum to {total}; the batch was cut by position (slice it with "
-                "raggedvl.hf.ragged_slice_fn, not accelerate's slice_tensors)"
+                "raggedvl.parallel.RaggedDispatchSlicer, not accelerate's slice_tensors)"
             )
         pad = pad_token_id if k == "input_ids" else lay.pad_values.get(k, 0)
         full = torch.full(tuple(mask_BL.shape), pad, dtype=flat.dtype, device=flat.device)
@@ -157,7 +158,7 @@ def slice_samples(wire: Mapping[str, torch.Tensor], start: int, stop: int | None
     n_B = wire[NUM_TOKENS]
     start, stop = max(0, start), n_B.numel() if stop is None else min(stop, n_B.numel())
     stop = max(start, stop)
-    tok = torch.cat([n_B.new_zeros(1), n_B.cumsum(0)]).tolist()
+    tok = boundaries(n_B)
     out: dict[str, torch.Tensor] = {NUM_TOKENS: n_B[start:stop], LEFT_PADDED: wire[LEFT_PADDED][start:stop]}
     claimed = {NUM_TOKENS, LEFT_PADDED}
     for s in lay.streams:
@@ -169,10 +170,10 @@ def slice_samples(wire: Mapping[str, torch.Tensor], start: int, stop: int | None
         if int(counts.sum()) != grid.shape[0]:
             raise ValueError(
                 f"wire batch: {s.name} counts {counts.tolist()} sum to {int(counts.sum())} but {s.grid_key} has "
-                f"{grid.shape[0]} rows; the batch was not built by raggedvl.hf.wire.pack"
+                f"{grid.shape[0]} rows; the batch was not built by raggedvl.batch.wire.pack"
             )
-        items = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).tolist()
-        patches = torch.cat([counts.new_zeros(1), grid.prod(dim=1).cumsum(0)]).tolist()
+        items = boundaries(counts)
+        patches = boundaries(grid.prod(dim=1))
         i0, i1 = items[start], items[stop]
         out[ck] = counts[start:stop]
         out[s.grid_key] = grid[i0:i1]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -39,10 +38,10 @@ from raggedvl.parallel import (
 )
 from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from raggedvl.train.config import TrainConfig
-from raggedvl.evaluation.evaluator import chance_verdict, evaluate_benchmark, random_baseline
+from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
 from raggedvl.parallel.faults import inject_fault
 from raggedvl.gradcache import grad_cache_step
-from raggedvl.train.report import MetricsLog, format_metrics_table, plot_run
+from raggedvl.train.report import MetricsLog, write_summary
 from raggedvl.rng import capture_rng_state, restore_rng_state
 from raggedvl.train.setup import build_components, check_output_dir
 
@@ -274,63 +273,18 @@ class Trainer:
         after = self.evaluate() if cfg.eval_after else None
         summary: dict[str, Any] = {}
         if info.is_main:
-            summary = self._report(log, before, after)
+            records = log.read()
+            if after is not None:
+                log.write({"event": "eval_after", "step": self.step, "raw": after})
+            benches = {"train": self.c.train_eval_set, "dev": self.c.eval_set}
+            random = {split: random_baseline(bench) for split, bench in benches.items() if bench is not None}
+            summary = write_summary(
+                self.run_dir, records, before, after, random, steps=self.step, global_batch_size=cfg.global_batch_size,
+                world_size=info.world_size, on_bad_image=cfg.on_bad_image, skipped_examples=self.skipped,
+                rejected_pairs=len(self.c.costs.skipped), estimated_pairs=len(self.c.costs.costs),
+            )
         barrier()
         return summary
-
-    def _report(self, log: MetricsLog, before, after) -> dict[str, Any]:
-        records = log.read()
-        if after is not None:
-            log.write({"event": "eval_after", "step": self.step, "raw": after})
-        if before is None:  # resumed: take the pre-training evaluation from the log
-            before = next((r["raw"] for r in records if r.get("event") == "eval_before"), None)
-        rows: dict[str, dict[str, float]] = {}
-        for split in ("train", "dev"):
-            ref = (after or before or {}).get(split)
-            if ref:
-                bench = self.c.eval_set if split == "dev" else self.c.train_eval_set
-                rows[f"{split}: random ranker ({ref['queries']} queries, {ref['n']} docs)"] = random_baseline(bench)
-            if before:
-                rows[f"{split}: before training"] = before[split]
-            if after:
-                rows[f"{split}: after training"] = after[split]
-        losses = [r["loss"] for r in records if r.get("event") == "train"]
-        first = sum(losses[:5]) / max(1, len(losses[:5]))
-        last = sum(losses[-10:]) / max(1, len(losses[-10:]))
-        table = format_metrics_table(rows)
-        plot = plot_run(records, {k: v for k, v in rows.items() if "dev" in k or "train" in k}, self.run_dir / "report.png")
-        lines = [
-            f"# raggedvl run: {self.run_dir}",
-            "",
-            f"steps {self.step}, global batch {self.cfg.global_batch_size}, world size {self.info.world_size}, "
-            f"ln(global batch) = {math.log(self.cfg.global_batch_size):.3f}",
-            f"training loss: first 5 steps {first:.3f} -> last 10 steps {last:.3f}",
-            f"examples skipped for bad images (on_bad_image={self.cfg.on_bad_image!r}): {self.skipped}",
-            f"training pairs rejected by the size estimate (image header unreadable or out of limits): "
-            f"{len(self.c.costs.skipped)} of {len(self.c.costs.costs)}",
-            "",
-            table,
-            "",
-        ]
-        for split in ("train", "dev"):
-            result = (after or before or {}).get(split, {})
-            cos = result.get("doc_mean_cosine")
-            if cos is not None:
-                warn = "  WARNING: document embeddings have collapsed (> 0.999)" if cos > 0.999 else ""
-                lines.append(f"{split} documents: mean pairwise cosine {cos:.4f}{warn}")
-            if "mean_rank" in result:
-                lines.append(f"{split} ({'after' if after else 'before'} training): {chance_verdict(result)}")
-            if result.get("skipped_documents"):
-                lines.append(f"{split}: {result['skipped_documents']} documents with unreadable images are never retrieved")
-        lines += ["", "Metrics are trec_eval's (pytrec_eval, as BEIR / mteb / ViDoRe report them): distinct images are "
-                      "the corpus, equal scores rank by document id, graded gains; see docs/EVALUATION.md."]
-        (self.run_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-        print("\n".join(lines), flush=True)
-        print("run directory:", flush=True)
-        for p in sorted(self.run_dir.rglob("*")):
-            if p.is_file():
-                print(f"  {p.relative_to(self.run_dir)}  ({p.stat().st_size:,} bytes)", flush=True)
-        return {"rows": rows, "loss_first": first, "loss_last": last, "plot": str(plot)}
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Run outputs written by rank 0: metrics as JSON lines, a PNG plot and a summary table."""
+"""Run outputs written by rank 0: metrics as JSON lines, a PNG plot and the Markdown summary
+(``summary.md``, also printed) of a ``raggedvl train`` run."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from raggedvl.evaluation.evaluator import chance_verdict
 from raggedvl.evaluation.metrics import METRICS
 
 
@@ -79,3 +81,81 @@ def plot_run(records: list[dict[str, Any]], evals: dict[str, dict[str, float]], 
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def write_summary(
+    run_dir: Path,
+    records: list[dict[str, Any]],
+    before: dict[str, dict[str, Any]] | None,
+    after: dict[str, dict[str, Any]] | None,
+    random: dict[str, dict[str, float]],
+    *,
+    steps: int,
+    global_batch_size: int,
+    world_size: int,
+    on_bad_image: str,
+    skipped_examples: int,
+    rejected_pairs: int,
+    estimated_pairs: int,
+) -> dict[str, Any]:
+    """Write ``run_dir/summary.md`` and ``run_dir/report.png``, print the summary and the run
+    directory's files; rank 0 only, no collective.
+
+    ``records``: the run's ``metrics.jsonl`` records (training losses; the pre-training
+    evaluation when ``before`` is None, as after a resume). ``before`` / ``after``: evaluations
+    per split (``"train"``, ``"dev"``; a split without a benchmark is absent), each the evaluator's
+    metrics plus ``"n"`` (documents ranked), or None when not run. ``random``: per split, a random
+    ranker's expected metrics on that benchmark (``evaluator.random_baseline``).
+    ``skipped_examples``: examples the collator dropped (``on_bad_image="skip"``);
+    ``rejected_pairs`` of ``estimated_pairs``: pairs the size estimate rejected.
+    Returns ``{"rows", "loss_first", "loss_last", "plot"}``: the table's rows, the mean loss of
+    the first 5 and last 10 logged steps, and the plot's path.
+    """
+    if before is None:  # resumed: take the pre-training evaluation from the log
+        before = next((r["raw"] for r in records if r.get("event") == "eval_before"), None)
+    rows: dict[str, dict[str, float]] = {}
+    for split in ("train", "dev"):
+        ref = (after or before or {}).get(split)
+        if ref:
+            rows[f"{split}: random ranker ({ref['queries']} queries, {ref['n']} docs)"] = random[split]
+        if before and split in before:
+            rows[f"{split}: before training"] = before[split]
+        if after and split in after:
+            rows[f"{split}: after training"] = after[split]
+    losses = [r["loss"] for r in records if r.get("event") == "train"]
+    first = sum(losses[:5]) / max(1, len(losses[:5]))
+    last = sum(losses[-10:]) / max(1, len(losses[-10:]))
+    table = format_metrics_table(rows)
+    plot = plot_run(records, {k: v for k, v in rows.items() if "dev" in k or "train" in k}, run_dir / "report.png")
+    lines = [
+        f"# raggedvl run: {run_dir}",
+        "",
+        f"steps {steps}, global batch {global_batch_size}, world size {world_size}, "
+        f"ln(global batch) = {math.log(global_batch_size):.3f}",
+        f"training loss: first 5 steps {first:.3f} -> last 10 steps {last:.3f}",
+        f"examples skipped for bad images (on_bad_image={on_bad_image!r}): {skipped_examples}",
+        f"training pairs rejected by the size estimate (image header unreadable or out of limits): "
+        f"{rejected_pairs} of {estimated_pairs}",
+        "",
+        table,
+        "",
+    ]
+    for split in ("train", "dev"):
+        result = (after or before or {}).get(split, {})
+        cos = result.get("doc_mean_cosine")
+        if cos is not None:
+            warn = "  WARNING: document embeddings have collapsed (> 0.999)" if cos > 0.999 else ""
+            lines.append(f"{split} documents: mean pairwise cosine {cos:.4f}{warn}")
+        if "mean_rank" in result:
+            lines.append(f"{split} ({'after' if after else 'before'} training): {chance_verdict(result)}")
+        if result.get("skipped_documents"):
+            lines.append(f"{split}: {result['skipped_documents']} documents with unreadable images are never retrieved")
+    lines += ["", "Metrics are trec_eval's (pytrec_eval, as BEIR / mteb / ViDoRe report them): distinct images are "
+                  "the corpus, equal scores rank by document id, graded gains; see docs/EVALUATION.md."]
+    (run_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines), flush=True)
+    print("run directory:", flush=True)
+    for p in sorted(run_dir.rglob("*")):
+        if p.is_file():
+            print(f"  {p.relative_to(run_dir)}  ({p.stat().st_size:,} bytes)", flush=True)
+    return {"rows": rows, "loss_first": first, "loss_last": last, "plot": str(plot)}

@@ -21,7 +21,7 @@ ids follow the attention mask; masked keys get zero attention weight).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
 DOC_TEMPLATE = "<|im_start|>user\n" + IMAGE_BLOCK + "Describe the image.<|im_end|><|endoftext|>"
@@ -58,6 +58,20 @@ class RetrievalPrompts:
     def query(self, text: str) -> str:
         """The query text as the model reads it."""
         return self.query_template.replace("{query}", text)
+
+    @property
+    def query_prefix(self) -> str:
+        """The text before ``{query}`` in ``query_template``."""
+        return self.query_template.split("{query}")[0]
+
+    def with_overrides(self, query_prefix: str | None = None, padding_side: str | None = None) -> RetrievalPrompts:
+        """These prompts with the query prefix (the text before ``{query}``) replaced and/or the
+        padding side changed; ``None`` keeps the current one. Raises ``ValueError`` as the
+        constructor does (a prefix holding ``{query}`` or an image placeholder, a bad side)."""
+        template = self.query_template
+        if query_prefix is not None:
+            template = query_prefix + "{query}" + template.split("{query}", 1)[1]
+        return replace(self, query_template=template, padding_side=padding_side or self.padding_side)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -67,6 +67,12 @@ class TrainConfig:
         at_least=1)
     max_length: int | None = option(
         None, "token cap per sample; never cuts through image placeholders (none: no cap)", at_least=1)
+    query_prefix: str | None = option(
+        None, "text written before every query, replacing the model's own prefix (none: the model's prompts; a "
+              "colpali-engine checkpoint has none, raggedvl < 0.2 wrote 'Query: '); saved with the trained model")
+    padding_side: Literal["left", "right"] | None = option(
+        None, "where the collator pads queries and documents (none: the model's prompts; colpali-engine pads on the "
+              "left); saved with the trained model")
     on_bad_image: Literal["error", "skip"] = option(
         "error", "an unreadable image stops the run (error) or is skipped and counted in the summary (skip)")
     # objective
@@ -81,10 +87,13 @@ class TrainConfig:
               "global batch that does not fit is split into more steps (none: no cap)", at_least=1)
     epochs: int = option(1, "passes over the training set (when max_steps is none)", at_least=1)
     max_steps: int | None = option(600, "optimizer steps; overrides epochs (none: train `epochs` epochs)", at_least=1)
-    lr: float = option(2e-4, "AdamW peak learning rate of the backbone (linear warmup, then cosine decay)", above=0)
+    lr: float = option(2e-4, "AdamW peak learning rate of the backbone (linear warmup, then lr_schedule's decay)", above=0)
     head_lr: float | None = option(2e-3, "peak learning rate of the projection head (none: same as lr)", above=0)
     weight_decay: float = option(0.0, "AdamW weight decay", at_least=0)
     warmup_steps: int = option(10, "linear warmup, in optimizer steps (at most max_steps - 1)", at_least=0)
+    lr_schedule: Literal["cosine", "linear"] = option(
+        "cosine", "decay after the warmup, to 0 at the last step: cosine or linear (the HF Trainer's and colpali-engine's "
+                  "default); the first step runs at lr 0 with any warmup, as in transformers")
     max_grad_norm: float = option(1.0, "gradient clipping threshold on the global L2 norm (0: no clipping)", at_least=0)
     sampler: Literal["balanced", "equal"] = option(
         "balanced", "how a global batch is split over ranks: by cost (balanced) or equal sample counts (equal)")
@@ -94,6 +103,12 @@ class TrainConfig:
     strategy: Literal["ddp", "fsdp2"] = option("ddp", "data parallelism: DDP or FSDP2 (fully_shard)")
     grad_cache: bool = option(False, "GradCache: embed in chunks, so memory does not grow with the global batch")
     grad_cache_budget: int = option(4096, "GradCache chunk size, in patches + tokens per chunk", at_least=1)
+    collapse_patience: int = option(
+        5, "warn (one line, with likely causes) when the training loss has sat at its chance value, where every "
+           "document scores the same (ln(global batch); ln 2 for the pairwise loss), for this many steps in a row "
+           "(0: no check)", at_least=0)
+    stop_on_collapse: bool = option(
+        False, "stop the run (final checkpoint and report written) when the collapse check fires")
     # run
     output_dir: str = option("runs/default", "run directory: checkpoints, metrics.jsonl, summary.md, report.png")
     checkpoint_every: int = option(50, "checkpoint interval, in optimizer steps (a final one is always written)",

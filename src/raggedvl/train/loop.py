@@ -20,7 +20,6 @@ from typing import Any, Iterator
 
 import torch
 from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup
 
 from raggedvl.parallel import (
     DistInfo,
@@ -36,14 +35,16 @@ from raggedvl.parallel import (
     unwrap_model,
     wrap_model,
 )
+from raggedvl.evaluation.metrics import mean_pairwise_cosine
 from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
+from raggedvl.train.collapse import CollapseCheck, chance_loss
 from raggedvl.train.config import TrainConfig
 from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
 from raggedvl.parallel.faults import inject_fault
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.train.report import MetricsLog, write_summary
 from raggedvl.rng import capture_rng_state, restore_rng_state
-from raggedvl.train.setup import build_components, check_output_dir
+from raggedvl.train.setup import build_components, check_output_dir, make_scheduler
 
 
 @dataclass
@@ -53,6 +54,7 @@ class StepResult:
     encode_s: float
     step_s: float
     skipped: int  # examples the collator dropped under on_bad_image="skip"
+    doc_cosine: float = float("nan")  # this rank's documents: mean pairwise cosine of mean-pooled embeddings
 
 
 class Trainer:
@@ -78,10 +80,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.steps_per_epoch = len(self.c.sampler)
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
-        # transformers' linear warmup + cosine decay to 0 (the HF Trainer's "cosine"); a warmup
-        # longer than the run is cut so that the peak learning rate is reached at the last step.
-        warmup = min(cfg.warmup_steps, max(0, self.total_steps - 1))
-        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, warmup, self.total_steps)
+        self.scheduler = make_scheduler(self.optimizer, cfg, self.total_steps)
+        self.collapse = CollapseCheck(chance_loss(cfg.loss, cfg.global_batch_size), cfg.collapse_patience)
+        self.stopped_by_collapse = False
         self.step = 0
         self.epoch = 0
         self.skipped = 0  # examples dropped by on_bad_image="skip" on all ranks in this process's run
@@ -187,11 +188,13 @@ class Trainer:
             cached = grad_cache_step(self.model, queries, docs, self.c.loss, budget=self.cfg.grad_cache_budget,
                                      autocast=self.autocast)
             loss, t2 = cached.loss, t1 + cached.encode_s
+            doc_cosine = float("nan")
         else:
             with self.autocast:  # one forward call per backward, as DDP expects
                 q, d = self.model(queries=queries, docs=docs)
             t2 = time.perf_counter()
             loss = self.c.loss(q, d)
+            doc_cosine = _doc_cosine(d)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
         if self.cfg.max_grad_norm > 0:
@@ -201,7 +204,7 @@ class Trainer:
         # L_r = (W/N) sum of local terms, so the global loss is the mean of L_r over ranks.
         global_loss = all_reduce_mean(float(loss.detach()))
         n_skipped = len(batch.get("skipped", ()))
-        return StepResult(global_loss, len(indices) - n_skipped, t2 - t1, time.perf_counter() - t0, n_skipped)
+        return StepResult(global_loss, len(indices) - n_skipped, t2 - t1, time.perf_counter() - t0, n_skipped, doc_cosine)
 
     def evaluate(self) -> dict[str, dict[str, float]]:
         """Metrics on the training pairs (memorisation) and the dev benchmark, sharded over ranks
@@ -262,12 +265,22 @@ class Trainer:
                         "rank_samples": [n for n, _, _ in per_rank], "rank_encode_s": [e for _, e, _ in per_rank],
                         "skipped_examples": self.skipped,
                     })
-            if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps:
+            warning = self.collapse.update(self.step, r.loss, r.doc_cosine)  # same verdict on every rank
+            if warning:
+                self.log(warning + ("; stopping (--stop-on-collapse)" if cfg.stop_on_collapse else
+                                    "; --stop-on-collapse would stop the run here"))
+                if info.is_main:
+                    log.write({"event": "collapse", "step": self.step, "loss": r.loss, "chance": self.collapse.chance,
+                               "doc_cosine_rank0": r.doc_cosine, "message": warning})
+                self.stopped_by_collapse = cfg.stop_on_collapse
+            if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps or self.stopped_by_collapse:
                 self.watchdog.enter(f"writing the checkpoint of step {self.step}")
                 self.save()
                 if cfg.save_best is not None:
                     self.watchdog.enter(f"evaluating step {self.step} for --save-best", watch=False)
                     self.save_best()
+            if self.stopped_by_collapse:
+                break
         bar.close()
         self.watchdog.enter("in evaluation after training", watch=False)
         after = self.evaluate() if cfg.eval_after else None
@@ -282,9 +295,31 @@ class Trainer:
                 self.run_dir, records, before, after, random, steps=self.step, global_batch_size=cfg.global_batch_size,
                 world_size=info.world_size, on_bad_image=cfg.on_bad_image, skipped_examples=self.skipped,
                 rejected_pairs=len(self.c.costs.skipped), estimated_pairs=len(self.c.costs.costs),
+                notes=self._collapse_notes(),
             )
+            summary.update(collapsed=self.collapse.fired, stopped_by_collapse=self.stopped_by_collapse)
         barrier()
         return summary
+
+    def _collapse_notes(self) -> list[str]:
+        chance = f"the loss sat at its chance value {self.collapse.chance:.4f}"
+        if self.stopped_by_collapse:
+            return [f"STOPPED at step {self.step} of {self.total_steps}: {chance} (collapse; --stop-on-collapse)"]
+        if self.collapse.fired:
+            return [f"WARNING: {chance} for {self.collapse.patience} steps in a row (collapse); see metrics.jsonl "
+                    "event 'collapse'"]
+        return []
+
+
+def _doc_cosine(docs) -> float:
+    """Mean pairwise cosine of this rank's documents' mean-pooled embeddings (NaN for one
+    document); ``docs`` is the model's document ``EmbeddingOutput``. No collective."""
+    with torch.no_grad():
+        emb = docs.embeddings.detach()
+        if docs.mask is not None:  # multi-vector: mean over each document's real tokens
+            mask = docs.mask.unsqueeze(-1).to(emb.dtype)
+            emb = (emb * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return mean_pairwise_cosine(emb)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from raggedvl.evaluation.evaluator import chance_verdict
 from raggedvl.evaluation.metrics import METRICS
@@ -97,6 +97,7 @@ def write_summary(
     skipped_examples: int,
     rejected_pairs: int,
     estimated_pairs: int,
+    notes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Write ``run_dir/summary.md`` and ``run_dir/report.png``, print the summary and the run
     directory's files; rank 0 only, no collective.
@@ -107,7 +108,8 @@ def write_summary(
     metrics plus ``"n"`` (documents ranked), or None when not run. ``random``: per split, a random
     ranker's expected metrics on that benchmark (``evaluator.random_baseline``).
     ``skipped_examples``: examples the collator dropped (``on_bad_image="skip"``);
-    ``rejected_pairs`` of ``estimated_pairs``: pairs the size estimate rejected.
+    ``rejected_pairs`` of ``estimated_pairs``: pairs the size estimate rejected. ``notes``: lines
+    shown under the training loss (e.g. the collapse check's verdict).
     Returns ``{"rows", "loss_first", "loss_last", "plot"}``: the table's rows, the mean loss of
     the first 5 and last 10 logged steps, and the plot's path.
     """
@@ -133,6 +135,7 @@ def write_summary(
         f"steps {steps}, global batch {global_batch_size}, world size {world_size}, "
         f"ln(global batch) = {math.log(global_batch_size):.3f}",
         f"training loss: first 5 steps {first:.3f} -> last 10 steps {last:.3f}",
+        *notes,
         f"examples skipped for bad images (on_bad_image={on_bad_image!r}): {skipped_examples}",
         f"training pairs rejected by the size estimate (image header unreadable or out of limits): "
         f"{rejected_pairs} of {estimated_pairs}",

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 from filelock import FileLock
+from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from raggedvl.data import RetrievalCollator, RetrievalDataset, build_processor, build_rdocs, load_retrieval_dataset
 from raggedvl.data.splits import find_overlap, hash_split
@@ -145,14 +146,26 @@ def make_sampler(cfg: TrainConfig, costs: SampleCosts, info: DistInfo) -> Balanc
     )
 
 
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
+    """transformers' linear warmup over ``cfg.warmup_steps``, then ``cfg.lr_schedule``'s decay
+    to 0 at ``total_steps`` (the HF Trainer's "cosine" / "linear"; the first step runs at lr 0);
+    a warmup longer than the run is cut so that the peak learning rate is reached at the last step."""
+    warmup = min(cfg.warmup_steps, max(0, total_steps - 1))
+    schedule = get_linear_schedule_with_warmup if cfg.lr_schedule == "linear" else get_cosine_schedule_with_warmup
+    return schedule(optimizer, warmup, total_steps)
+
+
 def build_model(cfg: TrainConfig, processor: Any) -> torch.nn.Module:
-    """The retriever of ``cfg`` (fresh weights, seeded by ``cfg.seed``)."""
+    """The retriever of ``cfg`` (fresh weights, seeded by ``cfg.seed``), its prompts with
+    ``cfg.query_prefix`` / ``cfg.padding_side`` applied (they travel with the saved model)."""
     lora = LoraSettings(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout) if cfg.use_lora else None
-    return build_retriever(
+    model = build_retriever(
         cfg.model, processor=processor, head=cfg.head, dim=cfg.dim, pooling=cfg.pooling, lora=lora,
         attn_implementation=cfg.attn_implementation, gradient_checkpointing=cfg.gradient_checkpointing,
         packing=cfg.packing, seed=cfg.seed, merge_lora=not cfg.use_lora,
     )
+    model.config.prompts = model.config.prompts.with_overrides(cfg.query_prefix, cfg.padding_side)
+    return model
 
 
 def build_cfg_processor(cfg: TrainConfig) -> Any:

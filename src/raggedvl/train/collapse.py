@@ -1,0 +1,71 @@
+"""Collapse check of ``raggedvl train``: the loss sits at its chance value (issue 18).
+
+A contrastive retriever has collapsed when every document embeds to the same vectors: then every
+query scores every candidate the same, and the loss of each query is exactly its value at equal
+scores, the chance loss:
+
+- ``late_interaction`` and ``infonce`` (cross-entropy over the global batch's N in-batch
+  candidates): ``ln N`` (log-sum-exp of N equal logits minus one of them);
+- ``pairwise`` (``softplus(hardest negative - positive)``): ``softplus(0) = ln 2``.
+
+The training loss is the global mean over ranks, the same float on every rank, so every rank
+reaches the same verdict with no extra collective and a stop never leaves a rank waiting. The
+check is a streak: the loss within ``tolerance`` (absolute) of the chance value for
+``patience`` steps in a row. A healthy run starts near chance (random embeddings score about
+alike) but moves by far more than 1e-4 from step to step; a collapsed one stays there to
+within float rounding (its gradient is ~0). Mean pairwise cosine of documents' mean-pooled
+embeddings (``raggedvl.evaluation.mean_pairwise_cosine``), when the caller passes it, is
+reported beside the verdict: it reads 1.0000 for a collapsed model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+LIKELY_CAUSES = (
+    "learning rate too high for this model and batch (try a 2-5x lower --lr, or a 10x higher --head-lr than --lr), "
+    "a randomly initialised or untrained backbone (see raggedvl.models.recipe), a --temperature too low for its "
+    "scores, or documents that are nearly identical (blank pages)"
+)
+
+
+def chance_loss(loss: str, global_batch: int) -> float:
+    """The loss value at equal scores for every candidate (module docstring): ``ln N`` for
+    ``late_interaction`` and ``infonce`` over ``global_batch`` in-batch candidates, ``ln 2``
+    for ``pairwise``. Raises ``ValueError`` for an unknown loss or ``global_batch < 1``."""
+    if global_batch < 1:
+        raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    if loss in ("late_interaction", "infonce"):
+        return math.log(global_batch)
+    if loss == "pairwise":
+        return math.log(2.0)
+    raise ValueError(f"unknown loss {loss!r}; choose late_interaction, pairwise or infonce")
+
+
+@dataclass
+class CollapseCheck:
+    """Streak counter: ``update(step, loss)`` returns a one-line warning the first time the
+    loss has been within ``tolerance`` of ``chance`` for ``patience`` steps in a row, else
+    None (``patience`` 0: never). ``fired`` stays True once it has fired (one warning per run);
+    a loss that leaves the chance value resets the streak. ``doc_cosine`` (optional) is added
+    to the message."""
+
+    chance: float
+    patience: int
+    tolerance: float = 1e-4
+    streak: int = 0
+    fired: bool = False
+
+    def update(self, step: int, loss: float, doc_cosine: float | None = None) -> str | None:
+        if self.patience <= 0 or self.fired:
+            return None
+        self.streak = self.streak + 1 if abs(loss - self.chance) <= self.tolerance else 0
+        if self.streak < self.patience:
+            return None
+        self.fired = True
+        cos = "" if doc_cosine is None or math.isnan(doc_cosine) else f", documents' mean pairwise cosine {doc_cosine:.4f}"
+        return (
+            f"raggedvl: training collapsed at step {step}: the loss has been its chance value {self.chance:.4f} "
+            f"(every document scores the same) for {self.patience} steps{cos}; likely causes: {LIKELY_CAUSES}"
+        )

@@ -1,0 +1,79 @@
+"""The collapse check of `raggedvl train` (issue 18 item 4): chance values, the streak rule, and
+a real run on identical documents (every score equal, so the loss is ln(global batch) from
+the first step): it warns in one line, logs the event and, with --stop-on-collapse, stops."""
+
+import json
+import math
+
+import pytest
+from PIL import Image
+
+from raggedvl.train.collapse import CollapseCheck, chance_loss
+from raggedvl.train.config import TrainConfig
+from raggedvl.train.loop import train
+
+
+def test_chance_loss_is_the_loss_at_equal_scores():
+    import torch
+
+    from raggedvl.losses import LateInteractionLoss, PairwiseLoss
+
+    q, qm = torch.randn(6, 3, 8), torch.ones(6, 3, dtype=torch.bool)
+    same = torch.nn.functional.normalize(torch.randn(1, 4, 8), dim=-1).expand(6, 4, 8)  # six identical documents
+    dm = torch.ones(6, 4, dtype=torch.bool)
+    assert float(LateInteractionLoss(temperature=0.02)(q, qm, same, dm)) == pytest.approx(chance_loss("late_interaction", 6))
+    assert float(PairwiseLoss()(q, qm, same, dm)) == pytest.approx(chance_loss("pairwise", 6))
+    assert chance_loss("infonce", 16) == pytest.approx(math.log(16))
+    with pytest.raises(ValueError, match="unknown loss"):
+        chance_loss("mse", 4)
+
+
+def test_the_check_fires_once_after_patience_steps_in_a_row():
+    check = CollapseCheck(chance=math.log(16), patience=3)
+    at_chance = math.log(16) + 5e-5
+    assert check.update(1, at_chance) is None
+    assert check.update(2, at_chance) is None
+    assert check.update(3, 2.70) is None  # the loss moved: the streak restarts
+    assert [check.update(s, at_chance) for s in (4, 5)] == [None, None]
+    message = check.update(6, at_chance, doc_cosine=1.0)
+    assert message is not None and "\n" not in message
+    assert "step 6" in message and "2.7726" in message and "cosine 1.0000" in message and "--lr" in message
+    assert check.fired and check.update(7, at_chance) is None  # one warning per run
+    assert CollapseCheck(chance=1.0, patience=0).update(1, 1.0) is None  # patience 0: off
+
+
+def _identical_pages(root, n_train=12, n_dev=4):
+    """An rdocs-style manifest whose training pages are all the same image (dev pages differ)."""
+    (root / "images").mkdir(parents=True)
+    rows = []
+    for i in range(n_train + n_dev):
+        name = f"images/p{i}.png"
+        colour = "white" if i < n_train else (40 * i % 256, 90, 200)
+        Image.new("RGB", (112, 112), colour).save(root / name)
+        rows.append({"id": f"p{i}", "image": name, "query": f"question number {i}", "split": "train" if i < n_train else "dev",
+                     "width": 112, "height": 112})
+    (root / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+@pytest.mark.slow
+def test_a_collapsed_run_warns_and_stops_when_asked(tmp_path, capsys):
+    data = _identical_pages(tmp_path / "data")
+    common = dict(dataset=str(data), max_train_samples=None, max_eval_samples=None, global_batch_size=4, max_steps=8,
+                  warmup_steps=1, eval_before=False, eval_after=False, checkpoint_every=100, collapse_patience=3)
+    summary = train(TrainConfig(**common, output_dir=str(tmp_path / "warn")))
+    out = capsys.readouterr()
+    assert summary["collapsed"] and not summary["stopped_by_collapse"]
+    assert "training collapsed at step 3" in out.out + out.err
+    records = [json.loads(line) for line in (tmp_path / "warn" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("event") == "train"] == list(range(1, 9))  # it ran on
+    (event,) = [r for r in records if r.get("event") == "collapse"]
+    assert event["step"] == 3 and event["chance"] == pytest.approx(math.log(4))
+    assert event["doc_cosine_rank0"] == pytest.approx(1.0, abs=1e-6)
+
+    summary = train(TrainConfig(**common, stop_on_collapse=True, output_dir=str(tmp_path / "stop")))
+    assert summary["stopped_by_collapse"]
+    records = [json.loads(line) for line in (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("event") == "train"] == [1, 2, 3]
+    assert (tmp_path / "stop" / "checkpoints" / "step-000003").is_dir()  # the final checkpoint of the stopped run
+    assert "STOPPED at step 3 of 8" in (tmp_path / "stop" / "summary.md").read_text()

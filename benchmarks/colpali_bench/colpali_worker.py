@@ -13,9 +13,11 @@ gradient in the loss). Additions, all outside colpali-engine's code:
 
 - a collator subclass that adds up, per batch, real vs padded document and query tokens and
   real vs padded ``pixel_values`` rows (colpali pads each image's patches to the batch's largest);
-- a loss wrapper that keeps the last loss (detached), and a callback that at each step's end
-  all-reduces it to the global-batch loss (one extra all-reduce of one float per step) and
-  records the wall-clock time;
+- a loss wrapper that keeps the last loss (detached) and the gathered documents' mean pairwise
+  cosine, and a callback that at each step's end all-reduces the loss to the global-batch loss
+  (one extra all-reduce of one float per step), records the wall-clock time and, with
+  ``stop_after`` in the spec, ends training after that many steps (the learning-rate schedule
+  still spans ``steps``);
 - with a head learning rate different from the backbone's, an AdamW with two parameter groups
   (``custom_text_proj`` vs the rest) passed to the Trainer (HF still builds the schedule).
 
@@ -72,22 +74,32 @@ class PaddingStatsCollator(VisualRetrieverCollator):
 
 
 class RecordingLoss(torch.nn.Module):
-    """Calls the colpali loss unchanged and keeps the last value (detached)."""
+    """Calls the colpali loss unchanged and keeps the last value (detached) and the mean pairwise
+    cosine of the (gathered) documents' mean-pooled embeddings (zeroed padding excluded)."""
 
     def __init__(self, inner: torch.nn.Module) -> None:
         super().__init__()
         self.inner = inner
         self.last: torch.Tensor | None = None
+        self.doc_cosine = float("nan")
 
-    def forward(self, *args, **kwargs):
-        loss = self.inner(*args, **kwargs)
+    def forward(self, query_embeddings, doc_embeddings, *args, **kwargs):
+        loss = self.inner(query_embeddings, doc_embeddings, *args, **kwargs)
         self.last = loss.detach()
+        with torch.no_grad():
+            d = doc_embeddings.detach().double()
+            real = (d.abs().sum(dim=-1) > 0).unsqueeze(-1).double()
+            pooled = torch.nn.functional.normalize((d * real).sum(dim=1) / real.sum(dim=1).clamp(min=1), dim=-1)
+            n = pooled.shape[0]
+            sim = pooled @ pooled.T
+            self.doc_cosine = float((sim.sum() - sim.diagonal().sum()) / (n * (n - 1))) if n > 1 else float("nan")
         return loss
 
 
 class StepClock(TrainerCallback):
-    def __init__(self, loss: RecordingLoss) -> None:
+    def __init__(self, loss: RecordingLoss, stop_after: int | None = None) -> None:
         self.loss = loss
+        self.stop_after = stop_after
         self.loop_begin = None
         self.steps: list[dict] = []
 
@@ -99,7 +111,10 @@ class StepClock(TrainerCallback):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(value)
             value /= torch.distributed.get_world_size()
-        self.steps.append({"step": state.global_step, "t": time.time(), "loss": float(value)})
+        self.steps.append({"step": state.global_step, "t": time.time(), "loss": float(value),
+                           "doc_cosine": self.loss.doc_cosine})
+        if self.stop_after and state.global_step >= self.stop_after:
+            control.should_training_stop = True  # the schedule still spans the spec's steps
 
 
 def main() -> None:
@@ -119,7 +134,7 @@ def main() -> None:
     train_dataset = ColPaliEngineDataset(data, query_column_name="query", pos_target_column_name="image")
     collator = PaddingStatsCollator(processor=processor)
     loss = RecordingLoss(ColbertLoss(temperature=spec["temperature"], normalize_scores=True))
-    clock = StepClock(loss)
+    clock = StepClock(loss, spec.get("stop_after"))
     args = training_arguments(spec)
     optimizers = (None, None)
     if spec.get("head_lr") not in (None, spec["lr"]):

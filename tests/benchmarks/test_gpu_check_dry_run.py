@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.jobs import run_job
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,9 +24,10 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), str(out), "--dry-run"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # start-up (interpreter, project and torch imports) ends with the "[env] device" row; the
+    # checks then get 300 s (tests/jobs.py; ~35 s of CPU on an idle machine)
+    done = run_job([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), str(out), "--dry-run"],
+                   ready=r"\[env\] device:", timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     report = json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").is_file() else None
     return done, out, report
 

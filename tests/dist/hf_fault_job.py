@@ -7,6 +7,9 @@ trains the tiny retriever for 4 steps on 16 synthetic pairs with ``collective_ti
 
 import sys
 
+# printed by process 0 once every process built its trainer: start-up is over (tests/jobs.py)
+READY = "hf_fault_job: every process is ready"
+
 
 def main(timeout_s: float, out_dir: str) -> None:
     from raggedvl.data import RetrievalCollator
@@ -17,6 +20,9 @@ def main(timeout_s: float, out_dir: str) -> None:
     trainer = RaggedTrainer(tiny_retriever(), training_args(out_dir, max_steps=4), processor=proc,
                             collective_timeout_s=timeout_s, train_dataset=retrieval_examples(16),
                             data_collator=RetrievalWireCollator(RetrievalCollator(proc)))
+    trainer.accelerator.wait_for_everyone()
+    if trainer.accelerator.is_main_process:
+        print(READY, flush=True)
     trainer.train()
 
 

@@ -149,8 +149,9 @@ def test_fsdp2_checkpoint_holds_the_same_full_weights_as_ddp(runs):
 def _cli_train(tmp_path: Path, name: str, nproc: int, *flags: str) -> tuple[list[float], str]:
     """``raggedvl train`` as a user starts it (it launches torchrun itself); per-step losses + stdout."""
     import os
-    import subprocess
     import sys
+
+    from tests.jobs import TRAIN_READY, run_job
 
     data = tmp_path / "data"
     if not (data / "manifest.jsonl").is_file():
@@ -161,7 +162,7 @@ def _cli_train(tmp_path: Path, name: str, nproc: int, *flags: str) -> tuple[list
            "--global-batch-size", "5", "--max-steps", str(STEPS), "--warmup-steps", "1", "--checkpoint-every", "100",
            "--eval-before", "false", "--eval-after", "false", "--output-dir", str(out),
            "--data-cache", str(tmp_path / "cache"), *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_job(cmd, ready=TRAIN_READY, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if r.get("event") == "train"], done.stdout + done.stderr

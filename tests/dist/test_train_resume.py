@@ -3,10 +3,11 @@ gives the same per-step losses as an uninterrupted run (issue 4 acceptance; issu
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.jobs import TRAIN_READY, run_job
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -17,12 +18,13 @@ COMMON = [
 
 
 def _train(run_dir, cache, *extra, fault=None, timeout=240):
+    """One `raggedvl train` job; ``timeout`` seconds from the end of its start-up (tests/jobs.py)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RAGGEDVL_FAULT", None)
     if fault:
         env["RAGGEDVL_FAULT"] = fault
     cmd = [sys.executable, "-m", "raggedvl.cli", "train", *COMMON, "--output-dir", str(run_dir), "--data-cache", str(cache), *extra]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_job(cmd, env=env, ready=TRAIN_READY, timeout=timeout)
 
 
 def _logged(run_dir, key="loss"):

@@ -9,6 +9,9 @@ mistaken for a hang:
   slowdown measured while the job runs (tests/slowdown.py: wall over CPU time of a busy loop,
   re-measured every 20 s; the largest value counts, clipped to [1, 10]).
 
+A single-process script with no line that marks the end of its start-up passes ``ready=None``:
+its run bound then counts from launch (start-up included), still stretched by the slowdown.
+
 A job past either bound is killed with its whole process session (torchrun and its ranks) and
 ``JobResult.timed_out`` says which bound and when; ``run_job`` turns that into a failure that
 shows the output's tail.
@@ -56,15 +59,16 @@ class JobResult:
 class Job:
     """One started job; call ``poll()`` until it returns a ``JobResult`` (or ``wait()``)."""
 
-    def __init__(self, cmd: Sequence[str], *, ready: str, timeout: float, startup_timeout: float = STARTUP_TIMEOUT_S,
+    def __init__(self, cmd: Sequence[str], *, ready: str | None, timeout: float, startup_timeout: float = STARTUP_TIMEOUT_S,
                  env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None, merged: bool = False) -> None:
-        """``merged``: stderr goes into stdout (one stream, lines in the order they were written)."""
-        self.ready = re.compile(ready, re.MULTILINE)
+        """``merged``: stderr goes into stdout (one stream, lines in the order they were written);
+        ``ready=None``: the run bound starts at launch (module docstring)."""
+        self.ready = None if ready is None else re.compile(ready, re.MULTILINE)
         self.timeout, self.startup_timeout = timeout, startup_timeout
         self._out = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
         self._err = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")
         self.started = time.monotonic()
-        self.ready_at: float | None = None
+        self.ready_at: float | None = self.started if ready is None else None
         self.slow = 1.0
         self.proc = subprocess.Popen(list(map(str, cmd)), stdout=self._out, stderr=subprocess.STDOUT if merged else self._err, text=True,
                                      env=env, cwd=cwd, start_new_session=True)
@@ -114,7 +118,7 @@ class Job:
         return result
 
 
-def run_job(cmd: Sequence[str], *, ready: str, timeout: float, **kwargs) -> JobResult:
+def run_job(cmd: Sequence[str], *, ready: str | None, timeout: float, **kwargs) -> JobResult:
     """Start ``cmd``, wait for it under both bounds, and return its result. Raises
     ``AssertionError`` with the output's tail when a bound was exceeded, or when the job
     succeeded without printing ``ready`` (the marker is stale: the run bound never applied)."""

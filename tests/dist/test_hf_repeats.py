@@ -17,7 +17,8 @@ the real global batch), and evaluation never scores a repeat. One launch runs, o
 4. ``sft3``: SFT, 3 examples map-style: ``[0, 1 | 2, 0]``; the loss is the token mean over
    examples 0, 1, 2 and the weights equal one step on them (the repeat of 0 is not counted).
 5. ``eval5``: ``RaggedTrainer.evaluate`` on the 5 pairs: the evaluation loss is the mean over the
-   5 real queries of their terms, each in its own step's real global batch.
+   5 real queries of their terms, each in its own step's real global batch; ``sft_eval3``: SFT
+   evaluation of ``[0, 1 | 2, 0]``, the token mean over examples 0, 1, 2.
 6. ``encode5``: ``evaluate_benchmark`` (sharded encoding, batch 2) on the 5 pairs: metrics equal
    one process's.
 """
@@ -79,6 +80,9 @@ def _worker(rank: int, world_size: int, out_dir: str):
     evaluator = RaggedTrainer(tiny_retriever(), training_args(f"{out_dir}/e{rank}", per_device_eval_batch_size=2),
                               processor=proc, data_collator=collator)
     out["eval5"] = evaluator.evaluate(retrieval_examples(5))["eval_loss"]
+    sft_evaluator = RaggedTrainer(tiny_generator(), training_args(f"{out_dir}/f{rank}", per_device_eval_batch_size=2),
+                                  processor=proc, task="sft", data_collator=SFTCollator(proc))
+    out["sft_eval3"] = sft_evaluator.evaluate(sft_examples())["eval_loss"]
     out["encode5"] = evaluate_benchmark(tiny_retriever(), RetrievalCollator(proc), RetrievalBenchmark.from_pairs(retrieval_pairs(5)),
                                         batch_size=2, device=torch.device("cpu"))
     path = f"{out_dir}/rank{rank}.pt"  # tensors through a file: the queue would share their memory
@@ -205,6 +209,19 @@ def test_evaluation_loss_counts_each_real_query_once(results):
         full += LateInteractionLoss(temperature=0.02)(q.embeddings, q.mask, d.embeddings, d.mask).item()
     for res in results:
         assert res["eval5"] == pytest.approx(full / 5, rel=LOGGED_TOL)
+
+
+def test_sft_evaluation_loss_ignores_the_repeat(results):
+    from raggedvl.data.collator import token_ids_for
+    from raggedvl.hf import SFTCollator, unpack
+    from tests.hf.helpers import sft_examples, tiny_generator, tiny_processor
+
+    proc = tiny_processor()
+    batch = unpack(SFTCollator(proc)(sft_examples()), token_ids=token_ids_for(proc), pad_token_id=proc.tokenizer.pad_token_id)
+    with torch.no_grad():
+        expected = tiny_generator()(**batch.to_dict(), use_cache=False).loss.item()
+    for res in results:
+        assert res["sft_eval3"] == pytest.approx(expected, rel=LOGGED_TOL)
 
 
 def test_sharded_encoding_scores_every_pair_once(results):

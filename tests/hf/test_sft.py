@@ -71,6 +71,17 @@ def test_one_trainer_step_is_the_models_own_step(tmp_path):
         torch.testing.assert_close(p.detach(), expected[n], rtol=0, atol=1e-10, msg=n)
 
 
+def test_evaluate_reports_the_token_mean_of_the_eval_set(tmp_path):
+    examples = sft_examples()
+    model = tiny_generator()
+    trainer = RaggedTrainer(model, training_args(tmp_path, per_device_eval_batch_size=2), processor=tiny_processor(),
+                            task="sft", eval_dataset=examples, data_collator=SFTCollator(tiny_processor()))
+    metrics = trainer.evaluate()  # batches [0, 1] and [2]: each step's token mean, weighted by its samples
+    with torch.no_grad():
+        first, last = (model(**_batch(part).to_dict(), use_cache=False).loss.item() for part in (examples[:2], examples[2:]))
+    assert metrics["eval_loss"] == pytest.approx((2 * first + last) / 3, rel=1e-6)
+
+
 def test_lora_sft_trains_only_adapters(tmp_path):
     model = apply_generation_lora(tiny_generator(), LoraSettings(r=4, alpha=8, dropout=0.0))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -338,7 +338,9 @@ class RaggedTrainer(Trainer):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
         scale = 1.0 / self.current_gradient_accumulation_steps
-        step = grad_cache_step(model, inputs["queries"], inputs["docs"], lambda q, d: self.retrieval_loss(q, d, valid=inputs.get("valid")) * scale,
+        valid = inputs.get("valid")  # repeats completing the last batch (module docstring)
+        step = grad_cache_step(model, inputs["queries"], inputs["docs"],
+                               lambda q, d: self.retrieval_loss(q, d, valid=valid) * scale,
                                budget=self.grad_cache_budget, autocast=self.autocast_smart_context_manager())
         return step.loss.detach()
 

@@ -67,7 +67,7 @@ def _train_all(rank: int, world_size: int, data: str, cache: str, out: str) -> d
     for name, (strategy, grad_cache) in RUNS.items():
         cfg = TrainConfig(
             dataset=data, max_train_samples=None, max_eval_samples=None, max_pixels=50_176, global_batch_size=5,
-            max_steps=STEPS, warmup_steps=1, checkpoint_every=100, eval_before=False, eval_after=True,
+            max_steps=STEPS, warmup_steps=1, checkpoint_every=100, eval_before=True, eval_after=True,
             eval_train_samples=15, eval_batch_size=4,
             strategy=strategy, grad_cache=grad_cache, grad_cache_budget=96, output_dir=f"{out}/{name}",
             data_cache=cache,
@@ -78,7 +78,7 @@ def _train_all(rank: int, world_size: int, data: str, cache: str, out: str) -> d
             initial = {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items()}
         summary = trainer.run()  # includes the evaluation after training (every rank encodes its share)
         if rank == 0:
-            result[f"{name}/after"] = {k: v for k, v in summary["rows"].items() if "after training" in k}
+            result[f"{name}/after"] = {k: v for k, v in summary["rows"].items() if "training" in k}
             records = [json.loads(line) for line in Path(cfg.output_dir, "metrics.jsonl").read_text().splitlines()]
             result[f"{name}/losses"] = [r["loss"] for r in records if r.get("event") == "train"]
             result[f"{name}/rank_samples"] = [r["rank_samples"] for r in records if r.get("event") == "train"]
@@ -100,7 +100,7 @@ def _train_all(rank: int, world_size: int, data: str, cache: str, out: str) -> d
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp2")
     data = write_synthetic_manifest(root / "data", n_train=15, n_dev=3)
-    return run_distributed(_train_all, 2, str(data), str(root / "cache"), str(root / "runs"), timeout=240)
+    return run_distributed(_train_all, 2, str(data), str(root / "cache"), str(root / "runs"), timeout=400)
 
 
 def test_fsdp2_wraps_the_model_in_place_and_ddp_wraps_it(runs):
@@ -122,15 +122,25 @@ def test_fsdp2_run_logs_the_same_losses_as_ddp(runs):
         assert got == pytest.approx(ref, rel=2e-5, abs=1e-6), (name, got, ref)
 
 
-def test_fsdp2_evaluation_after_training_matches_ddp(runs):
+def test_fsdp2_evaluation_matches_ddp(runs):
+    """The evaluation path under FSDP2 (with and without GradCache) gives DDP's metrics on the same
+    weights: before training every run holds the same initial weights, so every metric must agree.
+    After 3 steps the weights agree only to AdamW's noise (< 1e-4, next test: AdamW divides by
+    the running RMS of near-zero gradients), and this near-collapsed tiny model (mean pairwise
+    document cosine ~0.987) ranks on score gaps of that size, so there the ranking metrics may
+    differ; the counts and the embedding geometry may not."""
     r0 = runs[0]
     ref = r0["ddp/after"]
-    assert sorted(ref) == ["dev: after training", "train: after training"]
-    assert ref["dev: after training"]["n"] == 3 and ref["train: after training"]["n"] == 15
+    assert sorted(ref) == ["dev: after training", "dev: before training", "train: after training", "train: before training"]
+    assert ref["dev: after training"]["queries"] == 3 and ref["train: after training"]["queries"] == 15
     for name in ("fsdp2", "fsdp2_grad_cache"):
         got = r0[f"{name}/after"]
-        for split, metrics in ref.items():
-            assert got[split] == pytest.approx(metrics, abs=1e-4), (name, split, got[split], metrics)
+        for split in ("dev: before training", "train: before training"):
+            assert got[split] == pytest.approx(ref[split], abs=1e-6), (name, split, got[split], ref[split])
+        for split in ("dev: after training", "train: after training"):
+            for key in ("queries", "documents", "skipped_documents"):
+                assert got[split][key] == ref[split][key], (name, split, key)
+            assert got[split]["doc_mean_cosine"] == pytest.approx(ref[split]["doc_mean_cosine"], abs=1e-3)
 
 
 def test_fsdp2_checkpoint_holds_the_same_full_weights_as_ddp(runs):

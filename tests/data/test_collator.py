@@ -101,13 +101,15 @@ def test_bad_examples(tiny_processor):
         lenient([{"query": "a b", "id": "m"}])
 
 
-def test_layout_follows_the_processor(tiny_processor):
-    from raggedvl.data.collator import layout_for
-
-    assert layout_for(tiny_processor) == "qwen2_vl"
+def test_layout_follows_the_processors_family_and_a_mismatched_geometry_raises(tiny_processor):
+    assert RetrievalCollator(tiny_processor).layout == "qwen2_vl"  # a Qwen2VLProcessor subclass
+    stated = copy.deepcopy(tiny_processor)
+    stated.model_type = "qwen2_5_vl"  # what a checkpoint's config states wins over the class
+    assert RetrievalCollator(stated).layout == "qwen2_5_vl"
     patch16 = copy.deepcopy(tiny_processor)
-    patch16.image_processor.patch_size = 16
-    assert layout_for(patch16) == "qwen3_vl"
+    patch16.image_processor.patch_size = 16  # no longer guessed to be Qwen3-VL: a mismatch is an error
+    with pytest.raises(ValueError, match="patch_size 16, where qwen2_vl has 14"):
+        RetrievalCollator(patch16)
 
 
 def test_prompts_are_validated_and_configurable(tiny_processor):

@@ -63,3 +63,27 @@ def test_set_pixel_limits_rejects_inverted_range(tiny_processor):
     with pytest.raises(ValueError, match="above max_pixels"):
         set_pixel_limits(tiny_processor, 10**7, None)
     assert tiny_processor.image_processor.size["shortest_edge"] == 56 * 56  # unchanged after the error
+
+
+def test_a_stand_in_processor_carries_the_checkpoints_model_type(tmp_path, tiny_processor):
+    """The PIL stand-in for a checkpoint's processor resolves to the family its config.json
+    states (raggedvl.families.family_of), not to the stand-in's class; no config -> its class."""
+    import json
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from raggedvl.data.processing import _image_text_processor, checkpoint_model_type
+    from raggedvl.families import family_of
+
+    plain, qwen3, colqwen = tmp_path / "plain", tmp_path / "qwen3", tmp_path / "colqwen"
+    for folder, config in ((qwen3, {"model_type": "qwen3_vl"}),
+                           (colqwen, {"model_type": "colqwen2", "vlm_config": {"model_type": "qwen2_5_vl"}})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+    plain.mkdir()
+    assert [checkpoint_model_type(str(p)) for p in (plain, qwen3, colqwen)] == [None, "qwen3_vl", "qwen2_5_vl"]
+    patch16 = Qwen2VLImageProcessorPil(patch_size=16)
+    assert family_of(_image_text_processor(str(qwen3), patch16, tiny_processor.tokenizer)).name == "qwen3_vl"
+    patch14 = tiny_processor.image_processor
+    assert family_of(_image_text_processor(str(colqwen), patch14, tiny_processor.tokenizer)).name == "qwen2_5_vl"
+    assert family_of(_image_text_processor(str(plain), patch14, tiny_processor.tokenizer)).name == "qwen2_vl"

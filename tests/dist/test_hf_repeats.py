@@ -98,13 +98,13 @@ def results(tmp_path_factory):
 
 def _sample_ids(wire_queries) -> list[int]:
     """Which retrieval examples a recorded batch holds (each example's query tokens are unique)."""
-    from raggedvl.data.collator import token_ids_for
+    from raggedvl.batch import TokenIds
     from raggedvl.hf import unpack
     from tests.hf.helpers import retrieval_examples, tiny_processor
 
     proc = tiny_processor()
     texts = [ex["query"] for ex in retrieval_examples(8)]
-    batch = unpack(wire_queries, token_ids=token_ids_for(proc), pad_token_id=proc.tokenizer.pad_token_id)
+    batch = unpack(wire_queries, token_ids=TokenIds.from_any(proc), pad_token_id=proc.tokenizer.pad_token_id)
     decoded = proc.tokenizer.batch_decode([ids[m.bool()] for ids, m in zip(batch["input_ids"], batch["attention_mask"])])
     return [next(i for i, t in enumerate(texts) if t in d) for d in decoded]
 
@@ -173,12 +173,12 @@ def test_gradient_accumulation_with_repeats_equals_mean_of_real_micro_batch_loss
 
 
 def test_sft_repeat_is_not_counted(results):
-    from raggedvl.data.collator import token_ids_for
+    from raggedvl.batch import TokenIds
     from raggedvl.hf import SFTCollator, unpack
     from tests.hf.helpers import sft_examples, tiny_generator, tiny_processor
 
     proc = tiny_processor()
-    ids = token_ids_for(proc)
+    ids = TokenIds.from_any(proc)
     batch = unpack(SFTCollator(proc)(sft_examples()), token_ids=ids, pad_token_id=proc.tokenizer.pad_token_id)
     model = tiny_generator()
     loss = model(**batch.to_dict(), use_cache=False).loss  # token mean over examples 0, 1, 2

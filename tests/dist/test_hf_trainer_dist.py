@@ -125,11 +125,11 @@ def test_dispatch_gives_each_process_whole_samples(results):
     """C03 through the Trainer: process p at step s holds samples 4s+2p, 4s+2p+1, intact."""
     from raggedvl.data import RetrievalCollator
     from raggedvl.hf import unpack
-    from raggedvl.data.collator import token_ids_for
+    from raggedvl.batch import TokenIds
     from tests.hf.helpers import retrieval_examples, tiny_processor
 
     proc = tiny_processor()
-    ids = token_ids_for(proc)
+    ids = TokenIds.from_any(proc)
     collate = RetrievalCollator(proc)
     alone = [collate([ex]) for ex in retrieval_examples(8)]
     for rank, res in enumerate(results):
@@ -179,12 +179,12 @@ def _initial_retriever():
 
 def test_sft_loss_is_global_token_mean(results):
     from raggedvl.batch import RaggedBatch
-    from raggedvl.data.collator import token_ids_for
+    from raggedvl.batch import TokenIds
     from raggedvl.hf import unpack
     from tests.hf.helpers import tiny_generator, tiny_processor
 
     proc = tiny_processor()
-    ids = token_ids_for(proc)
+    ids = TokenIds.from_any(proc)
     parts = [unpack(res["sft"]["seen"][0], token_ids=ids, pad_token_id=proc.tokenizer.pad_token_id) for res in results]
     tokens = [int(p["labels"][:, 1:].ne(-100).sum()) for p in parts]
     assert tokens[0] != tokens[1], "the test needs unequal label-token counts per process"
@@ -204,12 +204,12 @@ def test_sft_loss_is_global_token_mean(results):
 
 
 def test_sft_dispatch_keeps_multi_image_samples_whole_and_text_only_rank_runs(results):
-    from raggedvl.data.collator import token_ids_for
+    from raggedvl.batch import TokenIds
     from raggedvl.hf import SFTCollator, unpack
     from tests.hf.helpers import tiny_processor
 
     proc = tiny_processor()
-    ids = token_ids_for(proc)
+    ids = TokenIds.from_any(proc)
     stream = sft_stream()
     alone = [unpack(SFTCollator(proc)([ex]), token_ids=ids) for ex in stream]
     for rank, res in enumerate(results):

@@ -288,7 +288,7 @@ def test_gradients_equal_the_single_process_reference(results, name):
 
 def test_sft_trainer_with_a_text_only_rank_finishes_and_matches_one_process(results):
     """Two steps; each gives rank 0 image samples and rank 1 text-only samples (dispatch)."""
-    from raggedvl.data.collator import token_ids_for
+    from raggedvl.batch import TokenIds
     from raggedvl.hf import SFTCollator, unpack
     from tests.hf.helpers import tiny_generator, tiny_processor
 
@@ -296,7 +296,7 @@ def test_sft_trainer_with_a_text_only_rank_finishes_and_matches_one_process(resu
     stream = _sft_stream()
     model = tiny_generator()
     for step in range(2):
-        batch = unpack(SFTCollator(proc)(stream[4 * step:4 * step + 4]), token_ids=token_ids_for(proc),
+        batch = unpack(SFTCollator(proc)(stream[4 * step:4 * step + 4]), token_ids=TokenIds.from_any(proc),
                        pad_token_id=proc.tokenizer.pad_token_id)
         assert batch.image_counts[2:] == [0, 0] and all(batch.image_counts[:2])  # rank 1's share is text only
         model.zero_grad(set_to_none=True)

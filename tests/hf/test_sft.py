@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raggedvl.data.collator import token_ids_for
+from raggedvl.batch import TokenIds
 from raggedvl.hf import IGNORE_INDEX, RaggedTrainer, SFTCollator, apply_generation_lora, unpack
 from raggedvl.models import LoraSettings
 from tests.hf.helpers import sft_examples, tiny_generator, tiny_processor, training_args
@@ -16,14 +16,14 @@ LR = 0.5
 
 def _batch(examples):
     proc = tiny_processor()
-    return unpack(SFTCollator(proc)(examples), token_ids=token_ids_for(proc), pad_token_id=proc.tokenizer.pad_token_id)
+    return unpack(SFTCollator(proc)(examples), token_ids=TokenIds.from_any(proc), pad_token_id=proc.tokenizer.pad_token_id)
 
 
 def test_labels_cover_exactly_the_answer_and_placeholders_match_grids():
     proc = tiny_processor()
     examples = sft_examples()
     batch = _batch(examples)
-    ids = token_ids_for(proc)
+    ids = TokenIds.from_any(proc)
     assert batch.image_counts == [len(ex["images"]) for ex in examples]
     grids = batch["image_grid_thw"]
     start = 0

@@ -1,13 +1,14 @@
-"""raggedvl.batch: the ragged batch type, per-family layouts, validation, padding interop, costs."""
+"""raggedvl.batch: the ragged batch type, validation, padding interop, costs (the per-family
+layouts live in the family registry, ``raggedvl.families``; re-exported here)."""
+
+from raggedvl.families import BatchLayout, TokenIds, VisualStream, get_layout
 
 from .costs import CostModel
-from .layouts import LAYOUTS, BatchLayout, TokenIds, VisualStream, get_layout
 from .offsets import exclusive_cumsum
 from .padded import pad_patches, unpad_patches
 from .ragged import RaggedBatch
 
 __all__ = [
-    "LAYOUTS",
     "BatchLayout",
     "CostModel",
     "RaggedBatch",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .layouts import VisualStream
+from raggedvl.families import VisualStream
 
 
 def placeholder_runs(input_ids: torch.Tensor, token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ import torch
 
 from . import ownership, validation
 from .costs import CostModel
-from .layouts import BatchLayout, TokenIds, get_layout
+from raggedvl.families import BatchLayout, TokenIds, get_layout
 from .offsets import boundaries, exclusive_cumsum
 from .padded import pad_patches, ranges, unpad_patches
 

@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .layouts import BatchLayout, VisualStream
+from raggedvl.families import BatchLayout, VisualStream
 
 
 def owner_of(item: int, counts: Sequence[int]) -> int:

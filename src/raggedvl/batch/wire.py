@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .layouts import BatchLayout, get_layout
+from raggedvl.families import BatchLayout, get_layout
 from .offsets import boundaries
 from .ragged import RaggedBatch
 

@@ -23,33 +23,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from raggedvl.batch import RaggedBatch, TokenIds
+from raggedvl.batch import RaggedBatch
+from raggedvl.families import processor_batch_format
 from raggedvl.images import BadImageError, BadImagePolicy, ImagePolicy, check_bad_image_policy
 from raggedvl.prompts import DEFAULT_PROMPTS, DOC_TEMPLATE, IMAGE_BLOCK, QUERY_AUGMENTATION, QUERY_TEMPLATE, RetrievalPrompts
 
 __all__ = ["DOC_TEMPLATE", "IMAGE_BLOCK", "QUERY_AUGMENTATION", "QUERY_TEMPLATE", "RetrievalCollator"]
 _VISUAL_MARKERS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
-
-
-def layout_for(processor) -> str:
-    """RaggedBatch layout name for a processor: qwen3_vl (class name or 16 px patches),
-    qwen2_5_vl (class name) or qwen2_vl."""
-    name = type(processor).__name__.lower()
-    if "qwen3" in name or getattr(processor.image_processor, "patch_size", 14) == 16:
-        return "qwen3_vl"
-    if "qwen2_5" in name:
-        return "qwen2_5_vl"
-    return "qwen2_vl"
-
-
-def token_ids_for(processor) -> TokenIds:
-    """Placeholder token ids as the processor's own tokenizer assigns them."""
-    tokenizer = processor.tokenizer
-    return TokenIds(
-        vision_start=int(tokenizer.convert_tokens_to_ids("<|vision_start|>")),
-        image=int(processor.image_token_id),
-        video=int(getattr(processor, "video_token_id", tokenizer.convert_tokens_to_ids("<|video_pad|>"))),
-    )
 
 
 class RetrievalCollator:
@@ -63,7 +43,8 @@ class RetrievalCollator:
             ``config.prompts``); default :data:`raggedvl.prompts.DEFAULT_PROMPTS`.
         on_bad_image: "error" raises ``BadImageError`` naming the example; "skip" drops the
             example and reports it in ``"skipped"``.
-        layout: RaggedBatch layout name; default from the processor class.
+        layout: RaggedBatch layout name; default: the processor's family's
+            (``raggedvl.families.family_of``; ``ValueError`` for a processor of no registered family).
 
     Output: ``queries`` (text-only RaggedBatch, B rows), ``docs`` (RaggedBatch, B rows, one image
     each), ``ids`` (B example ids, in order), ``skipped`` (list of ``{"id", "reason"}``).
@@ -92,8 +73,7 @@ class RetrievalCollator:
         self.max_length = max_length
         self.prompts = prompts
         self.on_bad_image = on_bad_image
-        self.layout = layout or layout_for(processor)
-        self.token_ids = token_ids_for(processor)
+        self.layout, self.token_ids = processor_batch_format(processor, layout)
         self.image_policy = ImagePolicy.from_processor(processor)
 
     def _prepare(self, examples: Sequence[dict[str, Any]], with_query: bool = True):

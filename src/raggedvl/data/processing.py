@@ -27,7 +27,7 @@ import os
 import shutil
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import AutoProcessor, AutoTokenizer, Qwen2VLProcessor
+from transformers import AutoProcessor, AutoTokenizer, PretrainedConfig, Qwen2VLProcessor
 from transformers.processing_utils import ProcessorMixin
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -148,13 +148,34 @@ def is_retrieval_processor(processor) -> bool:
     return hasattr(processor, "visual_prompt_prefix") and hasattr(processor, "image_processor")
 
 
+def checkpoint_model_type(model: str) -> str | None:
+    """The transformers ``model_type`` a checkpoint's ``config.json`` states (a ColQwen2 config:
+    its ``vlm_config``'s), or None when it has no readable config (e.g. a LoRA adapter)."""
+    try:
+        data, _ = PretrainedConfig.get_config_dict(model)
+    except (OSError, ValueError):
+        return None
+    vlm = data.get("vlm_config")
+    return vlm.get("model_type") if isinstance(vlm, dict) and vlm.get("model_type") else data.get("model_type")
+
+
+def _image_text_processor(model: str, image_processor, tokenizer) -> Qwen2VLImageTextProcessor:
+    """A ``Qwen2VLImageTextProcessor`` standing in for ``model``'s own processor; it carries the
+    checkpoint's ``model_type`` (when stated) so ``raggedvl.families.family_of`` finds its family."""
+    processor = Qwen2VLImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    model_type = checkpoint_model_type(model)
+    if model_type is not None:
+        processor.model_type = model_type  # not saved: to_dict keeps __init__ arguments only
+    return processor
+
+
 def _load_pretrained(model: str, trust_remote_code: bool):
     """The checkpoint's own processor; falls back to its tokenizer + the PIL image processor
     when the standard processor cannot be built (no torchvision for the video processor)."""
     try:
         processor = AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
         if is_retrieval_processor(processor):
-            return Qwen2VLImageTextProcessor(image_processor=processor.image_processor, tokenizer=processor.tokenizer)
+            return _image_text_processor(model, processor.image_processor, processor.tokenizer)
         if isinstance(processor, ProcessorMixin) and getattr(processor, "image_processor", None) is not None:
             return processor
         first_error: Exception = TypeError(f"AutoProcessor gave a {type(processor).__name__}, not a multimodal processor")
@@ -168,7 +189,7 @@ def _load_pretrained(model: str, trust_remote_code: bool):
             f"cannot load a processor for {model!r}: {first_error}; the PIL fallback failed too: {exc}. "
             "Pass 'tiny', a hub id of a Qwen2-VL-family checkpoint, or a local directory holding its processor files"
         ) from exc
-    return Qwen2VLImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    return _image_text_processor(model, image_processor, tokenizer)
 
 
 def build_processor(

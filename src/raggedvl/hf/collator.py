@@ -17,6 +17,7 @@ import torch
 
 from raggedvl.batch import RaggedBatch
 from raggedvl.batch.wire import pack
+from raggedvl.families import processor_batch_format
 from raggedvl.images import ImagePolicy
 
 IGNORE_INDEX = -100
@@ -79,12 +80,9 @@ class SFTCollator:
     """
 
     def __init__(self, processor: Any, *, max_length: int | None = None, layout: str | None = None) -> None:
-        from raggedvl.data.collator import layout_for, token_ids_for
-
         self.processor = processor
         self.max_length = max_length
-        self.layout = layout or layout_for(processor)
-        self.token_ids = token_ids_for(processor)
+        self.layout, self.token_ids = processor_batch_format(processor, layout)
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.image_policy = ImagePolicy.from_processor(processor)
 

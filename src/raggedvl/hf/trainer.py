@@ -75,6 +75,7 @@ from raggedvl.batch import RaggedBatch
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.losses import RetrievalLoss, make_retrieval_loss
 from raggedvl.batch.wire import NUM_TOKENS, is_wire, unpack
+from raggedvl.families import processor_batch_format
 from raggedvl.models import install_dummy_vision
 from raggedvl.parallel import (
     RaggedDataParallel,
@@ -90,18 +91,6 @@ from raggedvl.parallel.faults import inject_fault
 from .collator import IGNORE_INDEX
 
 TASKS = ("retrieval", "sft")
-
-
-def _layout_of(processor: Any) -> str:
-    from raggedvl.data.collator import layout_for
-
-    return layout_for(processor)
-
-
-def _token_ids_of(processor: Any):
-    from raggedvl.data.collator import token_ids_for
-
-    return token_ids_for(processor)
 
 
 def default_retrieval_loss(model: nn.Module, temperature: float = 0.02) -> RetrievalLoss:
@@ -205,8 +194,7 @@ class RaggedTrainer(Trainer):
         self.task = task
         self.retrieval_loss = loss
         self.grad_cache_budget = grad_cache_budget
-        self.layout = _layout_of(processor)
-        self.token_ids = _token_ids_of(processor)
+        self.layout, self.token_ids = processor_batch_format(processor)
         self.pad_token_id = int(getattr(getattr(processor, "tokenizer", processor), "pad_token_id", 0) or 0)
         if task == "retrieval":
             self.loss_is_scaled_for_ga = False

@@ -1,5 +1,7 @@
 """raggedvl.models: ColQwen-style and bi-encoder retrievers over Qwen-VL backbones."""
 
+from raggedvl.families import FAMILIES, Family, family_of
+
 from .attention import resolve_attn_implementation
 from .build import build_retriever, load_backbone
 from .dummy_vision import (
@@ -9,7 +11,7 @@ from .dummy_vision import (
     missing_modalities,
     vision_base_model,
 )
-from .families import FAMILIES, Family, TinySizes, family_of, special_token_ids, tiny_backbone_config
+from .tiny import TinySizes, special_token_ids, tiny_backbone_config
 from .heads import EmbeddingOutput, RetrievalHead, pool_hidden
 from .lora import LoraSettings, apply_generation_lora, apply_lora
 from .recipe import TINY_TRAINING_DEFAULTS, TrainingRecipe

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .families import family_of
+from raggedvl.families import family_of
 
 
 @contextlib.contextmanager

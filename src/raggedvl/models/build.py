@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
+from raggedvl.families import family_of
+
 from .attention import resolve_attn_implementation
 from .backbone import load_backbone
-from .families import FAMILIES, TinySizes, special_token_ids, tiny_backbone_config
+from .tiny import TinySizes, special_token_ids, tiny_backbone_config
 from .lora import LoraSettings
 from .retriever import Retriever, RetrieverConfig, is_saved_retriever
 
@@ -113,7 +115,7 @@ def build_retriever(
                     "to size the vocabulary and read the special-token ids"
                 )
             config = tiny_backbone_config(_tokenizer_of(processor), tiny_family, tiny_sizes)
-            backbone = FAMILIES[tiny_family].model_class._from_config(config, attn_implementation=attn)
+            backbone = family_of(config).model_class._from_config(config, attn_implementation=attn)
             if dtype is not None:
                 backbone = backbone.to(dtype)
         else:

@@ -45,8 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-MODALITY_KEYS = {"image": "pixel_values", "video": "pixel_values_videos"}
-GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
+from raggedvl.families import FAMILIES, Family, VisualStream, family_of
 _PENDING = "_raggedvl_dummy_vision_term"  # per-call term, set on the embedding module by the pre-hook
 _HOOK = "_raggedvl_dummy_vision"  # the installed DummyVisionPass, on the base model
 
@@ -64,11 +63,24 @@ def dummy_vision_inputs(visual: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return pixels, grid
 
 
-def missing_modalities(batch: dict, expected: Iterable[str]) -> list[str]:
-    """Modalities of ``expected`` whose pixel tensor is absent (or has zero rows) in ``batch``."""
+def vision_streams(family: Family | str | None = None) -> dict[str, VisualStream]:
+    """The visual streams (modality name -> stream) of ``family``'s layout; with None, those of
+    every registered family (``raggedvl.families.FAMILIES``)."""
+    families = FAMILIES.values() if family is None else (family_of(family),)
+    streams: dict[str, VisualStream] = {}
+    for fam in families:
+        for stream in fam.streams:
+            streams.setdefault(stream.name, stream)
+    return streams
+
+
+def missing_modalities(batch: dict, expected: Iterable[str], family: Family | str | None = None) -> list[str]:
+    """Modalities of ``expected`` whose pixel tensor is absent (or has zero rows) in ``batch``;
+    pixel keys from ``family``'s layout (default: any registered family's)."""
+    streams = vision_streams(family)
     missing = []
-    for modality in check_modalities(expected):
-        pixels = batch.get(MODALITY_KEYS[modality])
+    for modality in check_modalities(expected, family):
+        pixels = batch.get(streams[modality].patches_key)
         if pixels is None or pixels.shape[0] == 0:
             missing.append(modality)
     return missing
@@ -91,24 +103,27 @@ def dummy_vision_term(visual: nn.Module, count: int = 1) -> torch.Tensor | None:
     return term
 
 
-def drop_empty_vision(inputs: dict[str, Any]) -> dict[str, Any]:
+def drop_empty_vision(inputs: dict[str, Any], family: Family | str | None = None) -> dict[str, Any]:
     """A copy of the model inputs ``inputs`` without the pixel tensors that have zero rows and
-    their grids (they carry no image or video; the model would run the tower on nothing)."""
+    their per-item tensors (they carry no image or video; the model would run the tower on
+    nothing); keys from ``family``'s layout (default: any registered family's)."""
     inputs = dict(inputs)
-    for modality, pixels_key in MODALITY_KEYS.items():
-        pixels = inputs.get(pixels_key)
+    for stream in vision_streams(family).values():
+        pixels = inputs.get(stream.patches_key)
         if pixels is not None and pixels.shape[0] == 0:
-            inputs.pop(pixels_key)
-            inputs.pop(GRID_KEYS[modality], None)
+            for key in (stream.patches_key, stream.grid_key, *stream.item_keys):
+                inputs.pop(key, None)
     return inputs
 
 
-def check_modalities(expected: Iterable[str]) -> tuple[str, ...]:
-    """``expected`` as a tuple; ``ValueError`` for a modality other than "image" / "video"."""
+def check_modalities(expected: Iterable[str], family: Family | str | None = None) -> tuple[str, ...]:
+    """``expected`` as a tuple; ``ValueError`` for a modality ``family`` (default: every
+    registered family) has no stream for ("image", "video" for the Qwen-VL families)."""
     expected = tuple(expected)
-    bad = [m for m in expected if m not in MODALITY_KEYS]
+    known = vision_streams(family)
+    bad = [m for m in expected if m not in known]
     if bad:
-        raise ValueError(f"unknown vision modality {bad}; expected_modalities must be a subset of {sorted(MODALITY_KEYS)}")
+        raise ValueError(f"unknown vision modality {bad}; expected_modalities must be a subset of {sorted(known)}")
     return expected
 
 
@@ -116,8 +131,6 @@ def vision_base_model(model: nn.Module) -> nn.Module:
     """The Qwen-VL base model (``Qwen2VLModel`` / ``Qwen2_5_VLModel`` / ``Qwen3VLModel``) in ``model``:
     ``model`` itself, a ``*ForConditionalGeneration``'s ``.model``, inside a peft or DDP wrapper or
     a :class:`~raggedvl.models.Retriever`. Raises ``ValueError`` when there is none."""
-    from .families import FAMILIES
-
     classes = tuple(f.model_class for f in FAMILIES.values())
     for module in model.modules():
         if isinstance(module, classes):
@@ -131,22 +144,23 @@ def vision_base_model(model: nn.Module) -> nn.Module:
 class DummyVisionPass:
     """Forward pre-hook of a Qwen-VL base model (module docstring); holds no module, so replicas
     and deep copies of the model share or copy it safely. ``expected``: the modalities any rank
-    may see (a subset of :data:`MODALITY_KEYS`)."""
+    may see (a subset of ``family``'s streams); ``family``: the base model's family."""
 
-    def __init__(self, expected: Iterable[str]) -> None:
-        self.expected = check_modalities(expected)
+    def __init__(self, expected: Iterable[str], family: Family) -> None:
+        self.family = family
+        self.expected = check_modalities(expected, family)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         if args:  # name positional inputs (input_ids, attention_mask, ...) by the forward's signature
             names = list(inspect.signature(module.forward).parameters)
             kwargs = {**dict(zip(names, args)), **kwargs}
-        kwargs = drop_empty_vision(kwargs)
+        kwargs = drop_empty_vision(kwargs, self.family)
         embeddings = module.get_input_embeddings()
         embeddings.__dict__.pop(_PENDING, None)  # left over only if an earlier forward raised
         if _decoding(kwargs):
             return (), kwargs
         encoded = kwargs.get("mm_encoder_outputs") or {}
-        missing = [m for m in missing_modalities(kwargs, self.expected) if encoded.get(m) is None]
+        missing = [m for m in missing_modalities(kwargs, self.expected, self.family) if encoded.get(m) is None]
         term = dummy_vision_term(module.visual, len(missing))
         if term is not None:
             if kwargs.get("inputs_embeds") is not None:
@@ -177,11 +191,12 @@ def install_dummy_vision(model: nn.Module, expected: Iterable[str] = ("image",))
     a batch does not use; values and other gradients unchanged. Raises ``ValueError`` for an
     unknown modality or a model without a Qwen-VL base model.
     """
-    expected = check_modalities(expected)
     base = vision_base_model(model)
+    family = family_of(base.config)
+    expected = check_modalities(expected, family)
     hook = base.__dict__.get(_HOOK)
     if hook is None:
-        hook = DummyVisionPass(expected)
+        hook = DummyVisionPass(expected, family)
         base.register_forward_pre_hook(hook, with_kwargs=True)
         base.get_input_embeddings().register_forward_hook(_add_pending_term)
         base.__dict__[_HOOK] = hook

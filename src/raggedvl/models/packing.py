@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-VISUAL_GRIDS = ("image_grid_thw", "video_grid_thw")
+from raggedvl.families import family_of
+
 PER_TOKEN = ("input_ids", "mm_token_type_ids")
 
 
@@ -83,13 +84,14 @@ def mrope_position_ids(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tor
             raise ValueError(f"position_ids must be [3 or 4, B, L] M-RoPE positions, got shape {list(given.shape)}")
         return given[-3:]
     mask = inputs["attention_mask"]
-    if any(inputs.get(k) is not None for k in VISUAL_GRIDS):
+    streams = family_of(model.config).streams
+    if any(inputs.get(s.grid_key) is not None for s in streams):
         if inputs.get("mm_token_type_ids") is None:
             raise ValueError(
                 "packing a batch with images or videos needs mm_token_type_ids [B, L] (the processor returns it) "
                 "to compute the M-RoPE positions; pass it, or train with --packing false"
             )
-        extras = {k: inputs[k] for k in ("second_per_grid_ts",) if inputs.get(k) is not None}
+        extras = {k: inputs[k] for s in streams for k in s.item_keys if inputs.get(k) is not None}
         positions, _ = model.get_rope_index(
             inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs.get("image_grid_thw"),
             video_grid_thw=inputs.get("video_grid_thw"), attention_mask=mask, **extras,

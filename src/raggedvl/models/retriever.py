@@ -34,21 +34,17 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from raggedvl.families import FAMILIES, family_of
 from raggedvl.prompts import DEFAULT_PROMPTS, LEGACY_PROMPTS, RetrievalPrompts
 
 from .attention import resolve_attn_implementation
-from .dummy_vision import MODALITY_KEYS, check_modalities, drop_empty_vision, install_dummy_vision
-from .families import FAMILIES, family_of
+from .dummy_vision import check_modalities, drop_empty_vision, install_dummy_vision
 from .heads import EmbeddingOutput, RetrievalHead
 from .lora import LoraSettings, apply_lora
 from .packed_attention import set_packed_attention
 from .packing import pack_batch, unpack_hidden
 from .weights import save_tensors, write_json
 
-MODEL_INPUTS = frozenset({
-    "input_ids", "attention_mask", "mm_token_type_ids", "position_ids", "pixel_values", "image_grid_thw",
-    "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
-})
 CONFIG_NAME = "raggedvl_retriever.json"
 LEGACY_CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -177,9 +173,10 @@ class Retriever(nn.Module):
         return self(queries=queries, docs=docs)
 
     def _encode(self, batch: dict) -> EmbeddingOutput:
-        unknown = sorted(set(batch) - MODEL_INPUTS)
+        accepted = self.family.layout.model_inputs
+        unknown = sorted(set(batch) - accepted)
         if unknown:
-            raise TypeError(f"Retriever got inputs {unknown} it does not use; accepted: {sorted(MODEL_INPUTS)}")
+            raise TypeError(f"{self.family.name} Retriever got inputs {unknown} it does not use; accepted: {sorted(accepted)}")
         for key in ("input_ids", "attention_mask"):
             if batch.get(key) is None:
                 raise ValueError(f"Retriever needs {key!r} [B, L]; got keys {sorted(batch)}")
@@ -188,12 +185,10 @@ class Retriever(nn.Module):
             raise ValueError(
                 f"input_ids {tuple(ids.shape)} and attention_mask {tuple(mask.shape)} must both be [B, L]"
             )
-        for modality, pixels_key in MODALITY_KEYS.items():
-            grid_key = "image_grid_thw" if modality == "image" else "video_grid_thw"
-            if (batch.get(pixels_key) is None) != (batch.get(grid_key) is None):
-                raise ValueError(f"{pixels_key} and {grid_key} must be given together (batch has only one)")
-        inputs = {k: v for k, v in batch.items() if v is not None}
-        inputs = drop_empty_vision({k: v for k, v in batch.items() if v is not None})
+        for stream in self.family.streams:
+            if (batch.get(stream.patches_key) is None) != (batch.get(stream.grid_key) is None):
+                raise ValueError(f"{stream.patches_key} and {stream.grid_key} must be given together (batch has only one)")
+        inputs = drop_empty_vision({k: v for k, v in batch.items() if v is not None}, self.family)
         # the backbone's pre-hook runs the dummy vision pass before the decoder (raggedvl.models.dummy_vision)
         if self.packing:
             packed = pack_batch(self.base_model, inputs)
@@ -209,7 +204,7 @@ class Retriever(nn.Module):
         if processor is None:
             raise ValueError("encoding needs the model's processor: pass processor= (raggedvl.data.build_processor(...)) "
                              "or build the model with build_retriever(..., processor=...)")
-        return RetrievalCollator(processor, prompts=self.config.prompts)
+        return RetrievalCollator(processor, prompts=self.config.prompts, layout=self.family.name)
 
     def _device(self) -> torch.device:
         return next(self.parameters()).device

@@ -90,7 +90,8 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             bench = load_benchmark(dataset, split, limit=max_samples, on_bad_image=on_bad_image)
             name = dataset
         max_length = cfg.max_length if cfg is not None else None
-        collate = RetrievalCollator(processor, max_length=max_length, on_bad_image=on_bad_image, prompts=model.config.prompts)
+        collate = RetrievalCollator(processor, max_length=max_length, on_bad_image=on_bad_image, prompts=model.config.prompts,
+                                    layout=model.family.name)
         metrics = evaluate_benchmark(model, collate, bench, batch_size=batch_size, device=info.device, progress=info.is_main)
         results = {
             "dataset": str(name), "split": split, "model": described, "raggedvl_version": __version__,

@@ -35,7 +35,8 @@ def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str, output: s
     try:
         model, processor, _, described = load_model(Path(checkpoint), info)
         docs = load_corpus(dataset, split, on_bad_image=on_bad_image)
-        collate = RetrievalCollator(processor, on_bad_image=on_bad_image, prompts=model.config.prompts)
+        collate = RetrievalCollator(processor, on_bad_image=on_bad_image, prompts=model.config.prompts,
+                                    layout=model.family.name)
         lo, rows = encode_shard(model, len(docs), document_collate(collate, docs), document_sizes(docs), batch_size=batch_size,
                                 device=info.device, desc="documents", progress=info.is_main)
         ids = docs.ids()
@@ -69,7 +70,7 @@ def search_index(checkpoint: str | Path, *, index: str | Path, queries: list[str
     info = init_distributed()
     try:
         model, processor, _, _ = load_model(Path(checkpoint), info)
-        collate = RetrievalCollator(processor, prompts=model.config.prompts)
+        collate = RetrievalCollator(processor, prompts=model.config.prompts, layout=model.family.name)
         from raggedvl.evaluation.encode import encode_queries
 
         encoded: Any = encode_queries(model, collate, queries, batch_size=batch_size, device=info.device, progress=False, padded=True)

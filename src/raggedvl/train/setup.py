@@ -181,7 +181,7 @@ def build_components(cfg: TrainConfig, info: DistInfo) -> Components:
     model = build_model(cfg, processor)
     # the model's own prompts: a colpali / transformers checkpoint is fed as its library feeds it
     collate = RetrievalCollator(processor, max_length=cfg.max_length, on_bad_image=cfg.on_bad_image,
-                                prompts=model.config.prompts)
+                                prompts=model.config.prompts, layout=model.family.name)
     return Components(
         processor=processor,
         train_set=train_set,

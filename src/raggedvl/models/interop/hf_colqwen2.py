@@ -31,7 +31,7 @@ import torch
 from raggedvl.prompts import DOC_TEMPLATE, RetrievalPrompts, transformers_colqwen2_prompts
 
 from ..backbone import check_loading_info, quiet_transformers
-from ..families import family_of
+from raggedvl.families import family_of
 from ..lora import LoraSettings
 from ..retriever import Retriever, RetrieverConfig
 from ..weights import TensorFiles

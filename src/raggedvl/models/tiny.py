@@ -1,12 +1,8 @@
-"""Backbone families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and the tiny preset's config.
+"""The tiny preset's backbone config: a small randomly initialised model of any registered
+family (``raggedvl.families``), built from a config (no download).
 
-A family is a table entry, not a fork (DESIGN.md section 2): the transformers config and base
-model classes, the patch size, and the sizes of the tiny preset. Everything that differs
-between the families in this package is read from :data:`FAMILIES`.
-
-The tiny preset is a randomly initialised backbone built from a config (no download). Its vocab
-size and special-token ids (image, video, vision start/end, pad) come from the tokenizer the
-data package builds, so that token ids and embedding rows always agree.
+Its vocab size and special-token ids (image, video, vision start/end, pad) come from the
+tokenizer the data package builds, so that token ids and embedding rows always agree.
 """
 
 from __future__ import annotations
@@ -14,50 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import (
-    PretrainedConfig,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLModel,
-    Qwen2VLConfig,
-    Qwen2VLModel,
-    Qwen3VLConfig,
-    Qwen3VLModel,
-)
+from transformers import PretrainedConfig
 
-
-@dataclass(frozen=True)
-class Family:
-    """One Qwen-VL generation: its config/model classes and vision geometry."""
-
-    name: str  # also the RaggedBatch layout name and the transformers ``model_type``
-    config_class: type
-    model_class: type
-    patch_size: int
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-
-    @property
-    def patch_dim(self) -> int:
-        """Width of one ``pixel_values`` row: 3 * temporal_patch * patch * patch."""
-        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
-
-
-FAMILIES: dict[str, Family] = {
-    "qwen2_vl": Family("qwen2_vl", Qwen2VLConfig, Qwen2VLModel, patch_size=14),
-    "qwen2_5_vl": Family("qwen2_5_vl", Qwen2_5_VLConfig, Qwen2_5_VLModel, patch_size=14),
-    "qwen3_vl": Family("qwen3_vl", Qwen3VLConfig, Qwen3VLModel, patch_size=16),
-}
-
-
-def family_of(config: PretrainedConfig) -> Family:
-    """The :class:`Family` of a transformers config; ``ValueError`` for other model types."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
-        raise ValueError(
-            f"model_type {model_type!r} is not a supported backbone; raggedvl retrievers wrap "
-            f"{sorted(FAMILIES)} checkpoints (e.g. Qwen/Qwen2-VL-2B-Instruct)"
-        )
-    return FAMILIES[model_type]
+from raggedvl.families import family_of
 
 
 @dataclass(frozen=True)
@@ -104,6 +59,9 @@ class TinySizes:
             raise ValueError(f"TinySizes.initializer_range must be > 0, got {self.initializer_range}")
 
 
+TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""Families with a tiny preset."""
+
 SPECIAL_TOKENS = {
     "image_token_id": "<|image_pad|>",
     "video_token_id": "<|video_pad|>",
@@ -137,15 +95,19 @@ def special_token_ids(tokenizer: Any) -> dict[str, int]:
 
 
 def tiny_backbone_config(tokenizer: Any, family: str = "qwen2_vl", sizes: TinySizes | None = None) -> PretrainedConfig:
-    """A small random-init backbone config of ``family`` whose vocabulary matches ``tokenizer``."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
+    """A small random-init backbone config of ``family`` whose vocabulary matches ``tokenizer``.
+
+    Raises ``ValueError`` for a family without a tiny preset (only the three Qwen-VL ones have
+    one: their vision configs name their sizes differently).
+    """
+    fam = family_of(family)  # ValueError for an unknown name
+    if fam.name not in TINY_FAMILIES:
+        raise ValueError(f"no tiny preset for family {fam.name!r}; tiny presets exist for {list(TINY_FAMILIES)}")
     s = sizes or TinySizes()
-    fam = FAMILIES[family]
     ids = special_token_ids(tokenizer)
     head_dim = s.hidden_size // s.num_heads
     half = head_dim // 2  # mRoPE sections (t, h, w) split the rotary half-dimension
-    hw_sec = half * 5 // 16 if family == "qwen3_vl" else half * 3 // 8  # as [24,20,20] / [16,24,24]
+    hw_sec = half * 5 // 16 if fam.name == "qwen3_vl" else half * 3 // 8  # as Qwen3-VL [24,20,20] / Qwen2-VL [16,24,24]
     mrope = [half - 2 * hw_sec, hw_sec, hw_sec]
     text = dict(
         vocab_size=ids["vocab_size"], hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
@@ -159,16 +121,17 @@ def tiny_backbone_config(tokenizer: Any, family: str = "qwen2_vl", sizes: TinySi
         spatial_merge_size=fam.merge_size, temporal_patch_size=fam.temporal_patch_size,
         initializer_range=s.initializer_range,
     )
-    if family == "qwen2_vl":
+    if fam.name == "qwen2_vl":
         vision.update(embed_dim=s.vision_embed_dim, hidden_size=s.hidden_size, mlp_ratio=2)
-    elif family == "qwen2_5_vl":
+    elif fam.name == "qwen2_5_vl":
         vision.update(hidden_size=s.vision_embed_dim, intermediate_size=2 * s.vision_embed_dim,
                       out_hidden_size=s.hidden_size, fullatt_block_indexes=[s.vision_depth - 1])
-    else:
+    else:  # qwen3_vl
         text.update(head_dim=head_dim)
         vision.update(hidden_size=s.vision_embed_dim, intermediate_size=2 * s.vision_embed_dim,
-                      out_hidden_size=s.hidden_size, num_position_embeddings=256,
-                      deepstack_visual_indexes=list(range(min(2, s.vision_depth))))
+                      out_hidden_size=s.hidden_size, num_position_embeddings=256)
+    if fam.deepstack:
+        vision.update(deepstack_visual_indexes=list(range(min(2, s.vision_depth))))
     return fam.config_class(
         text_config=text, vision_config=vision, initializer_range=s.initializer_range,
         **{k: ids[k] for k in SPECIAL_TOKENS},

@@ -38,6 +38,8 @@ def family_processors(tiny_processor):
     for name, kwargs in FAMILIES.items():
         proc = copy.copy(tiny_processor)
         proc.image_processor = Qwen2VLImageProcessorPil(merge_size=2, **kwargs)
+        if name != "tiny":
+            proc.model_type = name  # as a checkpoint's config.json states it (raggedvl.families.family_of)
         out[name] = proc
     return out
 

@@ -212,12 +212,12 @@ def test_evaluation_loss_counts_each_real_query_once(results):
 
 
 def test_sft_evaluation_loss_ignores_the_repeat(results):
-    from raggedvl.data.collator import token_ids_for
+    from raggedvl.batch import TokenIds
     from raggedvl.hf import SFTCollator, unpack
     from tests.hf.helpers import sft_examples, tiny_generator, tiny_processor
 
     proc = tiny_processor()
-    batch = unpack(SFTCollator(proc)(sft_examples()), token_ids=token_ids_for(proc), pad_token_id=proc.tokenizer.pad_token_id)
+    batch = unpack(SFTCollator(proc)(sft_examples()), token_ids=TokenIds.from_any(proc), pad_token_id=proc.tokenizer.pad_token_id)
     with torch.no_grad():
         expected = tiny_generator()(**batch.to_dict(), use_cache=False).loss.item()
     for res in results:

@@ -37,11 +37,24 @@ def test_labels_cover_exactly_the_answer_and_placeholders_match_grids():
         trained = labels != IGNORE_INDEX
         assert not trained[tokens == ids.image].any()
         assert not trained[batch["attention_mask"][b] == 0].any()
-        answer = proc.tokenizer(ex["answer"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
-        assert labels[trained].tolist() == answer
+        # the assistant turn after its header, as the processor's chat template writes it
+        assert proc.tokenizer.decode(labels[trained]) == ex["answer"] + "<|im_end|>\n"
         assert torch.equal(labels[trained], tokens[trained])
         if ex["images"]:  # the answer comes after every placeholder
             assert int(trained.nonzero().min()) > int((tokens == ids.image).nonzero().max())
+
+
+def test_prompts_come_from_the_processors_chat_template():
+    import copy
+
+    proc = copy.deepcopy(tiny_processor())
+    proc.chat_template = proc.chat_template.replace("<|im_start|>{{ message['role'] }}", "<|im_start|>[{{ message['role'] }}]")
+    batch = unpack(SFTCollator(proc)(sft_examples()[1:2]), token_ids=TokenIds.from_any(proc), pad_token_id=proc.tokenizer.pad_token_id)
+    text = proc.tokenizer.decode(batch["input_ids"][0][batch["attention_mask"][0].bool()])
+    assert text == "<|im_start|>[user]\nsay hello<|im_end|>\n<|im_start|>[assistant]\nhello<|im_end|>\n"
+    proc.chat_template = None
+    with pytest.raises(ValueError, match="has no chat template"):
+        SFTCollator(proc)(sft_examples()[1:2])
 
 
 def test_too_long_sample_is_refused_not_truncated():

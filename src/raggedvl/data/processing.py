@@ -45,6 +45,18 @@ TINY_VOCAB_SIZE = 4096
 # and 256 visual tokens; at least 3,136 (= 56*56) -> 16 patch rows, 4 visual tokens.
 TINY_MIN_PIXELS = 56 * 56
 TINY_MAX_PIXELS = 448 * 448
+# The tiny processor's chat template: Qwen's ChatML (each turn "<|im_start|>ROLE\n...<|im_end|>\n",
+# an image as <|vision_start|><|image_pad|><|vision_end|>), without the default system turn.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 class Qwen2VLImageTextProcessor(Qwen2VLProcessor):
@@ -159,10 +171,12 @@ def checkpoint_model_type(model: str) -> str | None:
     return vlm.get("model_type") if isinstance(vlm, dict) and vlm.get("model_type") else data.get("model_type")
 
 
-def _image_text_processor(model: str, image_processor, tokenizer) -> Qwen2VLImageTextProcessor:
-    """A ``Qwen2VLImageTextProcessor`` standing in for ``model``'s own processor; it carries the
-    checkpoint's ``model_type`` (when stated) so ``raggedvl.families.family_of`` finds its family."""
-    processor = Qwen2VLImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer)
+def _image_text_processor(model: str, image_processor, tokenizer,
+                          chat_template: str | None = None) -> Qwen2VLImageTextProcessor:
+    """A ``Qwen2VLImageTextProcessor`` standing in for ``model``'s own processor, with the
+    checkpoint's chat template; it carries the checkpoint's ``model_type`` (when stated) so
+    ``raggedvl.families.family_of`` finds its family."""
+    processor = Qwen2VLImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
     model_type = checkpoint_model_type(model)
     if model_type is not None:
         processor.model_type = model_type  # not saved: to_dict keeps __init__ arguments only
@@ -175,7 +189,8 @@ def _load_pretrained(model: str, trust_remote_code: bool):
     try:
         processor = AutoProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
         if is_retrieval_processor(processor):
-            return _image_text_processor(model, processor.image_processor, processor.tokenizer)
+            return _image_text_processor(model, processor.image_processor, processor.tokenizer,
+                                         getattr(processor, "chat_template", None))
         if isinstance(processor, ProcessorMixin) and getattr(processor, "image_processor", None) is not None:
             return processor
         first_error: Exception = TypeError(f"AutoProcessor gave a {type(processor).__name__}, not a multimodal processor")
@@ -189,7 +204,7 @@ def _load_pretrained(model: str, trust_remote_code: bool):
             f"cannot load a processor for {model!r}: {first_error}; the PIL fallback failed too: {exc}. "
             "Pass 'tiny', a hub id of a Qwen2-VL-family checkpoint, or a local directory holding its processor files"
         ) from exc
-    return _image_text_processor(model, image_processor, tokenizer)
+    return _image_text_processor(model, image_processor, tokenizer, getattr(tokenizer, "chat_template", None))
 
 
 def build_processor(
@@ -222,5 +237,6 @@ def build_processor(
             min_pixels=TINY_MIN_PIXELS if min_pixels is None else min_pixels,
             max_pixels=TINY_MAX_PIXELS if max_pixels is None else max_pixels,
         )
-        return Qwen2VLImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer)
+        return Qwen2VLImageTextProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                         chat_template=TINY_CHAT_TEMPLATE)
     return set_pixel_limits(_load_pretrained(model, trust_remote_code), min_pixels, max_pixels)

@@ -52,27 +52,43 @@ class RetrievalWireCollator:
         return {"queries": pack(out["queries"]), "docs": pack(out["docs"])}
 
 
-def _chat_text(n_images: int, prompt: str, answer: str) -> tuple[str, str]:
-    images = "<|vision_start|><|image_pad|><|vision_end|>" * n_images
-    head = f"<|im_start|>user\n{images}{prompt}<|im_end|>\n<|im_start|>assistant\n"
-    return head, f"{answer}<|im_end|>"
+def _chat_text(processor: Any, n_images: int, prompt: str, answer: str) -> tuple[str, str]:
+    """(prompt part, answer part) of one exchange rendered by the processor's own chat template:
+    a user turn (the images, then the prompt) and the assistant's answer."""
+    if not getattr(processor, "chat_template", None):
+        raise ValueError(
+            f"{type(processor).__name__} has no chat template: SFTCollator renders examples with "
+            "processor.apply_chat_template; use the checkpoint's own processor (or set processor.chat_template)"
+        )
+    user = {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]}
+    assistant = {"role": "assistant", "content": [{"type": "text", "text": answer}]}
+    head = processor.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
+    full = processor.apply_chat_template([user, assistant], tokenize=False)
+    if not full.startswith(head):
+        raise ValueError(
+            f"{type(processor).__name__}'s chat template renders the conversation without its generation prompt "
+            f"as a prefix ({head[-40:]!r} vs {full[len(head) - 40:len(head)]!r}); the answer cannot be located for labels"
+        )
+    return head, full[len(head):]
 
 
 class SFTCollator:
     """Supervised fine-tuning batches for a Qwen2-VL-family ``*ForConditionalGeneration``.
 
     Each example is ``{"images": [image, ...] (0 or more), "prompt": str, "answer": str}``,
-    rendered in the Qwen chat format (images first in the user turn). An image is any
+    rendered by the processor's own chat template (``processor.apply_chat_template``: a user turn
+    holding the images, then the prompt; the assistant turn holding the answer). An image is any
     ``raggedvl.images.ImageSource`` (path, bytes, ``{"bytes", "path"}`` dict, PIL image, a
     ``datasets`` ``Image()`` value) and goes through the same ``ImagePolicy`` as retrieval
     (orientation, RGB, padding of extreme strips, resize to the processor's size). ``labels`` [B, L] equal
-    ``input_ids`` on the answer tokens (and its closing ``<|im_end|>``) and are ``-100`` on the
+    ``input_ids`` on the assistant turn after its header (the answer, its closing ``<|im_end|>`` and
+    whatever the template writes after it, e.g. a newline) and are ``-100`` on the
     prompt, the image placeholders and the padding, so the model's causal-LM loss (which shifts
     labels itself) trains only on the answer. Returns the wire form of the
     :class:`RaggedBatch` (``input_ids``, ``attention_mask``, ``mm_token_type_ids``, ``labels``,
     ``pixel_values`` [P, 1176], ``image_grid_thw`` [N, 3]). ``layout``: default from the processor.
 
-    Raises ``ValueError`` naming the sample when it is longer than ``max_length`` tokens (never
+    Raises ``ValueError`` for a processor without a chat template, naming the sample when it is longer than ``max_length`` tokens (never
     truncates: cutting placeholders would misalign images, case C09) or when the tokenizer merged
     the answer's first token with the prompt; ``BadImageError`` (a ``ValueError``) naming the
     example and the image for an image that cannot be decoded or is out of limits;
@@ -100,7 +116,7 @@ class SFTCollator:
         texts, answers, images = [], [], []
         for i, ex in enumerate(examples):
             imgs, prompt, answer = self._check(i, ex)
-            head, tail = _chat_text(len(imgs), prompt, answer)
+            head, tail = _chat_text(self.processor, len(imgs), prompt, answer)
             texts.append(head + tail)
             answers.append(self.tokenizer(tail, add_special_tokens=False)["input_ids"])
             images.extend(imgs)

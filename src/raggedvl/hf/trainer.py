@@ -86,7 +86,6 @@ from raggedvl.parallel import (
     report_failure,
     set_collective_timeout,
 )
-from raggedvl.parallel.faults import inject_fault
 
 from .collator import IGNORE_INDEX
 
@@ -276,7 +275,6 @@ class RaggedTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         if self._watchdog is not None:
             self._watchdog.enter(f"in step {self.state.global_step + 1}")
-        inject_fault(self.accelerator.process_index, self.state.global_step)
         # Mark and decode each batch as it arrives, before the Trainer counts label tokens
         # (wire labels are flat per batch; the next batch changes the loader's end-of-data state).
         batches = (self.decode_batch(self.mark_real_samples(b)) for b in epoch_iterator)

@@ -19,7 +19,9 @@ What each situation produces (2 or more ranks, ``collective_timeout_s`` = T):
   terminates the stalled rank. Without a launcher that tears the job down, a rank stalled
   outside any collective stays stalled (no self-kill: a legitimately slow step must survive).
 
-:func:`inject_fault` is the testing aid that produces each situation on purpose.
+:func:`inject_fault` is the testing aid that produces each situation on purpose; it is never
+called from a training loop's own code: ``raggedvl train`` installs it as a step hook when
+``RAGGEDVL_FAULT`` is set, and the ``RaggedTrainer`` tests install it as a ``TrainerCallback``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import traceback
 from raggedvl.parallel.failures import abort, clear_note, peer_notes, post_note
 
 FAULT_KINDS = ("raise", "kill", "hang")
+FAULT_ENV = "RAGGEDVL_FAULT"
 
 
 def _first_line(exc: BaseException, limit: int = 300) -> str:
@@ -143,7 +146,7 @@ def inject_fault(rank: int, step: int) -> None:
     from T). No-op when the variable is unset or names another rank or step; ``ValueError``
     for a malformed value.
     """
-    spec = os.environ.get("RAGGEDVL_FAULT")
+    spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
     parts = spec.split(":")

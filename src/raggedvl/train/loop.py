@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -40,7 +41,7 @@ from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, s
 from raggedvl.train.collapse import CollapseCheck, chance_loss
 from raggedvl.train.config import TrainConfig
 from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
-from raggedvl.parallel.faults import inject_fault
+from raggedvl.parallel.faults import FAULT_ENV, inject_fault
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.train.report import MetricsLog, write_summary
 from raggedvl.rng import capture_rng_state, restore_rng_state
@@ -60,9 +61,13 @@ class StepResult:
 class Trainer:
     """Owns the model, optimizer, schedule, sampler and run directory of one training run."""
 
-    def __init__(self, cfg: TrainConfig, info: DistInfo) -> None:
+    def __init__(self, cfg: TrainConfig, info: DistInfo, step_hooks: Sequence[Callable[[int, int], None]] = ()) -> None:
+        """``step_hooks``: called as ``hook(rank, step)`` before each optimizer step (0-based
+        ``step`` = steps done), after the stall watchdog entered it; ``train`` installs
+        ``raggedvl.parallel.faults.inject_fault`` there when ``RAGGEDVL_FAULT`` is set."""
         self.cfg = cfg
         self.info = info
+        self.step_hooks = tuple(step_hooks)
         self.watchdog = StallWatchdog(info.rank, cfg.collective_timeout_s, enabled=info.world_size > 1)
         self.run_dir = Path(cfg.output_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -247,7 +252,8 @@ class Trainer:
         while self.step < self.total_steps:
             self.watchdog.enter(f"in step {self.step + 1}")
             indices = next(batches)
-            inject_fault(info.rank, self.step)
+            for hook in self.step_hooks:
+                hook(info.rank, self.step)
             r = self.train_step(indices)
             self.step += 1
             per_rank = all_gather_objects((r.n_local, r.encode_s, r.skipped))
@@ -332,7 +338,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     info = init_distributed(timeout_s=cfg.collective_timeout_s)
     trainer = None
     try:
-        trainer = Trainer(cfg, info)
+        trainer = Trainer(cfg, info, step_hooks=(inject_fault,) if os.environ.get(FAULT_ENV) else ())
         return trainer.run()
     except Exception as exc:
         if info.world_size > 1:

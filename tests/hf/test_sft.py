@@ -48,10 +48,18 @@ def test_prompts_come_from_the_processors_chat_template():
     import copy
 
     proc = copy.deepcopy(tiny_processor())
-    proc.chat_template = proc.chat_template.replace("<|im_start|>{{ message['role'] }}", "<|im_start|>[{{ message['role'] }}]")
+    template = proc.chat_template
+    proc.chat_template = "<|im_start|>system\nbe brief<|im_end|>\n" + template  # a template with a system turn
     batch = unpack(SFTCollator(proc)(sft_examples()[1:2]), token_ids=TokenIds.from_any(proc), pad_token_id=proc.tokenizer.pad_token_id)
-    text = proc.tokenizer.decode(batch["input_ids"][0][batch["attention_mask"][0].bool()])
-    assert text == "<|im_start|>[user]\nsay hello<|im_end|>\n<|im_start|>[assistant]\nhello<|im_end|>\n"
+    tokens = batch["input_ids"][0][batch["attention_mask"][0].bool()]
+    assert proc.tokenizer.decode(tokens) == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nsay hello<|im_end|>\n"
+                                             "<|im_start|>assistant\nhello<|im_end|>\n")
+    labels = batch["labels"][0][batch["attention_mask"][0].bool()]
+    assert proc.tokenizer.decode(labels[labels != IGNORE_INDEX]) == "hello<|im_end|>\n"
+    # a template whose assistant header differs from its generation prompt: the answer cannot be located
+    proc.chat_template = template.replace("<|im_start|>{{ message['role'] }}", "<|im_start|>[{{ message['role'] }}]")
+    with pytest.raises(ValueError, match="generation prompt"):
+        SFTCollator(proc)(sft_examples()[1:2])
     proc.chat_template = None
     with pytest.raises(ValueError, match="has no chat template"):
         SFTCollator(proc)(sft_examples()[1:2])

@@ -9,8 +9,9 @@ keyed by its transformers ``model_type``. The entry holds:
 - its **token ids** (:class:`TokenIds`): the default placeholder ids (a processor, tokenizer or
   config that states its own wins, ``TokenIds.from_any``);
 - its **resize rule** geometry: ``patch_size`` and ``merge_size`` give transformers'
-  ``smart_resize`` factor (``raggedvl.images.ImagePolicy`` applies it, limits read from the
-  processor);
+  ``smart_resize`` factor ``patch_size * merge_size``; the one resize class,
+  ``raggedvl.images.ImagePolicy``, reads factor and pixel limits from the processor, and
+  :func:`family_of` refuses a processor whose geometry differs from its family's;
 - its **model classes** (config, base model, processor), named by import path and loaded on
   first use, so importing this module imports no transformers model code;
 - its **dummy-vision needs**: the modalities its tower takes (the layout's streams) and
@@ -209,11 +210,6 @@ class Family:
     def patch_dim(self) -> int:
         """Width D_p of one ``pixel_values`` row: 3 channels * temporal_patch * patch * patch."""
         return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
-
-    @property
-    def resize_factor(self) -> int:
-        """Pixels per merged token side: images are resized to multiples of it (``smart_resize``)."""
-        return self.patch_size * self.merge_size
 
     @cached_property
     def layout(self) -> BatchLayout:

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 LIKELY_CAUSES = (
     "learning rate too high for this model and batch (try a 2-5x lower --lr, or a 10x higher --head-lr than --lr), "
-    "a randomly initialised or untrained backbone (see raggedvl.models.recipe), a --temperature too low for its "
-    "scores, or documents that are nearly identical (blank pages)"
+    "a query prefix shared by every query (--query-prefix; it gives each document the same score term for every "
+    "query: BENCHMARKS.md section 12), a randomly initialised or untrained backbone (see raggedvl.models.recipe), "
+    "a --temperature too low for its scores, or documents that are nearly identical (blank pages)"
 )
 
 

@@ -1,4 +1,4 @@
-"""``raggedvl`` command line: ``train``, ``eval``, ``encode``, ``search``, ``data``.
+"""``raggedvl`` command line: ``train``, ``eval``, ``encode``, ``search``, ``export``, ``data``.
 
 ``main(argv)`` is the whole CLI (it returns the exit code), so tests call it in-process.
 """
@@ -28,6 +28,9 @@ def _train(args, argv: Sequence[str]) -> int:
 
     cmd = torchrun_command(args, strip_torchrun_arguments(argv))
     check_world_fits(cfg, cmd)
+    from raggedvl.models.interop import check_checkpoint
+
+    check_checkpoint(cfg.model)  # a broken colpali / transformers checkpoint: one line, before any process starts
     prepare_data(cfg)  # build / cache the dataset once, before the ranks start
     load_splits(cfg)  # split and overlap errors (and the overlap warning) before any process starts
     print("+ " + " ".join(cmd), flush=True)
@@ -92,6 +95,13 @@ def _search(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from raggedvl.train.export import export
+
+    export(args.source, args.format, args.output, merge_lora=args.merge_lora)
+    return 0
+
+
 def _data(args) -> int:
     from raggedvl.data import build_rdocs
 
@@ -112,6 +122,7 @@ examples:
   raggedvl train --config my.yaml --lr 1e-4        YAML keys, overridden by flags (see raggedvl train --help)
   raggedvl train --output-dir runs/a --resume      continue from the newest valid checkpoint
   raggedvl eval runs/a --split dev                 nDCG@5, Recall@1/5, MRR@10 of the newest checkpoint
+  raggedvl export runs/a --format colpali --output out/colpali   for colpali-engine (or --format transformers)
   raggedvl data rdocs                              build the embedded dataset once and print its path
 """
 
@@ -146,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="raggedvl", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"raggedvl {__version__} ({_stack_versions()})")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,eval,encode,search,data}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,eval,encode,search,export,data}")
 
     p_train = sub.add_parser(
         "train",
@@ -198,6 +209,20 @@ def build_parser() -> argparse.ArgumentParser:
     p_search.add_argument("--chunk-size", type=int, default=1024,
                           help="documents scored at once; bounds memory (default: 1024)")
 
+    p_export = sub.add_parser(
+        "export", help="write a trained retriever for colpali-engine or transformers, with a model card",
+        description="Write a retriever in the layout colpali-engine (ColQwen2) or transformers (ColQwen2ForRetrieval) "
+                    "loads, with its processor and a model card (README.md).")
+    p_export.add_argument("source", help="a run directory (newest checkpoint), a checkpoint folder, or any checkpoint "
+                                         "raggedvl loads (a saved retriever, a colpali or transformers checkpoint)")
+    p_export.add_argument("--format", required=True, choices=["colpali", "transformers"],
+                          help="colpali: ColQwen2.from_pretrained (128-d projection only); transformers: "
+                               "ColQwen2ForRetrieval.from_pretrained (any dim)")
+    p_export.add_argument("--output", required=True, help="a new (or empty) folder to write")
+    p_export.add_argument("--merge-lora", action="store_true",
+                          help="colpali: fold LoRA into the weights and write a full checkpoint instead of an adapter "
+                               "(transformers always merges)")
+
     p_data = sub.add_parser("data", help="build an embedded dataset and print its path")
     p_data.add_argument("name", choices=["rdocs"], help="dataset name")
     p_data.add_argument("--cache-dir", default=None, help="where to build it (default: ~/.cache/raggedvl)")
@@ -232,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _encode(args, argv[1:])
         if args.command == "search":
             return _search(args)
+        if args.command == "export":
+            return _export(args)
         return _data(args)
     except (ValueError, CheckpointError) as exc:
         if "LOCAL_RANK" in os.environ:  # inside torchrun: the rank's own report already named it

@@ -115,7 +115,7 @@ def test_save_load_round_trip(tmp_path, lora):
         for p in model.parameters():
             p.add_(0.01)
     model.save_pretrained(tmp_path)
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["model.safetensors", "raggedvl_retriever.json"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["raggedvl_retriever.json", "raggedvl_retriever.safetensors"]
     for loaded in (Retriever.from_pretrained(tmp_path), build_retriever(str(tmp_path))):
         assert loaded.config == model.config
         assert loaded.state_dict().keys() == model.state_dict().keys()

@@ -53,7 +53,7 @@ def test_rng_round_trip_through_checkpoint(tmp_path):
 def test_torn_checkpoint_falls_back_to_previous_good(tmp_path, damage):
     _save(tmp_path, 1, 1.0)
     newest = _save(tmp_path, 2, 2.0)
-    target = newest / "model.safetensors"
+    target = newest / "raggedvl_retriever.safetensors"
     if damage == "truncate":
         data = target.read_bytes()
         target.write_bytes(data[: len(data) // 2])

@@ -65,6 +65,9 @@ accelerate's own (dispatch broadcast, DDP all-reduce, token-count gather).
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -76,7 +79,9 @@ from raggedvl.gradcache import grad_cache_step
 from raggedvl.losses import RetrievalLoss, make_retrieval_loss
 from raggedvl.batch.wire import NUM_TOKENS, is_wire, unpack
 from raggedvl.families import processor_batch_format
-from raggedvl.models import install_dummy_vision
+from raggedvl.models import Retriever, install_dummy_vision
+from raggedvl.models.retriever import is_saved_retriever
+from raggedvl.models.weights import write_json
 from raggedvl.parallel import (
     RaggedDataParallel,
     StallWatchdog,
@@ -191,6 +196,7 @@ class RaggedTrainer(Trainer):
                 install_dummy_vision(model, expected_modalities)
         super().__init__(model=model, args=args, **kwargs)
         self.task = task
+        self.processor = processor
         self.retrieval_loss = loss
         self.grad_cache_budget = grad_cache_budget
         self.layout, self.token_ids = processor_batch_format(processor)
@@ -308,6 +314,39 @@ class RaggedTrainer(Trainer):
         if self.args.n_gpu > 1 and not quantized and not isinstance(model, nn.DataParallel):
             model = RaggedDataParallel(model, layout=self.layout, token_ids=self.token_ids)
         return super()._wrap_model(model, training, dataloader)
+
+    # ------------------------------------------------------------------ saving
+    def _retriever(self, model: nn.Module | None = None) -> Retriever | None:
+        model = self.accelerator.unwrap_model(model if model is not None else self.model, keep_torch_compile=False)
+        model = model.module if isinstance(model, nn.DataParallel) else model
+        return model if isinstance(model, Retriever) else None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """``resume_from_checkpoint`` of a retriever: its weights file (``Retriever.load_saved_weights``;
+        a LoRA checkpoint holds the adapters and the head, the base is already in place)."""
+        retriever = self._retriever(model)
+        if retriever is None or not is_saved_retriever(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        retriever.load_saved_weights(resume_from_checkpoint)
+        return None
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """``save_model`` / checkpoints of a retriever: a folder ``build_retriever`` loads
+        (``Retriever.save_pretrained``: ``raggedvl_retriever.json`` + ``raggedvl_retriever.safetensors``, with
+        LoRA on a named base only the adapters and the head), the processor beside it, and the
+        training arguments as ``training_args.json``. Nothing is pickled (the stock Trainer
+        writes ``training_args.bin`` with ``torch.save``). Other models: the Trainer's own save."""
+        model = self._retriever()
+        if model is None:
+            return super()._save(output_dir, state_dict)
+        if not self.args.should_save:
+            return None
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        self.processor.save_pretrained(output_dir)
+        write_json(Path(output_dir) / "training_args.json", json.loads(self.args.to_json_string()))
+        return None
 
     # ------------------------------------------------------------------ losses
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch=None) -> torch.Tensor:

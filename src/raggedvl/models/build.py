@@ -20,7 +20,8 @@ from .attention import resolve_attn_implementation
 from .backbone import load_backbone
 from .tiny import TinySizes, special_token_ids, tiny_backbone_config
 from .lora import LoraSettings
-from .retriever import Retriever, RetrieverConfig, is_saved_retriever
+from .interop.detect import checkpoint_reference
+from .retriever import Retriever, RetrieverConfig, is_saved_retriever, read_retriever_meta
 
 
 def _as_dtype(torch_dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -51,6 +52,16 @@ def _check_saved_settings(model: str, saved: RetrieverConfig, **requested: Any) 
             f"{model} is a saved retriever whose head settings differ from the requested {', '.join(conflicts)}; "
             f"drop those arguments to use the saved ones, or build from the backbone checkpoint instead"
         )
+
+
+def _load_saved(model: str, attn: str, dtype: torch.dtype | None) -> Retriever:
+    """A saved raggedvl retriever; one holding only its trainable weights gets its base first."""
+    meta, _ = read_retriever_meta(Path(model))
+    if meta.get("weights", "full") != "trainable":
+        return Retriever.from_pretrained(model, attn_implementation=attn, torch_dtype=dtype)
+    base_name = meta["retriever"].get("base")
+    base = build_retriever(base_name, attn_implementation=attn, torch_dtype=dtype, merge_lora=True)
+    return Retriever.from_pretrained(model, attn_implementation=attn, torch_dtype=dtype, backbone=base.backbone)
 
 
 def build_retriever(
@@ -105,8 +116,10 @@ def build_retriever(
         retriever = loaded
         _check_saved_settings(model, retriever.config, head=head, dim=dim, pooling=pooling)
     elif model != "tiny" and Path(model).is_dir() and is_saved_retriever(model):
-        retriever = Retriever.from_pretrained(model, attn_implementation=attn, torch_dtype=dtype)
+        retriever = _load_saved(model, attn, dtype)
         _check_saved_settings(model, retriever.config, head=head, dim=dim, pooling=pooling, lora=lora)
+        if merge_lora:
+            retriever.merge_lora()
     else:
         if model == "tiny":
             if processor is None:
@@ -128,7 +141,8 @@ def build_retriever(
                         f"{backbone.config.text_config.vocab_size}; use the checkpoint's own processor"
                     )
         config = RetrieverConfig(head=head, dim=dim, pooling=pooling, eps=eps,
-                                 expected_modalities=tuple(expected_modalities), lora=lora, source=str(model))
+                                 expected_modalities=tuple(expected_modalities), lora=lora, source=str(model),
+                                 base=checkpoint_reference(model) if lora is not None and model != "tiny" else None)
         retriever = Retriever(backbone, config)
     retriever.set_gradient_checkpointing(gradient_checkpointing)
     retriever.set_packing(packing)

@@ -13,13 +13,15 @@ with gradient checkpointing); :meth:`Retriever.encode_pair` is the same call on 
 module.
 
 The state dict is a plain ``nn.Module`` state dict (``backbone.*`` and ``head.*``);
-``save_pretrained(dir)`` writes it as ``model.safetensors`` beside ``raggedvl_retriever.json``
-(the head settings, the prompts and the backbone config), and ``Retriever.from_pretrained(dir)``
-rebuilds the module offline from those two files (no code is executed from the directory). The
-settings file is deliberately not called ``config.json``: transformers would read one as its own
-model config (``ColQwen2ForRetrieval.from_pretrained`` then builds its default 80-layer model);
-without one it says that the folder is not a transformers checkpoint. Folders written before
-this name (``config.json`` with ``"format": "raggedvl-retriever"``) still load.
+``save_pretrained(dir)`` writes it as ``raggedvl_retriever.safetensors`` beside
+``raggedvl_retriever.json`` (the head settings, the prompts and the backbone config), and
+``Retriever.from_pretrained(dir)`` rebuilds the module offline from those two files (no code is
+executed from the directory). Neither file has a transformers name on purpose: given a folder
+with ``model.safetensors``, transformers' ``ColQwen2ForRetrieval.from_pretrained`` builds its
+default 80-layer model whatever ``config.json`` says (or without one) and runs out of memory;
+given a raggedvl folder it stops at once ("no file named model.safetensors"). Folders written
+before these names (``config.json`` with ``"format": "raggedvl-retriever"`` and
+``model.safetensors``) still load.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ from .packing import pack_batch, unpack_hidden
 from .weights import save_tensors, write_json
 
 CONFIG_NAME = "raggedvl_retriever.json"
+WEIGHTS_NAME = "raggedvl_retriever.safetensors"
 LEGACY_CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
+LEGACY_WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
 
 
@@ -61,6 +64,10 @@ class RetrieverConfig:
     ``prompts``: how queries and documents are written for this retriever
     (:class:`raggedvl.prompts.RetrievalPrompts`); a saved config without them was trained with
     ``LEGACY_PROMPTS``.
+    ``base``: with LoRA, the checkpoint (hub id or absolute folder) the frozen weights load from;
+    a saved retriever then holds only the trainable tensors (adapters and head) and
+    ``build_retriever`` reloads the base. None: the weights are saved in full (the tiny preset,
+    whose random base no checkpoint holds, or no LoRA).
     """
 
     head: str = "late_interaction"
@@ -71,6 +78,7 @@ class RetrieverConfig:
     lora: LoraSettings | None = None
     source: str = "tiny"
     prompts: RetrievalPrompts = field(default=DEFAULT_PROMPTS)
+    base: str | None = None
 
     def __post_init__(self) -> None:
         self.expected_modalities = check_modalities(self.expected_modalities)
@@ -142,6 +150,7 @@ class Retriever(nn.Module):
         self.backbone = self.backbone.merge_and_unload()
         self.backbone.requires_grad_(True)  # peft froze the base weights
         self.config.lora = None
+        self.config.base = None  # the merged weights are this retriever's own: saved in full
 
     def set_gradient_checkpointing(self, enabled: bool = True) -> None:
         """Toggle activation checkpointing (non-reentrant) in the language model and vision tower."""
@@ -228,52 +237,123 @@ class Retriever(nn.Module):
         return encode_documents(self, self._collator(processor), images, batch_size=batch_size, device=self._device(),
                                 progress=progress, padded=padded)
 
-    def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """Write ``raggedvl_retriever.json`` and ``model.safetensors`` (the full state dict) into
-        ``directory``.
+    @property
+    def saves_trainable_only(self) -> bool:
+        """True when a save holds only the trainable tensors: LoRA on a base a checkpoint holds."""
+        return self.config.lora is not None and self.config.base is not None
 
-        Each file is written to a temporary name and renamed, so a crash leaves no torn file;
-        files get the permissions the umask gives a plain ``open()``.
+    def trainable_state_names(self) -> set[str]:
+        """State-dict names of the parameters that train (LoRA matrices and head, or all)."""
+        return {n for n, p in self.named_parameters() if p.requires_grad}
+
+    def weights_to_save(self, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The tensors a save holds: ``state_dict`` (default: this module's; under FSDP2 pass the
+        gathered full state dict) restricted to :meth:`trainable_state_names` when
+        :attr:`saves_trainable_only`, else all of it."""
+        state = self.state_dict() if state_dict is None else state_dict
+        if not self.saves_trainable_only:
+            return dict(state)
+        keep = self.trainable_state_names()
+        return {k: v for k, v in state.items() if k in keep}
+
+    def save_pretrained(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write ``raggedvl_retriever.json`` and ``raggedvl_retriever.safetensors`` into ``directory``.
+
+        The weights are :meth:`weights_to_save` (``state_dict``: the full state dict when this
+        module's own is sharded): with LoRA on a named base only the adapters and the head, the
+        frozen base stays in its checkpoint (``config.base``). Each file is written to a
+        temporary name and renamed, so a crash leaves no torn file; files get the permissions the
+        umask gives a plain ``open()``.
         """
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
+        save_tensors(out / WEIGHTS_NAME, self.weights_to_save(state_dict))
+        self.save_settings(out)
+        return out
+
+    def save_settings(self, directory: str | os.PathLike) -> Path:
+        """Write ``raggedvl_retriever.json`` (head settings, prompts, base, backbone config) into
+        ``directory``: beside a ``raggedvl_retriever.safetensors`` of :meth:`weights_to_save`, the folder
+        loads with ``build_retriever`` (training checkpoints write both this way)."""
         meta = {
             "format": "raggedvl-retriever",
             "format_version": FORMAT_VERSION,
             "family": self.family.name,
+            "weights": "trainable" if self.saves_trainable_only else "full",
             "retriever": self.config.to_dict(),
             "backbone_config": self.base_model.config.to_dict(),
         }
-        save_tensors(out / WEIGHTS_NAME, self.state_dict())
-        write_json(out / CONFIG_NAME, meta)
-        return out
+        path = Path(directory) / CONFIG_NAME
+        write_json(path, meta)
+        return path
+
+    def load_saved_weights(self, directory: str | os.PathLike, *, trainable_only: bool | None = None) -> None:
+        """Load the weights file of a folder written by :meth:`save_pretrained` (or a training
+        checkpoint) into this module. ``trainable_only`` (default: what the folder's settings
+        say): the file may leave out frozen parameters, but must hold every trainable one.
+        Raises ``ValueError`` naming the file and the missing / unexpected keys."""
+        path = Path(directory)
+        weights = weights_file(path)
+        if trainable_only is None:
+            trainable_only = read_retriever_meta(path)[0].get("weights", "full") == "trainable"
+        missing, unexpected = self.load_state_dict(load_file(str(weights)), strict=False)
+        if trainable_only:  # the frozen base is already in place; every trainable tensor must be saved
+            missing = sorted(set(missing) & self.trainable_state_names())
+        if missing or unexpected:
+            raise ValueError(
+                f"{weights} does not match this retriever: {len(missing)} missing keys (e.g. {list(missing)[:3]}), "
+                f"{len(unexpected)} unexpected (e.g. {list(unexpected)[:3]})"
+            )
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, *, attn_implementation: str | None = None,
-                        torch_dtype: torch.dtype | None = None) -> Retriever:
+                        torch_dtype: torch.dtype | None = None, backbone: nn.Module | None = None) -> Retriever:
         """Rebuild a retriever saved by :meth:`save_pretrained` (offline, safetensors only).
 
-        Raises ``ValueError`` when the directory is not a raggedvl retriever or when the weights
-        do not match the architecture (listing missing / unexpected keys).
+        A save that holds only the trainable tensors needs ``backbone``: the base model loaded
+        from ``config.base`` (``build_retriever`` does this). Raises ``ValueError`` when the
+        directory is not a raggedvl retriever, when ``backbone`` is missing or has other sizes
+        than the saved backbone config, or when the weights do not match the architecture
+        (listing missing / unexpected keys).
         """
         path = Path(directory)
         meta, config_file = read_retriever_meta(path)
-        family = FAMILIES[meta["family"]]
-        backbone_config = family.config_class.from_dict(meta["backbone_config"])
-        backbone = family.model_class._from_config(
-            backbone_config, attn_implementation=resolve_attn_implementation(attn_implementation)
-        )
-        model = cls(backbone, RetrieverConfig.from_dict(meta["retriever"]))
-        state = load_file(str(path / WEIGHTS_NAME))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(
-                f"{path / WEIGHTS_NAME} does not match the architecture in {config_file}: "
-                f"{len(missing)} missing keys (e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})"
+        config = RetrieverConfig.from_dict(meta["retriever"])
+        trainable_only = meta.get("weights", "full") == "trainable"
+        if trainable_only:
+            if backbone is None:
+                raise ValueError(
+                    f"{path} holds only the trainable weights (LoRA and head) of a retriever on the base {config.base}; "
+                    "load it with raggedvl.models.build_retriever, which loads that base first"
+                )
+            _check_same_base(meta["backbone_config"], backbone.config.to_dict(), config_file, config.base)
+        else:
+            family = FAMILIES[meta["family"]]
+            backbone = family.model_class._from_config(
+                family.config_class.from_dict(meta["backbone_config"]),
+                attn_implementation=resolve_attn_implementation(attn_implementation),
             )
+        model = cls(backbone, config)
+        model.load_saved_weights(path, trainable_only=trainable_only)
         if torch_dtype is not None:
             model.backbone.to(torch_dtype)  # the head stays float32 (heads.RetrievalHead)
         return model
+
+
+_SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+              "vocab_size", "depth", "embed_dim", "out_hidden_size")
+
+
+def _check_same_base(saved: dict, loaded: dict, config_file: Path, base: str | None) -> None:
+    """``ValueError`` when the loaded base's sizes differ from those the adapters were trained on."""
+    for part in ("text_config", "vision_config"):
+        for key in _SIZE_KEYS:
+            want, got = saved.get(part, {}).get(key), loaded.get(part, {}).get(key)
+            if want is not None and want != got:
+                raise ValueError(
+                    f"{config_file}: the adapters were trained on a base with {part}.{key} = {want}, but the base "
+                    f"{base} has {got}; the base checkpoint changed or is another model"
+                )
 
 
 def retriever_config_file(directory: str | os.PathLike) -> Path | None:
@@ -294,7 +374,7 @@ def read_retriever_meta(directory: Path) -> tuple[dict, Path]:
     """Parsed settings of a saved retriever and the file they came from; ``ValueError`` if the
     folder is not one."""
     cfg = retriever_config_file(directory)
-    if cfg is None or not (directory / WEIGHTS_NAME).is_file():
+    if cfg is None or weights_file(directory) is None:
         raise ValueError(f"{directory} is not a saved raggedvl retriever (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
     meta = json.loads(cfg.read_text())
     if meta.get("format") != "raggedvl-retriever":
@@ -304,6 +384,14 @@ def read_retriever_meta(directory: Path) -> tuple[dict, Path]:
             f"{cfg}: unsupported format_version {meta.get('format_version')} / family {meta.get('family')!r}"
         )
     return meta, cfg
+
+
+def weights_file(directory: str | os.PathLike) -> Path | None:
+    """The weights file of a saved retriever or training checkpoint (new or legacy name), or None."""
+    for name in (WEIGHTS_NAME, LEGACY_WEIGHTS_NAME):
+        if (Path(directory) / name).is_file():
+            return Path(directory) / name
+    return None
 
 
 def is_saved_retriever(directory: str | os.PathLike) -> bool:

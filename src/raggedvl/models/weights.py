@@ -9,7 +9,8 @@ unpickles: a folder that has only ``*.bin`` / ``*.pt`` weights is refused.
 
 Writing: :func:`save_tensors` writes a safetensors file atomically (temporary name, then rename)
 with the permissions a plain ``open()`` would give (``0o666 & ~umask``), so checkpoints are
-readable by the group like any other file the user writes.
+readable by the group like any other file the user writes (safetensors' own ``save_file``
+creates its files with mode 0600).
 """
 
 from __future__ import annotations

@@ -68,12 +68,24 @@ def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
 def load_full_state_dicts(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None
 ) -> None:
-    """Load full state dicts produced by :func:`full_state_dicts` into a (wrapped) model."""
+    """Load full state dicts produced by :func:`full_state_dicts` into a (wrapped) model.
+
+    ``model_sd`` may leave out frozen parameters (a LoRA checkpoint holds only the adapters and
+    the head; the frozen base is already in the model, loaded from its own checkpoint). Raises
+    ``ValueError`` naming the keys when a trainable parameter is missing or a key is unknown."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-    opts = StateDictOptions(full_state_dict=True, strict=True)
+    module = unwrap_model(model)
+    opts = StateDictOptions(full_state_dict=True, strict=False)
     if optimizer is None or optim_sd is None:
-        set_model_state_dict(unwrap_model(model), model_sd, options=opts)
+        result = set_model_state_dict(module, model_sd, options=opts)
     else:
-        set_state_dict(unwrap_model(model), optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts)
+        result = set_state_dict(module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts)
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    missing = sorted(set(result.missing_keys) & trainable)
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"the checkpoint's model state does not fit this model: {len(missing)} trainable parameters missing "
+            f"(e.g. {missing[:3]}), {len(result.unexpected_keys)} unknown keys (e.g. {list(result.unexpected_keys)[:3]})"
+        )
 

@@ -2,7 +2,12 @@
 
 Layout of one checkpoint (``<run>/checkpoints/step-000050/``)::
 
-    model.safetensors     full (unsharded) model state dict            safetensors
+    raggedvl_retriever.safetensors
+                          the retriever's weights (unsharded; with LoRA on a named base only
+                          the adapters and the head; ``model.safetensors`` before issue 14)  safetensors
+    raggedvl_retriever.json, processor files
+                          the retriever's settings and its processor: the folder loads with
+                          ``build_retriever`` / ``raggedvl export`` / ``--model``   JSON
     optimizer.pt          full optimizer state dict                     torch.save, loaded weights_only
     rng.pt                per-rank torch / python RNG states            torch.save, loaded weights_only
     trainer_state.json    step, epoch, sampler and scheduler state, config, run counters
@@ -29,12 +34,15 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-FILES = ("model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json")
+from raggedvl.models.retriever import WEIGHTS_NAME, weights_file
+from raggedvl.models.weights import save_tensors
+
+FILES = (WEIGHTS_NAME, "optimizer.pt", "rng.pt", "trainer_state.json")
 MANIFEST = "MANIFEST.json"
 
 
@@ -80,11 +88,14 @@ def save_checkpoint(
     rng_states: list[dict[str, Any]],
     trainer_state: dict[str, Any],
     keep: int = 2,
+    extra_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write one checkpoint atomically under ``root`` (call on rank 0 only); returns its path.
 
     ``model_state`` tensors are cloned to contiguous CPU tensors (safetensors refuses shared
-    storage, e.g. tied embeddings). Raises ``ValueError`` if ``keep < 1``.
+    storage, e.g. tied embeddings). ``extra_files(folder)`` writes more files into the
+    checkpoint before the manifest (the retriever's settings and processor); the manifest
+    covers them too. Raises ``ValueError`` if ``keep < 1``.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
@@ -95,12 +106,15 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file({k: v.detach().to("cpu").clone().contiguous() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+    # save_tensors: safetensors' own writer makes 0600 files; this one respects the umask
+    save_tensors(tmp / WEIGHTS_NAME, {k: v.detach().to("cpu").clone() for k, v in model_state.items()})
     torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(rng_states, tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, sort_keys=True), encoding="utf-8")
+    if extra_files is not None:
+        extra_files(tmp)
     manifest = {}
-    for name in FILES:
+    for name in sorted(p.name for p in tmp.iterdir() if p.is_file()):
         p = tmp / name
         with open(p, "rb+") as f:
             os.fsync(f.fileno())
@@ -139,7 +153,8 @@ def verify_checkpoint(path: str | Path) -> None:
         manifest = json.loads(mpath.read_text(encoding="utf-8"))["files"]
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from e
-    for name in FILES:
+    required = set(FILES) if WEIGHTS_NAME in manifest else set(FILES) - {WEIGHTS_NAME} | {"model.safetensors"}  # older: legacy name
+    for name in sorted(required | set(manifest)):
         p = path / name
         want = manifest.get(name)
         if want is None or not p.is_file():
@@ -169,11 +184,25 @@ def load_checkpoint(path: str | Path, *, verify: bool = True) -> Checkpoint:
         verify_checkpoint(path)
     return Checkpoint(
         path=path,
-        model=load_file(str(path / "model.safetensors")),
+        model=load_file(str(weights_file(path))),
         optimizer=_safe_torch_load(path / "optimizer.pt"),
         rng=_safe_torch_load(path / "rng.pt"),
         state=json.loads((path / "trainer_state.json").read_text(encoding="utf-8")),
     )
+
+
+def latest_verified_checkpoint(root: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint folder under ``root`` that verifies (files hashed, nothing loaded),
+    and a message for each newer one skipped; ``(None, problems)`` when none verifies."""
+    problems: list[str] = []
+    for path in list_checkpoints(root):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        return path, problems
+    return None, problems
 
 
 def load_latest_checkpoint(root: str | Path) -> tuple[Checkpoint | None, list[str]]:
@@ -182,32 +211,32 @@ def load_latest_checkpoint(root: str | Path) -> tuple[Checkpoint | None, list[st
     Returns ``(None, problems)`` when there is no valid checkpoint. A refused (unsafe) file
     is not skipped silently: :class:`CheckpointError` for unsafe content propagates.
     """
-    problems: list[str] = []
-    for path in list_checkpoints(root):
-        try:
-            verify_checkpoint(path)
-        except CheckpointError as e:
-            problems.append(str(e))
-            continue
-        return load_checkpoint(path, verify=False), problems  # hashed once, just above
-    return None, problems
+    path, problems = latest_verified_checkpoint(root)
+    return (None if path is None else load_checkpoint(path, verify=False)), problems  # hashed once, just above
 
 
-def load_checkpoint_or_latest(path: str | Path) -> Checkpoint:
-    """``path`` itself when it is a checkpoint folder; else the newest checkpoint that verifies
-    in a run directory (``<path>/checkpoints``) or a checkpoints folder, each skipped one
-    reported on stderr (``warning: skipped checkpoint: ...``, as ``--resume`` does).
+def find_checkpoint(path: str | Path) -> Path:
+    """``path`` itself when it is a checkpoint folder (verified); else the newest checkpoint that
+    verifies in a run directory (``<path>/checkpoints``) or a checkpoints folder, each skipped one
+    reported on stderr (``warning: skipped checkpoint: ...``, as ``--resume`` does). Only hashes
+    files: nothing is loaded.
 
     Raises :class:`CheckpointError` when there is no checkpoint or none verifies."""
     path = Path(path)
-    if (path / MANIFEST).exists() or (path / "model.safetensors").exists():
-        return load_checkpoint(path)
+    if (path / MANIFEST).exists() or weights_file(path) is not None:
+        verify_checkpoint(path)
+        return path
     root = path / "checkpoints" if list_checkpoints(path / "checkpoints") else path
-    ckpt, problems = load_latest_checkpoint(root)
+    found, problems = latest_verified_checkpoint(root)
     for problem in problems:
         print(f"warning: skipped checkpoint: {problem}", file=sys.stderr)
-    if ckpt is not None:
-        return ckpt
+    if found is not None:
+        return found
     if problems:
         raise CheckpointError(f"{path}: no checkpoint verifies: " + "; ".join(problems))
     raise CheckpointError(f"{path}: neither a checkpoint folder nor a run directory with checkpoints/step-*")
+
+
+def load_checkpoint_or_latest(path: str | Path) -> Checkpoint:
+    """:func:`find_checkpoint`, loaded. Raises :class:`CheckpointError`."""
+    return load_checkpoint(find_checkpoint(path), verify=False)

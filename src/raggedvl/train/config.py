@@ -22,6 +22,10 @@ from typing import Any, Literal
 
 from raggedvl.options import add_arguments, check_fields, check_known_keys, load_yaml, option, values_from
 
+# A run directory's training config. Not "config.json": transformers (ColQwen2ForRetrieval.from_pretrained)
+# would read that as a model config and build its default 80-layer model from unknown keys.
+TRAIN_CONFIG_NAME = "train_config.json"
+
 
 @dataclass
 class TrainConfig:

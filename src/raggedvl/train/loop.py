@@ -39,7 +39,7 @@ from raggedvl.parallel import (
 from raggedvl.evaluation.metrics import mean_pairwise_cosine
 from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from raggedvl.train.collapse import CollapseCheck, chance_loss
-from raggedvl.train.config import TrainConfig
+from raggedvl.train.config import TRAIN_CONFIG_NAME, TrainConfig
 from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
 from raggedvl.parallel.faults import FAULT_ENV, inject_fault
 from raggedvl.gradcache import grad_cache_step
@@ -74,7 +74,7 @@ class Trainer:
         check_output_dir(cfg)  # every rank sees the same directory: all raise, before any collective
         if info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            cfg.save(self.run_dir / "config.json")
+            cfg.save(self.run_dir / TRAIN_CONFIG_NAME)  # not config.json: transformers would read it as a model
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.c = build_components(cfg, info)
         for bad in self.c.costs.skipped if info.is_main else ():  # on_bad_image="skip"; same list on every rank
@@ -102,10 +102,16 @@ class Trainer:
         model_sd, optim_sd = full_state_dicts(self.model, self.optimizer)
         rng = all_gather_objects(capture_rng_state())
         if self.info.is_main:
+            retriever = unwrap_model(self.model)
+
+            def settings_and_processor(folder: Path) -> None:  # the checkpoint loads with build_retriever
+                retriever.save_settings(folder)
+                self.c.processor.save_pretrained(folder)
+
             save_checkpoint(
                 root or self.ckpt_dir,
                 self.step,
-                model_state=model_sd,
+                model_state=retriever.weights_to_save(model_sd),  # LoRA on a named base: adapters + head
                 optimizer_state=optim_sd,
                 rng_states=rng,
                 trainer_state={
@@ -117,6 +123,7 @@ class Trainer:
                     "config": self.cfg.to_dict(),
                 },
                 keep=keep or self.cfg.keep_checkpoints,
+                extra_files=settings_and_processor,
             )
         barrier()
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from raggedvl.losses import late_interaction_scores
 from raggedvl.models import build_retriever
+from raggedvl.models.interop import check_checkpoint
 from raggedvl.prompts import COLPALI_PROMPTS
 from tests.models.interop.helpers import FULL, LORA, encode, masked_max_abs, reference
 
@@ -80,13 +81,15 @@ def _edit_weights(folder, edit, name="model.safetensors"):
 def test_missing_or_wrong_dimension_projection_is_named(tmp_path):
     missing = _copy(FULL, tmp_path / "missing")
     _edit_weights(missing, lambda t: [t.pop(k) for k in ("custom_text_proj.weight", "custom_text_proj.bias")])
-    with pytest.raises(ValueError, match=r"missing/model\.safetensors has no custom_text_proj\.weight"):
-        build_retriever(str(missing))
+    for load in (build_retriever, check_checkpoint):  # check_checkpoint: headers only, before torchrun
+        with pytest.raises(ValueError, match=r"missing/model\.safetensors has no custom_text_proj\.weight"):
+            load(str(missing))
     wrong = _copy(FULL, tmp_path / "wrong")
     _edit_weights(wrong, lambda t: t.update({"custom_text_proj.weight": torch.zeros(64, 64),
                                              "custom_text_proj.bias": torch.zeros(64)}))
-    with pytest.raises(ValueError, match=r"wrong/model\.safetensors: tensor 'custom_text_proj\.weight' has shape \[64, 64\].*128"):
-        build_retriever(str(wrong))
+    for load in (build_retriever, check_checkpoint):
+        with pytest.raises(ValueError, match=r"wrong/model\.safetensors: tensor 'custom_text_proj\.weight' has shape \[64, 64\].*128"):
+            load(str(wrong))
 
 
 def test_misshapen_or_missing_backbone_tensor_is_named(tmp_path):
@@ -121,11 +124,13 @@ def test_adapter_whose_base_does_not_match_is_named(tmp_path):
     adapter = _copy(LORA, tmp_path / "adapter")
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": str(base)}))
-    with pytest.raises(ValueError, match=r"adapter/adapter_model\.safetensors: tensor 'base_model\.model\.language_model\..*lora_[AB]\.weight' has shape .*the adapter was trained on another base"):
-        build_retriever(str(adapter))
+    for load in (build_retriever, check_checkpoint):
+        with pytest.raises(ValueError, match=r"adapter/adapter_model\.safetensors: tensor 'base_model\.model\.language_model\..*lora_[AB]\.weight' has shape .*the adapter was trained on another base"):
+            load(str(adapter))
     (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": "../no_such_base"}))
-    with pytest.raises(ValueError, match=r"adapter_config\.json: base_model_name_or_path '\.\./no_such_base' is not a folder"):
-        build_retriever(str(adapter))
+    for load in (build_retriever, check_checkpoint):
+        with pytest.raises(ValueError, match=r"adapter_config\.json: base_model_name_or_path '\.\./no_such_base' is not a folder"):
+            load(str(adapter))
 
 
 def test_adapter_features_raggedvl_cannot_reproduce_are_refused(tmp_path):
@@ -146,3 +151,15 @@ def test_biqwen2_and_pickle_only_checkpoints_are_refused(tmp_path):
     (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
     with pytest.raises(ValueError, match="never unpickles"):
         build_retriever(str(pickled))
+
+
+def test_raggedvl_train_refuses_a_broken_checkpoint_in_one_line_before_torchrun(tmp_path, capsys):
+    from raggedvl.cli import main
+
+    wrong = _copy(FULL, tmp_path / "wrong")
+    _edit_weights(wrong, lambda t: t.update({"custom_text_proj.weight": torch.zeros(96, 64),
+                                             "custom_text_proj.bias": torch.zeros(96)}))
+    assert main(["train", "--model", str(wrong), "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr()
+    assert "raggedvl: error:" in err.err and "custom_text_proj.weight' has shape [96, 64]" in err.err
+    assert "torch.distributed.run" not in err.out  # no process was started

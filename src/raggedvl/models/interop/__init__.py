@@ -11,11 +11,12 @@ token ids and embeddings as the source library.
 from .colpali import apply_adapter, load_colpali
 from .detect import KINDS, checkpoint_kind
 from .hf_colqwen2 import load_hf_colqwen2, mrope_position_ids
-from .load import load_checkpoint
+from .load import check_checkpoint, load_checkpoint
 
 __all__ = [
     "KINDS",
     "apply_adapter",
+    "check_checkpoint",
     "checkpoint_kind",
     "load_checkpoint",
     "load_colpali",

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from raggedvl.families import family_of
 from ..lora import LoraSettings
 from ..retriever import Retriever, RetrieverConfig
 from ..weights import TensorFiles
-from .detect import ADAPTER_CONFIG, colpali_architecture
+from .detect import ADAPTER_CONFIG, colpali_architecture, exported_prompts
 
 PROJECTION = "custom_text_proj"
 COLPALI_DIM = 128
@@ -65,17 +66,26 @@ def load_colpali(folder: str | os.PathLike, *, lora: LoraSettings | None, attn_i
     folder = Path(folder)
     if config is None:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-    arch = colpali_architecture(getattr(config, "architectures", None)) or "ColQwen2"
-    family_of(config)  # ValueError for a backbone type raggedvl cannot wrap
-    files = TensorFiles(folder)
-    weight, bias = _projection_names(files)
-    hidden = config.get_text_config().hidden_size
-    _check_projection(files, weight, bias, hidden, arch)
+    files, weight, bias = check_colpali_files(folder, config)
     backbone = load_backbone(folder, attn_implementation=attn_implementation, dtype=dtype, config=config)
-    retriever = Retriever(backbone, RetrieverConfig(dim=COLPALI_DIM, lora=lora, source=str(folder), prompts=COLPALI_PROMPTS))
+    prompts = exported_prompts(folder) or COLPALI_PROMPTS
+    retriever = Retriever(backbone, RetrieverConfig(dim=COLPALI_DIM, lora=lora, source=str(folder), prompts=prompts))
     proj = files.load([weight, bias])
     retriever.head.proj.load_state_dict({"weight": proj[weight], "bias": proj[bias]})
     return retriever
+
+
+def check_colpali_files(folder: Path, config: Any) -> tuple[TensorFiles, str, str]:
+    """The weights of a full colpali checkpoint and the stored names of its projection's weight
+    and bias, checked from the headers (no weight is read). Raises ``ValueError`` naming the file
+    and the tensor for a missing projection or one of another shape, and for a backbone type
+    raggedvl cannot wrap."""
+    arch = colpali_architecture(getattr(config, "architectures", None)) or "ColQwen2"
+    family_of(config)
+    files = TensorFiles(folder)
+    weight, bias = _projection_names(files)
+    _check_projection(files, weight, bias, config.get_text_config().hidden_size, arch)
+    return files, weight, bias
 
 
 def _projection_names(files: TensorFiles) -> tuple[str, str]:
@@ -173,6 +183,72 @@ def _check_lora_shapes(files: TensorFiles, module: str, entry: dict[str, str], l
             )
 
 
+@dataclass
+class Adapter:
+    """A parsed adapter folder: its config, tensors and the modules they adapt."""
+
+    folder: Path
+    config: dict
+    files: TensorFiles
+    modules: dict[str, dict[str, str]]  # language-model module -> {"lora_A" | "lora_B": stored name}
+    head: dict[str, str] | None  # the projection's entry (LoRA or saved whole), if any
+
+    @property
+    def r(self) -> int:
+        return int(self.config["r"])
+
+    @property
+    def scale(self) -> float:
+        return float(self.config["lora_alpha"]) / self.r
+
+
+def read_adapter(folder: str | os.PathLike) -> Adapter:
+    """Parse an adapter folder (config and safetensors headers; no weight is read). Raises
+    ``ValueError`` for what raggedvl cannot reproduce, naming the file (and the tensor)."""
+    folder = Path(folder)
+    files = TensorFiles(folder, ADAPTER_WEIGHTS)
+    modules = _adapter_modules(files)
+    head = modules.pop(PROJECTION, None)
+    for module, entry in modules.items():
+        if not module.startswith("language_model."):
+            raise ValueError(f"{files.label}: LoRA on {module!r} is outside the language model; raggedvl keeps the "
+                             "vision tower frozen and adapts only the language model")
+        if "weight" in entry or "bias" in entry:
+            raise ValueError(f"{files.label}: {module!r} is saved whole (modules_to_save); only the projection may be")
+    return Adapter(folder, read_adapter_config(folder), files, modules, head)
+
+
+def check_adapter_fits(adapter: Adapter, linears: dict[str, torch.nn.Linear], head: torch.nn.Linear | None,
+                       base_name: str) -> None:
+    """Raise ``ValueError`` naming the adapter file and the tensor when the adapter does not fit
+    its base: a module the base lacks, other in/out features, a projection of another shape, or
+    no projection at all when the base has none (``head`` None: a plain backbone). ``linears``:
+    the base's Linear modules by name (real or on the meta device)."""
+    files = adapter.files
+    for module, entry in adapter.modules.items():
+        if module not in linears:
+            raise ValueError(
+                f"{files.label}: tensor {next(iter(entry.values()))!r} targets {module!r}, which the base {base_name} "
+                "does not have; the adapter was trained on another base"
+            )
+        _check_lora_shapes(files, module, entry, linears[module], adapter.r, base_name)
+    entry = adapter.head
+    if head is None:
+        if entry is None or "weight" not in entry:
+            raise ValueError(
+                f"{files.label} saves no {PROJECTION} weights and its base {base_name} is a plain backbone without one; "
+                f"the adapter needs a ColQwen base or {PROJECTION} in modules_to_save"
+            )
+        return
+    if entry is not None and "weight" in entry:
+        shape = tuple(files.tensors[entry["weight"]].shape)
+        if shape != tuple(head.weight.shape):
+            raise ValueError(f"{files.label}: tensor {entry['weight']!r} has shape {list(shape)}, the base "
+                             f"{base_name} projects with {list(head.weight.shape)}")
+    elif entry is not None:
+        _check_lora_shapes(files, PROJECTION, entry, head, adapter.r, base_name)
+
+
 def apply_adapter(folder: str | os.PathLike, base: Retriever, *, base_name: str, base_has_head: bool,
                   merge: bool) -> Retriever:
     """``base`` (a retriever without LoRA, loaded from the adapter's base) with a colpali (peft
@@ -181,67 +257,42 @@ def apply_adapter(folder: str | os.PathLike, base: Retriever, *, base_name: str,
     ``base_has_head``: the base holds a trained projection (a ColQwen checkpoint), not a new one;
     ``merge``: fold the LoRA weights into the backbone (full training afterwards); otherwise the
     adapter stays a trainable LoRA adapter. Raises ``ValueError`` naming the file and the tensor
-    when the adapter does not fit its base (a module the base lacks, other in/out features, a
-    projection of another dimension), or for adapter features raggedvl does not reproduce.
+    when the adapter does not fit its base (:func:`check_adapter_fits`), or for adapter features
+    raggedvl does not reproduce.
     """
-    folder = Path(folder)
-    cfg = read_adapter_config(folder)
-    files = TensorFiles(folder, ADAPTER_WEIGHTS)
-    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-    modules = _adapter_modules(files)
-    head_entry = modules.pop(PROJECTION, None)
+    adapter = read_adapter(folder)
     linears = {n: m for n, m in base.backbone.named_modules() if isinstance(m, torch.nn.Linear)}
-    for module, entry in modules.items():
-        if module not in linears:
-            raise ValueError(
-                f"{files.label}: tensor {next(iter(entry.values()))!r} targets {module!r}, which the base {base_name} "
-                "does not have; the adapter was trained on another base"
-            )
-        if not module.startswith("language_model."):
-            raise ValueError(f"{files.label}: LoRA on {module!r} is outside the language model; raggedvl keeps the "
-                             "vision tower frozen and adapts only the language model")
-        if "weight" in entry or "bias" in entry:
-            raise ValueError(f"{files.label}: {module!r} is saved whole (modules_to_save); only the projection may be")
-        _check_lora_shapes(files, module, entry, linears[module], r, base_name)
-    targets = tuple(sorted({m.rsplit(".", 1)[-1] for m in modules}))
-    head_state = _adapted_head(files, head_entry, base, base_has_head, r, alpha, base_name)
-    settings = LoraSettings(r=r, alpha=cfg["lora_alpha"], dropout=float(cfg.get("lora_dropout") or 0.0),
-                            target_modules=targets) if targets else None
-    config = RetrieverConfig(dim=base.config.dim, lora=settings, source=str(folder), prompts=COLPALI_PROMPTS)
+    check_adapter_fits(adapter, linears, base.head.proj if base_has_head else None, base_name)
+    targets = tuple(sorted({m.rsplit(".", 1)[-1] for m in adapter.modules}))
+    settings = LoraSettings(r=adapter.r, alpha=adapter.config["lora_alpha"],
+                            dropout=float(adapter.config.get("lora_dropout") or 0.0), target_modules=targets) if targets else None
+    config = RetrieverConfig(dim=base.config.dim, lora=settings, source=str(adapter.folder),
+                             prompts=exported_prompts(adapter.folder) or COLPALI_PROMPTS)
+    head_state = _adapted_head(adapter, base)
     retriever = Retriever(base.backbone, config)
     retriever.head.load_state_dict(head_state)
     if settings is not None:
-        _load_lora_weights(retriever, files, modules)
+        _load_lora_weights(retriever, adapter.files, adapter.modules)
     if merge:
         retriever.merge_lora()
     return retriever
 
 
-def _adapted_head(files: TensorFiles, entry: dict[str, str] | None, base: Retriever, base_has_head: bool,
-                  r: int, alpha: float, base_name: str) -> dict[str, torch.Tensor]:
-    """The head's weights after the adapter: saved whole, base + (alpha / r) B A, or the base's."""
+def _adapted_head(adapter: Adapter, base: Retriever) -> dict[str, torch.Tensor]:
+    """The head's weights after the adapter: saved whole, base + (alpha / r) B A, or the base's
+    (shapes checked by :func:`check_adapter_fits`)."""
     state = {k: v.detach().clone() for k, v in base.head.state_dict().items()}
-    proj = base.head.proj
-    if (entry is None or "weight" not in entry) and not base_has_head:
-        raise ValueError(
-            f"{files.label} saves no {PROJECTION} weights and its base {base_name} is a plain backbone without one; "
-            f"the adapter needs a ColQwen base or {PROJECTION} in modules_to_save"
-        )
+    entry, proj = adapter.head, base.head.proj
     if entry is None:
         return state
     if "weight" in entry:
-        shape = tuple(files.tensors[entry["weight"]].shape)
-        if shape != tuple(proj.weight.shape):
-            raise ValueError(f"{files.label}: tensor {entry['weight']!r} has shape {list(shape)}, the base "
-                             f"{base_name} projects with {list(proj.weight.shape)}")
-        saved = files.load([entry["weight"]] + ([entry["bias"]] if "bias" in entry else []))
+        saved = adapter.files.load([entry["weight"]] + ([entry["bias"]] if "bias" in entry else []))
         state["proj.weight"] = saved[entry["weight"]].to(proj.weight.dtype)
         if "bias" in entry:
             state["proj.bias"] = saved[entry["bias"]].to(proj.bias.dtype)
         return state
-    _check_lora_shapes(files, PROJECTION, entry, proj, r, base_name)
-    ab = files.load([entry["lora_A"], entry["lora_B"]])
-    delta = (alpha / r) * (ab[entry["lora_B"]].double() @ ab[entry["lora_A"]].double())
+    ab = adapter.files.load([entry["lora_A"], entry["lora_B"]])
+    delta = adapter.scale * (ab[entry["lora_B"]].double() @ ab[entry["lora_A"]].double())
     state["proj.weight"] = (proj.weight.detach().double() + delta).to(proj.weight.dtype)
     return state
 

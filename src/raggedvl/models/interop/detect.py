@@ -20,6 +20,8 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+from raggedvl.prompts import RetrievalPrompts
+
 from ..retriever import is_saved_retriever
 from ..weights import TensorFiles
 
@@ -27,6 +29,7 @@ KINDS = ("raggedvl", "colpali_adapter", "transformers", "colpali", "backbone")
 COLPALI_ARCHITECTURES = {"ColQwen2": "qwen2_vl", "ColQwen2_5": "qwen2_5_vl"}
 UNSUPPORTED_ARCHITECTURES = ("BiQwen2", "BiQwen2_5")
 ADAPTER_CONFIG = "adapter_config.json"
+PROMPTS_FILE = "raggedvl_prompts.json"  # the exact prompts of a retriever raggedvl exported
 _SNAPSHOT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
 
 
@@ -83,6 +86,17 @@ def _has_projection(folder: Path) -> bool:
     except ValueError:
         return False
     return any(n.endswith("custom_text_proj.weight") for n in files.tensors)
+
+
+def exported_prompts(folder: Path) -> RetrievalPrompts | None:
+    """The prompts raggedvl wrote beside an exported checkpoint (``raggedvl_prompts.json``), or None."""
+    path = Path(folder) / PROMPTS_FILE
+    return RetrievalPrompts.from_dict(json.loads(path.read_text(encoding="utf-8"))) if path.is_file() else None
+
+
+def checkpoint_reference(model: str | os.PathLike) -> str:
+    """How a saved retriever names its base: the absolute path of a local folder, else the hub id."""
+    return str(Path(model).resolve()) if Path(model).is_dir() else str(model)
 
 
 def local_folder(model: str | os.PathLike) -> Path:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +36,7 @@ from raggedvl.families import family_of
 from ..lora import LoraSettings
 from ..retriever import Retriever, RetrieverConfig
 from ..weights import TensorFiles
+from .detect import exported_prompts
 
 PROJECTION = "embedding_proj_layer"
 DEFAULT_QUERY_PREFIX = "Query: "
@@ -47,9 +49,28 @@ def load_hf_colqwen2(folder: str | os.PathLike, *, lora: LoraSettings | None, at
     Raises ``ValueError`` naming the file and the tensor when the projection is missing or its
     shape differs from ``[embedding_dim, hidden]``, or when a VLM weight is missing or misshapen.
     """
-    from transformers import ColQwen2Config, ColQwen2ForRetrieval
+    from transformers import ColQwen2ForRetrieval
 
     folder = Path(folder)
+    config = check_hf_files(folder)
+    kwargs = {"attn_implementation": attn_implementation, "output_loading_info": True, "ignore_mismatched_sizes": True}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    with quiet_transformers():
+        model, info = ColQwen2ForRetrieval.from_pretrained(folder, trust_remote_code=False, **kwargs)
+    check_loading_info(info, folder, "ColQwen2ForRetrieval", "the checkpoint is incomplete")
+    retriever = Retriever(model.vlm, RetrieverConfig(dim=config.embedding_dim, lora=lora, source=str(folder),
+                                                     prompts=saved_processor_prompts(folder)))
+    retriever.head.proj.load_state_dict({k: v.float() for k, v in model.embedding_proj_layer.state_dict().items()})
+    return retriever
+
+
+def check_hf_files(folder: Path) -> Any:
+    """The ``ColQwen2Config`` of a checkpoint folder, its projection checked from the weights'
+    headers (no weight is read). Raises ``ValueError`` naming the file and the tensor when the
+    projection is missing or its shape differs from ``[embedding_dim, hidden]``."""
+    from transformers import ColQwen2Config
+
     config = ColQwen2Config.from_pretrained(folder)
     family_of(config.vlm_config)
     files = TensorFiles(folder)
@@ -64,23 +85,19 @@ def load_hf_colqwen2(folder: str | os.PathLike, *, lora: LoraSettings | None, at
                 f"{files.tensors[name].file}: tensor {name!r} has shape {list(files.tensors[name].shape)}, but "
                 f"config.json (embedding_dim {config.embedding_dim}, hidden size {hidden}) needs {list(shape)}"
             )
-    kwargs = {"attn_implementation": attn_implementation, "output_loading_info": True, "ignore_mismatched_sizes": True}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    with quiet_transformers():
-        model, info = ColQwen2ForRetrieval.from_pretrained(folder, trust_remote_code=False, **kwargs)
-    check_loading_info(info, folder, "ColQwen2ForRetrieval", "the checkpoint is incomplete")
-    retriever = Retriever(model.vlm, RetrieverConfig(dim=config.embedding_dim, lora=lora, source=str(folder),
-                                                     prompts=saved_processor_prompts(folder)))
-    retriever.head.proj.load_state_dict({k: v.float() for k, v in model.embedding_proj_layer.state_dict().items()})
-    return retriever
+    return config
 
 
 def saved_processor_prompts(folder: Path) -> RetrievalPrompts:
     """The prompts of the ``ColQwen2Processor`` saved in ``folder`` (its ``query_prefix`` and
     ``visual_prompt_prefix``, the tokenizer's pad token and padding side); transformers'
-    defaults where the folder has no processor files."""
+    defaults where the folder has no processor files. A folder raggedvl exported gives back the
+    retriever's exact prompts (``raggedvl_prompts.json``)."""
     from transformers import AutoTokenizer
+
+    exported = exported_prompts(folder)
+    if exported is not None:
+        return exported
 
     path = folder / "processor_config.json"
     saved = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
@@ -98,9 +115,12 @@ def saved_processor_prompts(folder: Path) -> RetrievalPrompts:
 def mrope_position_ids(vlm: torch.nn.Module, features: dict) -> torch.Tensor:
     """The M-RoPE ``position_ids`` ``[3, B, L]`` a ``ColQwen2ForRetrieval`` caller must pass so its
     embeddings equal the backbone's own (module docstring). ``features``: the processor output
-    (``input_ids``, ``attention_mask``, ``mm_token_type_ids``, ``image_grid_thw``)."""
-    position_ids, _ = vlm.get_rope_index(
-        features["input_ids"], mm_token_type_ids=features["mm_token_type_ids"],
-        image_grid_thw=features.get("image_grid_thw"), attention_mask=features["attention_mask"],
-    )
+    (``input_ids``, ``attention_mask``, ``image_grid_thw``; ``mm_token_type_ids``, which
+    transformers' ``ColQwen2Processor`` does not return, is derived from the image tokens)."""
+    ids = features["input_ids"]
+    token_types = features.get("mm_token_type_ids")
+    if token_types is None:
+        token_types = (ids == vlm.config.image_token_id).to(torch.int32)
+    position_ids, _ = vlm.get_rope_index(ids, mm_token_type_ids=token_types, image_grid_thw=features.get("image_grid_thw"),
+                                         attention_mask=features["attention_mask"])
     return position_ids

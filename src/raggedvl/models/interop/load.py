@@ -14,11 +14,21 @@ import torch
 from raggedvl.prompts import COLPALI_PROMPTS
 
 from ..backbone import load_backbone
+from ..families import family_of
 from ..lora import LoraSettings
 from ..retriever import Retriever, RetrieverConfig
-from .colpali import apply_adapter, load_colpali, read_adapter_config, resolve_base
-from .detect import checkpoint_kind, local_folder
-from .hf_colqwen2 import load_hf_colqwen2
+from .colpali import (
+    COLPALI_DIM,
+    apply_adapter,
+    check_adapter_fits,
+    check_colpali_files,
+    load_colpali,
+    read_adapter,
+    read_adapter_config,
+    resolve_base,
+)
+from .detect import checkpoint_kind, checkpoint_reference, local_folder
+from .hf_colqwen2 import check_hf_files, load_hf_colqwen2
 
 
 def load_checkpoint(model: str | os.PathLike, *, lora: LoraSettings | None, merge_lora: bool,
@@ -48,9 +58,50 @@ def load_checkpoint(model: str | os.PathLike, *, lora: LoraSettings | None, merg
         elif base is None:
             backbone = load_backbone(base_name, attn_implementation=attn_implementation, dtype=dtype)
             base = Retriever(backbone, RetrieverConfig(source=base_name, prompts=COLPALI_PROMPTS))
-        return apply_adapter(folder, base, base_name=base_name, base_has_head=base_kind != "backbone", merge=merge_lora)
+        retriever = apply_adapter(folder, base, base_name=base_name, base_has_head=base_kind != "backbone",
+                                  merge=merge_lora)
+        if retriever.config.lora is not None:
+            retriever.config.base = checkpoint_reference(base_name)
+        return retriever
     if kind == "colpali":
-        return load_colpali(local_folder(model), lora=lora, **kwargs)
-    if kind == "transformers":
-        return load_hf_colqwen2(local_folder(model), lora=lora, **kwargs)
-    return None
+        retriever = load_colpali(local_folder(model), lora=lora, **kwargs)
+    elif kind == "transformers":
+        retriever = load_hf_colqwen2(local_folder(model), lora=lora, **kwargs)
+    else:
+        return None
+    if retriever.config.lora is not None:
+        retriever.config.base = checkpoint_reference(model)
+    return retriever
+
+
+def check_checkpoint(model: str | os.PathLike) -> None:
+    """Check a local colpali / transformers checkpoint or adapter from its JSON files and
+    safetensors headers only (no weight is read; the base of an adapter is built on the meta
+    device): the errors loading would raise, naming the file and the tensor, in seconds.
+    ``raggedvl train`` runs this before starting torchrun. Other kinds and hub ids: nothing
+    to check here (their loading checks run in every rank)."""
+    from transformers import AutoConfig
+
+    folder = Path(model)
+    kind = checkpoint_kind(folder) if folder.is_dir() else None
+    if kind == "colpali":
+        check_colpali_files(folder, AutoConfig.from_pretrained(folder, trust_remote_code=False))
+    elif kind == "transformers":
+        check_hf_files(folder)
+    elif kind == "colpali_adapter":
+        adapter = read_adapter(folder)
+        base_name = resolve_base(folder, adapter.config.get("base_model_name_or_path"))
+        base_kind = checkpoint_kind(base_name) if Path(base_name).is_dir() else None
+        if base_kind == "colpali_adapter":
+            raise ValueError(f"{folder}: the adapter's base {base_name} is itself an adapter; it must be a full checkpoint")
+        if base_kind not in ("colpali", "backbone"):
+            return  # a hub base, or another kind: checked when the ranks load it
+        config = AutoConfig.from_pretrained(base_name, trust_remote_code=False)
+        if base_kind == "colpali":
+            check_colpali_files(Path(base_name), config)
+        family = family_of(config)
+        with torch.device("meta"):
+            backbone = family.model_class._from_config(config)
+            head = torch.nn.Linear(config.get_text_config().hidden_size, COLPALI_DIM) if base_kind == "colpali" else None
+        linears = {n: m for n, m in backbone.named_modules() if isinstance(m, torch.nn.Linear)}
+        check_adapter_fits(adapter, linears, head, base_name)

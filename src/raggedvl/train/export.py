@@ -1,0 +1,156 @@
+"""``raggedvl export SOURCE --format colpali|transformers --output DIR [--merge-lora]``.
+
+SOURCE: a run directory (its newest checkpoint that verifies), a checkpoint folder
+(``run/checkpoints/step-N``, verified against its SHA-256 manifest), or anything
+``build_retriever`` loads (a saved retriever, a colpali or transformers checkpoint, an adapter:
+export then converts between the layouts). The retriever and its processor are written by
+:mod:`raggedvl.models.interop.export`; beside them a model card (``README.md``) with the
+training config, the data, the evaluation metrics of the run and the raggedvl version.
+
+Nothing is unpickled: the weights come from safetensors, the run's state from
+``trainer_state.json`` and ``metrics.jsonl``; ``optimizer.pt`` / ``rng.pt`` are hashed, never
+loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from raggedvl.train.checkpoint import MANIFEST, CheckpointError, find_checkpoint
+from raggedvl.train.config import TRAIN_CONFIG_NAME
+
+CARD_KEYS = ("model", "head", "dim", "lora", "lora_r", "lora_alpha", "lora_dropout", "loss", "temperature",
+             "global_batch_size", "max_steps", "epochs", "lr", "head_lr", "weight_decay", "warmup_steps",
+             "precision", "strategy", "grad_cache", "max_pixels", "seed")
+DATA_KEYS = ("dataset", "train_split", "eval_split", "max_train_samples", "max_eval_samples")
+
+
+def resolve_source(source: str) -> tuple[str, dict[str, Any] | None, Path | None]:
+    """(what to load, the checkpoint's trainer state or None, the run directory or None).
+
+    Raises :class:`CheckpointError` for a run directory without a checkpoint that verifies, or a
+    checkpoint folder that fails verification."""
+    path = Path(source)
+    if path.is_dir() and ((path / "checkpoints").is_dir() or (path / MANIFEST).is_file()):
+        checkpoint = find_checkpoint(path)  # verified (hashed), nothing loaded
+        state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+        run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+        if not (checkpoint / "raggedvl_retriever.json").is_file():
+            raise CheckpointError(
+                f"{checkpoint} was written before checkpoints held their retriever settings; load its weights "
+                "into build_retriever(<the run's --model>, ...) and call save_pretrained to export it"
+            )
+        return str(checkpoint), state, run_dir
+    return source, None, None
+
+
+def export(source: str, fmt: str, output: str, *, merge_lora: bool = False) -> Path:
+    """Export ``source`` (module docstring) as ``fmt`` into ``output``; returns the folder.
+
+    Raises ``ValueError`` before writing for what the format cannot hold (another ``dim`` for
+    colpali, a bi-encoder, an adapter without a named base) and for an ``output`` that already
+    holds files; :class:`CheckpointError` for a checkpoint that does not verify."""
+    from raggedvl import __version__
+    from raggedvl.data import build_processor
+    from raggedvl.models import build_retriever
+    from raggedvl.models.interop.export import check_exportable, export_colpali, export_transformers
+
+    out = Path(output)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty; export into a new folder")
+    folder, state, run_dir = resolve_source(source)
+    model = build_retriever(folder)
+    check_exportable(model.config, model.family.name, fmt)
+    processor = build_processor(folder)
+    source_lora = model.config.lora is not None
+    if fmt == "colpali":
+        notes = export_colpali(model, processor, out, merge_lora=merge_lora)
+    else:
+        notes = export_transformers(model, processor, out)
+    card = model_card(source=source, checkpoint=folder, fmt=fmt, state=state, run_dir=run_dir, version=__version__,
+                      adapter=(out / "adapter_config.json").is_file(), base=model.config.base,
+                      merged=source_lora and model.config.lora is None, prompts=model.config.prompts, notes=notes)
+    (out / "README.md").write_text(card, encoding="utf-8")
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"wrote {fmt} checkpoint {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
+    return out
+
+
+def _metrics_rows(run_dir: Path | None) -> dict[str, dict[str, float]]:
+    path = None if run_dir is None else run_dir / "metrics.jsonl"
+    if path is None or not path.is_file():
+        return {}
+    rows: dict[str, dict[str, float]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line) if line.strip() else {}
+        label = {"eval_before": "before training", "eval_after": "after training"}.get(record.get("event"))
+        for split, metrics in (record.get("raw") or {}).items() if label else ():
+            rows[f"{split}: {label} ({int(metrics.get('n', 0))} pairs)"] = metrics
+    return rows
+
+
+def model_card(*, source: str, checkpoint: str, fmt: str, state: dict | None, run_dir: Path | None, version: str,
+               adapter: bool, base: str | None, merged: bool, prompts: Any, notes: list[str]) -> str:
+    """The ``README.md`` of an exported folder (Hugging Face model-card layout: YAML front matter,
+    then Markdown)."""
+    from raggedvl.train.report import format_metrics_table
+
+    library = "colpali" if fmt == "colpali" else "transformers"
+    lines = ["---", f"library_name: {library}", "tags:", "- raggedvl", "- colpali", "- visual-document-retrieval",
+             "- late-interaction"]
+    if base:
+        lines.append(f"base_model: {base}")
+    lines += ["---", "", f"# {Path(checkpoint).name} ({fmt} format)", "",
+              f"Exported by raggedvl {version} from `{source}`"
+              + (f" (checkpoint `{checkpoint}`, step {state['step']})" if state else "") + ".", ""]
+    lines += ["## Use", "", "```python"]
+    if fmt == "colpali":
+        lines += ["from colpali_engine.models import ColQwen2, ColQwen2Processor", "",
+                  'model = ColQwen2.from_pretrained("PATH").eval()'
+                  + ("  # an adapter: loads its base, then the LoRA (peft)" if adapter else ""),
+                  'processor = ColQwen2Processor.from_pretrained("PATH")',
+                  "queries = model(**processor.process_queries([\"...\"]))",
+                  "pages = model(**processor.process_images([image]))",
+                  "scores = processor.score_multi_vector(queries, pages)"]
+    else:
+        lines += ["from transformers import ColQwen2ForRetrieval, ColQwen2Processor", "",
+                  'model = ColQwen2ForRetrieval.from_pretrained("PATH").eval()',
+                  'processor = ColQwen2Processor.from_pretrained("PATH")',
+                  "batch = processor(images=[image])",
+                  "# pass the M-RoPE position ids: ColQwen2ForRetrieval calls its VLM with input_ids=None",
+                  "image_tokens = (batch[\"input_ids\"] == model.config.vlm_config.image_token_id).int()",
+                  "position_ids, _ = model.vlm.get_rope_index(batch[\"input_ids\"], image_tokens, batch[\"image_grid_thw\"],",
+                  "                                           attention_mask=batch[\"attention_mask\"])",
+                  "pages = model(**batch, position_ids=position_ids).embeddings",
+                  "# or: from raggedvl.models.interop import mrope_position_ids; mrope_position_ids(model.vlm, batch)"]
+    lines += ["```", "", "raggedvl loads this folder too: `raggedvl.models.build_retriever(\"PATH\")`, or "
+              "`raggedvl train --model PATH` to continue training.", ""]
+    lines += ["## Prompts", "", "The retriever was trained with (`raggedvl_prompts.json`):", "",
+              f"- query: `{prompts.query_template!r}`", f"- page: `{prompts.doc_template!r}`",
+              f"- padding: {prompts.padding_side}", ""]
+    if adapter:
+        lines += [f"Weights: a peft LoRA adapter on `{base}` (language-model projections) with the projection "
+                  "`custom_text_proj` saved whole (`modules_to_save`).", ""]
+    elif merged:
+        lines += ["Weights: full; the LoRA adapters were merged into the base weights.", ""]
+    cfg = (state or {}).get("config")
+    if cfg:
+        lines += ["## Training", "", "| key | value |", "|---|---|"]
+        lines += [f"| {k} | {cfg[k]} |" for k in CARD_KEYS if k in cfg]
+        lines += [f"| steps | {state['step']} |", f"| world size | {state.get('world_size')} |", ""]
+        lines += ["## Data", "", "| key | value |", "|---|---|"] + [f"| {k} | {cfg[k]} |" for k in DATA_KEYS if k in cfg]
+        if run_dir is not None and (run_dir / TRAIN_CONFIG_NAME).is_file():
+            lines += ["", f"Full training config: `{run_dir / TRAIN_CONFIG_NAME}` of the run."]
+        lines.append("")
+    else:
+        lines += ["## Training", "", "Not trained by raggedvl in this export (converted from the source's layout).", ""]
+    rows = _metrics_rows(run_dir)
+    lines += ["## Metrics", ""]
+    lines += [format_metrics_table(rows), ""] if rows else ["No evaluation was recorded for this checkpoint.", ""]
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)

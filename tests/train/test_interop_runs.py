@@ -1,0 +1,109 @@
+"""Continue training from colpali-engine checkpoints with `raggedvl train`, then export.
+
+- the step-0 evaluation equals the evaluation of the source checkpoint (same weights, same
+  prompts, same pixels);
+- the run's checkpoints are loadable retrievers (settings + processor beside the weights); a LoRA
+  run's checkpoint holds the adapters and the head, not the frozen base; the training config is
+  ``train_config.json``, not ``config.json``; files are group-readable under a 022 umask;
+- ``raggedvl export`` writes colpali and transformers folders that load back with the same
+  embeddings, and nothing on those paths unpickles (``torch.load`` is never reached).
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raggedvl.cli import main
+from raggedvl.models import build_retriever
+from raggedvl.train.config import TrainConfig
+from raggedvl.train.loop import train
+from raggedvl.train.setup import build_components
+from tests.conftest import SMALL_DEV_PAIRS, SMALL_TRAIN_PAIRS
+from tests.models.interop.helpers import FULL, LORA, encode, masked_max_abs
+
+pytestmark = pytest.mark.slow  # two short runs of the tiny colpali model on the rdocs subset
+
+
+def _config(model, tmp_path, cache, **extra):
+    return TrainConfig(model=str(model), max_steps=2, global_batch_size=4, checkpoint_every=100, eval_train_samples=4,
+                       max_train_samples=SMALL_TRAIN_PAIRS, max_eval_samples=SMALL_DEV_PAIRS, output_dir=str(tmp_path / "run"),
+                       data_cache=str(cache), **extra)
+
+
+def _no_unpickling(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.load reached: this path must read safetensors and JSON only")
+
+    monkeypatch.setattr(torch, "load", refuse)
+
+
+def _step0_equals_source(cfg, run):
+    from raggedvl.parallel.runtime import DistInfo
+
+    from raggedvl.evaluation.evaluator import evaluate_benchmark
+
+    c = build_components(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none"))
+    source = evaluate_benchmark(build_retriever(cfg.model).eval(), c.collate, c.eval_set, batch_size=16,
+                                device=torch.device("cpu"))  # the source checkpoint, evaluated on its own
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = next(r["raw"]["dev"] for r in records if r.get("event") == "eval_before")
+    assert {k: logged[k] for k in source} == pytest.approx(source, abs=1e-9)
+
+
+def test_continue_from_colpali_adapter_then_export(tmp_path, small_data_cache, monkeypatch):
+    old_umask = os.umask(0o022)
+    try:
+        cfg = _config(LORA, tmp_path, small_data_cache)
+        train(cfg)
+    finally:
+        os.umask(old_umask)
+    run = tmp_path / "run"
+    _step0_equals_source(cfg, run)
+    assert (run / "train_config.json").is_file() and not (run / "config.json").exists()
+    step = sorted((run / "checkpoints").iterdir())[-1]
+    weights = load_file(str(step / "raggedvl_retriever.safetensors"))
+    assert weights and all("lora_" in k or k.startswith("head.") for k in weights)  # no frozen base
+    assert {"raggedvl_retriever.json", "tokenizer.json", "processor_config.json"} <= {p.name for p in step.iterdir()}
+    assert all(p.stat().st_mode & 0o044 == 0o044 for p in step.iterdir())  # group and others may read
+    _no_unpickling(monkeypatch)
+    trained = build_retriever(str(step))
+    assert trained.config.lora.r == 8 and trained.config.base == str(FULL.resolve())
+    batch, q, d = encode(trained, step)
+    for fmt in ("colpali", "transformers"):
+        assert main(["export", str(run), "--format", fmt, "--output", str(tmp_path / fmt)]) == 0
+        card = (tmp_path / fmt / "README.md").read_text()
+        assert "raggedvl" in card and "| lora_r |" in card and "dev: after training" in card
+        back = build_retriever(str(tmp_path / fmt))
+        _, q2, d2 = encode(back, tmp_path / fmt)
+        assert masked_max_abs(d2.embeddings, d.embeddings, d.mask) <= 1e-5
+        assert masked_max_abs(q2.embeddings, q.embeddings, q.mask) <= 1e-5
+    assert (tmp_path / "colpali" / "adapter_config.json").is_file()  # kept as an adapter on its base
+
+
+def test_continue_from_colpali_full_with_fresh_lora_then_export_merged(tmp_path, small_data_cache, monkeypatch):
+    cfg = _config(FULL, tmp_path, small_data_cache, lora_r=4, lora_alpha=4)
+    train(cfg)
+    run = tmp_path / "run"
+    _step0_equals_source(cfg, run)
+    _no_unpickling(monkeypatch)
+    assert main(["export", str(run), "--format", "colpali", "--output", str(tmp_path / "merged"), "--merge-lora"]) == 0
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / "merged").iterdir()}
+    step = sorted((run / "checkpoints").iterdir())[-1]
+    _, q, d = encode(build_retriever(str(step)), step)
+    _, q2, d2 = encode(build_retriever(str(tmp_path / "merged")), tmp_path / "merged")
+    assert masked_max_abs(d2.embeddings, d.embeddings, d.mask) <= 1e-5
+
+
+def test_export_refuses_a_dim_colpali_cannot_hold(tmp_path, capsys):
+    from tests.models.helpers import tiny_tokenizer
+
+    from raggedvl.models import TinySizes
+
+    sizes = TinySizes(hidden_size=64, num_layers=1, intermediate_size=64, vision_depth=1, vision_embed_dim=32, vision_heads=2)
+    build_retriever("tiny", processor=tiny_tokenizer(), tiny_sizes=sizes, dim=96).save_pretrained(tmp_path / "wide")
+    assert main(["export", str(tmp_path / "wide"), "--format", "colpali", "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "96 dimensions" in err and "--format transformers" in err and not (tmp_path / "out").exists()

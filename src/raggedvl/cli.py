@@ -24,13 +24,11 @@ def _train(args, argv: Sequence[str]) -> int:
 
         train(cfg)
         return 0
-    from raggedvl.train.setup import load_splits, prepare_data
+    from raggedvl.train.setup import check_model_checkpoint, load_splits, prepare_data
 
     cmd = torchrun_command(args, strip_torchrun_arguments(argv))
     check_world_fits(cfg, cmd)
-    from raggedvl.models.interop import check_checkpoint
-
-    check_checkpoint(cfg.model)  # a broken colpali / transformers checkpoint: one line, before any process starts
+    check_model_checkpoint(cfg)  # a broken colpali / transformers checkpoint: one line, before any process starts
     prepare_data(cfg)  # build / cache the dataset once, before the ranks start
     load_splits(cfg)  # split and overlap errors (and the overlap warning) before any process starts
     print("+ " + " ".join(cmd), flush=True)

@@ -47,3 +47,19 @@ def test_resuming_from_a_saved_retriever_loads_its_weights(tmp_path, no_unpickli
     fresh = tiny_retriever(dtype=torch.float32)
     RaggedTrainer(fresh, training_args(tmp_path / "b"), processor=tiny_processor())._load_from_checkpoint(str(tmp_path / "ckpt"))
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.state_dict().items())
+
+
+def test_save_model_of_a_colpali_adapter_holds_the_adapters_and_head_and_loads_back(tmp_path, no_unpickling):
+    from safetensors.torch import load_file
+
+    from tests.models.interop.helpers import FULL, LORA
+
+    model = build_retriever(str(LORA))  # colpali's LoRA adapter, kept trainable on its base
+    trainer = RaggedTrainer(model, training_args(tmp_path / "out"), processor=build_processor(str(LORA)))
+    trainer.save_model(str(tmp_path / "saved"))
+    saved = load_file(str(tmp_path / "saved" / "raggedvl_retriever.safetensors"))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(saved) == trainable and all("lora_" in k or k.startswith("head.") for k in saved)  # no frozen base
+    loaded = build_retriever(str(tmp_path / "saved"))  # reloads the base named in its settings
+    assert loaded.config.base == str(FULL.resolve())
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())

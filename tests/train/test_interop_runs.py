@@ -27,10 +27,15 @@ from tests.models.interop.helpers import FULL, LORA, encode, masked_max_abs
 pytestmark = pytest.mark.slow  # two short runs of the tiny colpali model on the rdocs subset
 
 
-def _config(model, tmp_path, cache, **extra):
-    return TrainConfig(model=str(model), max_steps=2, global_batch_size=4, checkpoint_every=100, eval_train_samples=4,
-                       max_train_samples=SMALL_TRAIN_PAIRS, max_eval_samples=SMALL_DEV_PAIRS, output_dir=str(tmp_path / "run"),
-                       data_cache=str(cache), **extra)
+def _config(model, tmp_path, cache, run="run", **extra):
+    settings = dict(max_steps=2, global_batch_size=4, checkpoint_every=100, eval_train_samples=4,
+                    max_train_samples=SMALL_TRAIN_PAIRS, max_eval_samples=SMALL_DEV_PAIRS)
+    return TrainConfig(model=str(model), output_dir=str(tmp_path / run), data_cache=str(cache), **{**settings, **extra})
+
+
+def _losses(run):
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r.get("event") == "train"}
 
 
 def _no_unpickling(monkeypatch):
@@ -95,6 +100,22 @@ def test_continue_from_colpali_full_with_fresh_lora_then_export_merged(tmp_path,
     _, q, d = encode(build_retriever(str(step)), step)
     _, q2, d2 = encode(build_retriever(str(tmp_path / "merged")), tmp_path / "merged")
     assert masked_max_abs(d2.embeddings, d.embeddings, d.mask) <= 1e-5
+
+
+def test_a_run_from_the_colpali_adapter_resumes_from_its_adapter_only_checkpoint_exactly(tmp_path, small_data_cache,
+                                                                                       monkeypatch):
+    settings = dict(max_steps=4, checkpoint_every=2, eval_before=False, eval_after=False)
+    train(_config(LORA, tmp_path, small_data_cache, run="straight", **settings))
+    monkeypatch.setenv("RAGGEDVL_FAULT", "raise:0:3")  # fails at the start of step 4, after the step-2 checkpoint
+    with pytest.raises(RuntimeError, match="injected fault"):
+        train(_config(LORA, tmp_path, small_data_cache, run="resumed", **settings))
+    monkeypatch.delenv("RAGGEDVL_FAULT")
+    step2 = tmp_path / "resumed" / "checkpoints" / "step-000002"
+    assert all("lora_" in k or k.startswith("head.") for k in load_file(str(step2 / "raggedvl_retriever.safetensors")))
+    train(_config(LORA, tmp_path, small_data_cache, run="resumed", resume=True, **settings))
+    straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
+    assert sorted(straight) == sorted(resumed) == [1, 2, 3, 4]
+    assert resumed == pytest.approx(straight, rel=1e-6, abs=1e-7)  # steps 3-4 from the adapters + head of step 2
 
 
 def test_export_refuses_a_dim_colpali_cannot_hold(tmp_path, capsys):

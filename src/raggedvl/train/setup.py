@@ -119,6 +119,16 @@ def check_output_dir(cfg: TrainConfig) -> None:
         )
 
 
+def check_model_checkpoint(cfg: TrainConfig) -> None:
+    """Check ``cfg.model`` when it is a local colpali-engine / transformers checkpoint or adapter,
+    from its JSON files and safetensors headers only (``raggedvl.models.interop.check_checkpoint``):
+    a missing or misshapen projection or an adapter that does not fit its base is a
+    ``ValueError`` naming the file and the tensor, in seconds, before torchrun starts any rank."""
+    from raggedvl.models.interop import check_checkpoint
+
+    check_checkpoint(cfg.model)
+
+
 def estimate_train_costs(cfg: TrainConfig, train_set, policy: ImagePolicy) -> SampleCosts:
     """Per-pair costs and patch counts of the training split from image headers (no decoding),
     through the collator's own image ``policy``, so ``patches`` equal the collator's rows.

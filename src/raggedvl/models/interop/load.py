@@ -14,7 +14,7 @@ import torch
 from raggedvl.prompts import COLPALI_PROMPTS
 
 from ..backbone import load_backbone
-from ..families import family_of
+from raggedvl.families import family_of
 from ..lora import LoraSettings
 from ..retriever import Retriever, RetrieverConfig
 from .colpali import (

@@ -120,6 +120,7 @@ class Retriever(nn.Module):
         hidden = self.base_model.config.text_config.hidden_size
         self.head = RetrievalHead(hidden, self.config.dim, self.config.head, self.config.pooling, self.config.eps)
         self.packing = False
+        self.vision_rebalancer = None
 
     @property
     def base_model(self) -> nn.Module:
@@ -166,6 +167,14 @@ class Retriever(nn.Module):
         self.packing = bool(enabled)
         set_packed_attention(self.base_model, self.packing)
 
+    def set_vision_rebalancer(self, rebalancer: Any = None) -> None:
+        """Encoder rebalancing (off with None): ``rebalancer(base_model, inputs) -> inputs`` runs
+        on every encode call's backbone inputs before the backbone, e.g.
+        :class:`raggedvl.parallel.VisionRebalancer`, which moves whole images of overloaded
+        ranks to less loaded ones for the vision tower only (a collective on every call: every
+        rank must encode the same number of times)."""
+        self.vision_rebalancer = rebalancer
+
     def forward(self, queries: Any = None, docs: Any = None, **batch: Any):
         if queries is not None or docs is not None:
             if queries is None or docs is None or batch:
@@ -198,6 +207,8 @@ class Retriever(nn.Module):
             if (batch.get(stream.patches_key) is None) != (batch.get(stream.grid_key) is None):
                 raise ValueError(f"{stream.patches_key} and {stream.grid_key} must be given together (batch has only one)")
         inputs = drop_empty_vision({k: v for k, v in batch.items() if v is not None}, self.family)
+        if self.vision_rebalancer is not None:
+            inputs = self.vision_rebalancer(self.base_model, inputs)
         # the backbone's pre-hook runs the dummy vision pass before the decoder (raggedvl.models.dummy_vision)
         if self.packing:
             packed = pack_batch(self.base_model, inputs)

@@ -6,7 +6,8 @@ values (``barrier``, ``all_reduce_max``, ``all_reduce_mean``, ``all_gather_objec
 autograd-aware ragged all-gathers for cross-rank losses, the cross-rank shape check,
 DDP / FSDP2 wrapping and full state dicts, the single-process DataParallel and accelerate
 transports of ragged batches, and which samples of an accelerate batch are repeats
-(``real_sample_count``), and rank-failure reporting (``report_failure``, ``StallWatchdog``).
+(``real_sample_count``), rank-failure reporting (``report_failure``, ``StallWatchdog``), and encoder
+rebalancing of the vision tower (``VisionRebalancer``).
 """
 
 from raggedvl.parallel.agreement import DEBUG_ENV, exchange_shapes
@@ -27,6 +28,8 @@ from raggedvl.parallel.runtime import (
     shutdown,
 )
 from raggedvl.parallel.wrap import full_state_dicts, load_full_state_dicts, unwrap_model, wrap_model
+from raggedvl.parallel.vision_plan import VisionPlan, plan_vision_balance
+from raggedvl.parallel.vision_rebalance import VisionRebalancer, all_to_all_rows
 
 __all__ = [
     "DEBUG_ENV",
@@ -38,9 +41,12 @@ __all__ = [
     "ScatteredBatch",
     "StallWatchdog",
     "VariableGather",
+    "VisionPlan",
+    "VisionRebalancer",
     "all_gather_objects",
     "all_gather_padded",
     "all_gather_variable",
+    "all_to_all_rows",
     "all_reduce_max",
     "all_reduce_mean",
     "barrier",
@@ -54,6 +60,7 @@ __all__ = [
     "install_ragged_dispatch",
     "is_distributed",
     "load_full_state_dicts",
+    "plan_vision_balance",
     "prepare_ragged_data_loader",
     "real_sample_count",
     "real_sample_mask",

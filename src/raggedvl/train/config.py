@@ -48,6 +48,10 @@ class TrainConfig:
     packing: bool = option(
         False, "padding-free sequences: each encode call packs its samples into one token row with per-sample "
                "M-RoPE positions and per-sequence attention (same embeddings and losses, no padding tokens)")
+    rebalance_vision: bool = option(
+        False, "encoder rebalancing: a rank whose vision-tower work (patches + patches**2/8192 per image) exceeds "
+               "max(mean, largest image) hands whole images to less loaded ranks for the tower only (all-to-all, "
+               "features and gradients come back; same losses and gradients); multi-process runs without grad_cache")
     # data
     dataset: str = option("rdocs", "training data: 'rdocs' (embedded), a hub id, a local parquet file or image folder")
     train_split: str = option("train", "dataset split to train on")
@@ -138,6 +142,9 @@ class TrainConfig:
             raise ValueError(f"eval_fraction must be < 1 (a share of the training split), got {self.eval_fraction}")
         if self.eval_fraction is not None and self.eval_dataset is not None:
             raise ValueError("eval_fraction holds out part of dataset; it cannot be combined with eval_dataset")
+        if self.rebalance_vision and self.grad_cache:
+            raise ValueError("rebalance_vision does not work with grad_cache (ranks may encode different numbers of "
+                             "chunks, and rebalancing is a collective in every encode): turn one of them off")
         if (self.head == "bi_encoder") != (self.loss == "infonce"):
             raise ValueError(
                 f"head={self.head!r} does not go with loss={self.loss!r}: use loss='infonce' with the "

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from raggedvl.parallel import (
     DistInfo,
     StallWatchdog,
+    VisionRebalancer,
     all_gather_objects,
     all_reduce_mean,
     barrier,
@@ -80,6 +81,8 @@ class Trainer:
         for bad in self.c.costs.skipped if info.is_main else ():  # on_bad_image="skip"; same list on every rank
             print(f"warning: the size estimate rejected {bad['name']}: {bad['reason']} (the collator drops it "
                   "whenever it is drawn)", file=sys.stderr, flush=True)
+        if cfg.rebalance_vision and info.world_size > 1:  # before wrapping: the retriever calls it in forward
+            self.c.model.set_vision_rebalancer(VisionRebalancer(timeout_s=cfg.collective_timeout_s))
         self.model = wrap_model(self.c.model.to(info.device), strategy=cfg.strategy, device=info.device)
         groups = unwrap_model(self.model).parameter_groups(cfg.lr, cfg.head_lr, cfg.weight_decay)
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -218,17 +221,32 @@ class Trainer:
         n_skipped = len(batch.get("skipped", ()))
         return StepResult(global_loss, len(indices) - n_skipped, t2 - t1, time.perf_counter() - t0, n_skipped, doc_cosine)
 
+    def _vision_balance(self) -> dict[str, Any]:
+        """With --rebalance-vision: the last document encode's tower max/mean rank load before
+        and after rebalancing, and the images moved (the plan is the same on every rank)."""
+        plan = getattr(unwrap_model(self.model).vision_rebalancer, "last_plan", None)
+        if plan is None:
+            return {}
+        return {"vision_max_over_mean": [plan.max_over_mean_before, plan.max_over_mean_after],
+                "vision_images_moved": plan.moved}
+
     def evaluate(self) -> dict[str, dict[str, float]]:
         """Metrics on the training pairs (memorisation) and the dev benchmark, sharded over ranks
         (``raggedvl.evaluation.evaluator``); ``n`` is the number of documents ranked."""
         model = unwrap_model(self.model) if self.cfg.strategy == "ddp" else self.model
+        retriever = unwrap_model(self.model)
+        rebalancer = retriever.vision_rebalancer  # off: evaluation shards may give ranks different batch counts
+        retriever.set_vision_rebalancer(None)
         out = {}
-        for name, bench in (("train", self.c.train_eval_set), ("dev", self.c.eval_set)):
-            if bench is None:
-                continue
-            metrics = evaluate_benchmark(model, self.c.collate, bench, batch_size=self.cfg.eval_batch_size,
-                                         device=self.info.device, autocast=self.autocast)
-            out[name] = {**metrics, "n": metrics["documents"]}
+        try:
+            for name, bench in (("train", self.c.train_eval_set), ("dev", self.c.eval_set)):
+                if bench is None:
+                    continue
+                metrics = evaluate_benchmark(model, self.c.collate, bench, batch_size=self.cfg.eval_batch_size,
+                                             device=self.info.device, autocast=self.autocast)
+                out[name] = {**metrics, "n": metrics["documents"]}
+        finally:
+            retriever.set_vision_rebalancer(rebalancer)
         return out
 
     # ----------------------------------------------------------------- run
@@ -276,7 +294,7 @@ class Trainer:
                         "lr": self.scheduler.get_last_lr()[0], "global_batch_size": cfg.global_batch_size,
                         "samples_per_s": rate, "step_s": r.step_s,
                         "rank_samples": [n for n, _, _ in per_rank], "rank_encode_s": [e for _, e, _ in per_rank],
-                        "skipped_examples": self.skipped,
+                        "skipped_examples": self.skipped, **self._vision_balance(),
                     })
             warning = self.collapse.update(self.step, r.loss, r.doc_cosine)  # same verdict on every rank
             if warning:

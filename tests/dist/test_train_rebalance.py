@@ -1,6 +1,9 @@
 """`raggedvl train --rebalance-vision true` under torchrun (2 gloo processes): the per-step losses of
 the run without rebalancing (float32), the plan's tower balance in metrics.jsonl, and evaluation
-(sharded, rebalancing off there) still runs."""
+(sharded, rebalancing off there) still runs. The rdocs pages of the tiny preset are all resized to
+the same cap, so the plan moves nothing here: this proves the wiring (a grid all-gather in every
+encode on both ranks, no hang, same losses); the exchange itself is proven exact by
+tests/dist/test_vision_rebalance_dist.py."""
 
 import json
 import os

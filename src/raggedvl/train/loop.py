@@ -224,7 +224,7 @@ class Trainer:
     def _vision_balance(self) -> dict[str, Any]:
         """With --rebalance-vision: the last document encode's tower max/mean rank load before
         and after rebalancing, and the images moved (the plan is the same on every rank)."""
-        plan = getattr(unwrap_model(self.model).vision_rebalancer, "last_plan", None)
+        plan = getattr(getattr(unwrap_model(self.model), "vision_rebalancer", None), "last_plan", None)
         if plan is None:
             return {}
         return {"vision_max_over_mean": [plan.max_over_mean_before, plan.max_over_mean_after],
@@ -235,8 +235,9 @@ class Trainer:
         (``raggedvl.evaluation.evaluator``); ``n`` is the number of documents ranked."""
         model = unwrap_model(self.model) if self.cfg.strategy == "ddp" else self.model
         retriever = unwrap_model(self.model)
-        rebalancer = retriever.vision_rebalancer  # off: evaluation shards may give ranks different batch counts
-        retriever.set_vision_rebalancer(None)
+        rebalancer = getattr(retriever, "vision_rebalancer", None)  # off: evaluation shards may give ranks
+        if rebalancer is not None:                                   # different batch counts
+            retriever.set_vision_rebalancer(None)
         out = {}
         try:
             for name, bench in (("train", self.c.train_eval_set), ("dev", self.c.eval_set)):
@@ -246,7 +247,8 @@ class Trainer:
                                              device=self.info.device, autocast=self.autocast)
                 out[name] = {**metrics, "n": metrics["documents"]}
         finally:
-            retriever.set_vision_rebalancer(rebalancer)
+            if rebalancer is not None:
+                retriever.set_vision_rebalancer(rebalancer)
         return out
 
     # ----------------------------------------------------------------- run

@@ -210,6 +210,10 @@ def part_checks(rep: Report, device, deadline: float) -> None:
             "n/a" if device.type != "cuda" else ("see tests" if _device_count() > 1 else "n/a: needs 2 GPUs"),
             "NCCL refuses two ranks on one GPU and a 1-rank group issues no collective; on 2+ GPUs the gpu "
             "tests run them; CI proves them on gloo (tests/dist)")
+    rep.row("checks", "encoder rebalancing (--rebalance-vision): NCCL all-to-all of pixel rows and features",
+            "n/a" if device.type != "cuda" else ("not run: no NCCL case yet" if _device_count() > 1 else "n/a: needs 2 GPUs"),
+            "images move between ranks, one rank per GPU; exact gradients vs no rebalancing and one process on gloo: "
+            "tests/dist/test_vision_rebalance_dist.py; simulated tower balance: benchmarks/vision_balance.py")
 
 
 def _device_count() -> int:

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from raggedvl import __version__
-from raggedvl.cli import build_parser, check_world_fits, main
+from raggedvl.cli import build_parser, main
 from raggedvl.options import field_specs
 from raggedvl.train.config import TrainConfig, config_from_args
-from raggedvl.train.launch import TORCHRUN_OPTIONS, local_world_size, strip_torchrun_arguments, torchrun_command
+from raggedvl.train.launch import TORCHRUN_OPTIONS, check_world_fits, local_world_size, strip_torchrun_arguments, torchrun_command
 
 
 def _train_parser() -> argparse.ArgumentParser:

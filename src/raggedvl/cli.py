@@ -6,78 +6,39 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Sequence
 
 
 def _train(args, argv: Sequence[str]) -> int:
-    from raggedvl.train.config import config_from_args
-    from raggedvl.train.launch import run_torchrun, strip_torchrun_arguments, torchrun_command, under_torchrun
+    from raggedvl.train.launch import launch_train
 
-    cfg = config_from_args(args)  # validate before starting any process
-    from raggedvl.train.setup import check_output_dir
-
-    check_output_dir(cfg)
-    if under_torchrun():
-        from raggedvl.train.loop import train
-
-        train(cfg)
-        return 0
-    from raggedvl.train.setup import check_model_checkpoint, load_splits, prepare_data
-
-    cmd = torchrun_command(args, strip_torchrun_arguments(argv))
-    check_world_fits(cfg, cmd)
-    check_model_checkpoint(cfg)  # a broken colpali / transformers checkpoint: one line, before any process starts
-    prepare_data(cfg)  # build / cache the dataset once, before the ranks start
-    load_splits(cfg)  # split and overlap errors (and the overlap warning) before any process starts
-    print("+ " + " ".join(cmd), flush=True)
-    return run_torchrun(cmd)
+    return launch_train(args, argv)
 
 
-def check_world_fits(cfg, cmd: list[str]) -> None:
-    """Raise ``ValueError`` before starting torchrun when the processes cannot all get a sample
-    (or ``--nproc-per-node`` is not a value torchrun accepts)."""
-    from raggedvl.train.launch import local_world_size
-
-    nproc = local_world_size(cmd[cmd.index("--nproc-per-node") + 1]) if "--nproc-per-node" in cmd else 1
-    nnodes = cmd[cmd.index("--nnodes") + 1] if "--nnodes" in cmd else "1"
-    world = nproc * (int(nnodes) if nnodes.isdigit() else 1)
-    if cfg.global_batch_size < world:
-        raise ValueError(
-            f"global_batch_size {cfg.global_batch_size} < {world} processes: every rank needs at least one "
-            f"sample per step; use --global-batch-size {world} or more"
-        )
-
-
-def _relaunch(args, argv: Sequence[str], command: str) -> int | None:
-    """Start torchrun for ``--nproc-per-node N`` > 1 from a plain shell (None: run here)."""
-    from raggedvl.train.launch import local_world_size, run_torchrun, strip_torchrun_arguments, torchrun_command, under_torchrun
+def _start_ranks(args, argv: Sequence[str], command: str) -> None:
+    """With ``--nproc-per-node`` N > 1 from a plain shell, replace this process with torchrun's
+    agent running ``command`` on N ranks (never returns); else return and run here."""
+    from raggedvl.train.launch import exec_agent, local_world_size, strip_torchrun_arguments, torchrun_command, under_torchrun
 
     if args.nproc_per_node is None or under_torchrun() or local_world_size(args.nproc_per_node) == 1:
-        return None
-    cmd = torchrun_command(args, strip_torchrun_arguments(argv), command=command)
-    print("+ " + " ".join(cmd), flush=True)
-    return run_torchrun(cmd)
+        return
+    exec_agent(torchrun_command(args, strip_torchrun_arguments(argv), command=command))
 
 
 def _eval(args, argv: Sequence[str]) -> int:
+    _start_ranks(args, argv, "eval")
     from raggedvl.train.evaluate_checkpoint import evaluate_checkpoint
 
-    launched = _relaunch(args, argv, "eval")
-    if launched is not None:
-        return launched
     evaluate_checkpoint(args.checkpoint, dataset=args.dataset, split=args.split, batch_size=args.batch_size,
                         max_samples=args.max_samples, output=args.output, on_bad_image=args.on_bad_image)
     return 0
 
 
 def _encode(args, argv: Sequence[str]) -> int:
+    _start_ranks(args, argv, "encode")
     from raggedvl.train.index_commands import encode_corpus
 
-    launched = _relaunch(args, argv, "encode")
-    if launched is not None:
-        return launched
     encode_corpus(args.checkpoint, dataset=args.dataset, split=args.split, output=args.output, batch_size=args.batch_size,
                   on_bad_image=args.on_bad_image)
     return 0
@@ -241,28 +202,39 @@ def _stack_versions() -> str:
     return ", ".join(found)
 
 
+def _is_input_error(exc: BaseException) -> bool:
+    """Bad input (exit code 2, one line): a ``ValueError`` or a ``CheckpointError``."""
+    checkpoint = sys.modules.get("raggedvl.train.checkpoint")  # not imported: not its error
+    return isinstance(exc, ValueError) or (checkpoint is not None and isinstance(exc, checkpoint.CheckpointError))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit code. Bad input is one line on stderr and exit code 2.
+    In a rank started by torchrun, a failure is also written to torchrun's error file, and in a
+    rank of ``raggedvl.parallel.agent`` that record is all it leaves (the agent prints the first
+    failing rank's line once)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    from raggedvl.train.checkpoint import CheckpointError
-
+    commands = {"train": lambda: _train(args, argv[1:]), "eval": lambda: _eval(args, argv[1:]),
+                "encode": lambda: _encode(args, argv[1:]), "search": lambda: _search(args), "export": lambda: _export(args),
+                "data": lambda: _data(args)}
     try:
-        if args.command == "train":
-            return _train(args, argv[1:])
-        if args.command == "eval":
-            return _eval(args, argv[1:])
-        if args.command == "encode":
-            return _encode(args, argv[1:])
-        if args.command == "search":
-            return _search(args)
-        if args.command == "export":
-            return _export(args)
-        return _data(args)
-    except (ValueError, CheckpointError) as exc:
-        if "LOCAL_RANK" in os.environ:  # inside torchrun: the rank's own report already named it
+        return commands[args.command]()
+    except Exception as exc:
+        code = 2 if _is_input_error(exc) else 1
+        from raggedvl.train.launch import under_torchrun
+
+        if under_torchrun():
+            from raggedvl.parallel.agent import quiet_ranks, record_failure
+
+            record_failure(exc, exit_code=code)
+            if quiet_ranks():
+                return code
             raise
-        print(f"raggedvl: error: {exc}", file=sys.stderr)
-        return 2
+        if code == 2:
+            print(f"raggedvl: error: {' '.join(str(exc).split())}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ _SWAPS_SIDES = {5, 6, 7, 8}  # EXIF orientations that rotate by 90 degrees
 _DECODE_ERRORS = (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError)
 
 
+_BAD_IMAGE_FIX = "fix or remove it, or skip such images: on_bad_image='skip' (raggedvl: --on-bad-image skip)"
+
+
 class BadImageError(ValueError):
     """An image that cannot be decoded or is outside the documented limits."""
 
@@ -255,14 +258,12 @@ def _is_size_pair(value: Any) -> bool:
 
 
 def describe_source(source: Any, name: str | None = None) -> str:
-    """How errors refer to an image: ``name`` when given, else its path or its type."""
+    """How errors refer to an image: ``name`` when given, then its file when it has one
+    (``"row 3 (id 'a'), file scans/a.png"``); else its file or its type."""
+    path = source if isinstance(source, (str, os.PathLike)) else source.get("path") if isinstance(source, dict) else None
     if name is not None:
-        return name
-    if isinstance(source, (str, os.PathLike)):
-        return f"image {source}"
-    if isinstance(source, dict) and source.get("path"):
-        return f"image {source['path']}"
-    return f"<{type(source).__name__} image>"
+        return f"{name}, file {path}" if path else name
+    return f"image {path}" if path else f"<{type(source).__name__} image>"
 
 
 @contextmanager
@@ -321,7 +322,7 @@ def read_size(source: ImageSource, *, name: str | None = None) -> tuple[int, int
     except Image.DecompressionBombError as exc:
         raise BadImageError(f"{label} is above PIL's decompression-bomb limit ({exc}); downscale it") from exc
     except _DECODE_ERRORS as exc:
-        raise BadImageError(f"{label}: cannot read the image header ({type(exc).__name__}: {exc}); fix or remove the file") from exc
+        raise BadImageError(f"{label}: cannot read the image header ({type(exc).__name__}: {exc}); {_BAD_IMAGE_FIX}") from exc
     return (height, width) if swap else (width, height)
 
 
@@ -387,4 +388,4 @@ def load_image(source: ImageSource, *, max_source_pixels: int = 64_000_000, name
             f"{max_source_pixels} ({exc}); downscale it"
         ) from exc
     except _DECODE_ERRORS as exc:
-        raise BadImageError(f"{label} cannot be decoded ({type(exc).__name__}: {exc}); fix or remove the file") from exc
+        raise BadImageError(f"{label} cannot be decoded ({type(exc).__name__}: {exc}); {_BAD_IMAGE_FIX}") from exc

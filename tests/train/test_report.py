@@ -1,11 +1,18 @@
 """write_summary: the run report of `raggedvl train` (summary.md, report.png, the printed copy)
 from the metrics log and the evaluations, including a resumed run whose pre-training evaluation
-is only in the log."""
+is only in the log; issue 16 item 6: loss windows that fit short runs, report.png with a
+smoothed loss over the raw one, a scientific learning-rate axis, value labels on the bars, the
+legend outside them, and no empty panel, table or warning without evaluation."""
 
 import json
 import math
+import warnings
 
-from raggedvl.train.report import MetricsLog, write_summary
+import matplotlib.pyplot as plt
+import pytest
+
+from raggedvl.evaluation.metrics import METRICS
+from raggedvl.train.report import MetricsLog, loss_windows, plot_run, report_figure, smooth, write_summary
 
 
 def _evaluation(ndcg, mean_rank, *, queries=4, docs=8):
@@ -35,7 +42,8 @@ def test_summary_states_losses_counts_and_every_evaluation(tmp_path, capsys):
     out = write_summary(tmp_path, records, before, after, {"train": RANDOM, "dev": RANDOM}, steps=7,
                         global_batch_size=4, world_size=2, on_bad_image="skip", skipped_examples=3, rejected_pairs=1, estimated_pairs=16)
     text = (tmp_path / "summary.md").read_text()
-    assert out["loss_first"] == sum(losses[:5]) / 5 and out["loss_last"] == sum(losses) / len(losses)
+    assert out["loss_first"] == sum(losses[:3]) / 3 and out["loss_last"] == sum(losses[-3:]) / 3  # 7 steps: windows of 3
+    assert "training loss: first 3 steps 1.900 -> last 3 steps 1.500" in text
     assert f"ln(global batch) = {math.log(4):.3f}" in text and "world size 2" in text
     assert "examples skipped for bad images (on_bad_image='skip'): 3" in text
     assert "rejected by the size estimate (image header unreadable or out of limits): 1 of 16" in text
@@ -63,3 +71,54 @@ def test_resumed_run_takes_the_pre_training_evaluation_from_the_log(tmp_path):
     assert out["rows"]["dev: before training"]["ndcg@5"] == 0.2
     assert list(out["rows"]) == ["dev: random ranker (4 queries, 8 docs)", "dev: before training"]  # no train split
     assert "dev (before training): first relevant document's mean rank 5.0" in (tmp_path / "summary.md").read_text()
+
+
+def _records(n):
+    return [{"event": "train", "step": s, "loss": 2.0 + math.sin(s) / (1 + s / 10), "lr": 2e-4 * s / n,
+             "global_batch_size": 8} for s in range(1, n + 1)]
+
+
+def test_loss_windows_never_overlap():
+    assert loss_windows([])[0] == "training loss: no steps"
+    assert loss_windows([1.5]) == ("training loss: 1 step, 1.500", 1.5, 1.5)
+    assert loss_windows([4.0, 3.0, 2.0, 1.0, 0.0]) == ("training loss: first 2 steps 3.500 -> last 2 steps 0.500", 3.5, 0.5)
+    losses = [float(i) for i in range(600)]
+    assert loss_windows(losses)[0] == "training loss: first 10 steps 4.500 -> last 10 steps 594.500"
+
+
+def test_smooth_is_a_trailing_mean():
+    assert smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert smooth([2.0, 4.0], 1) == [2.0, 4.0]
+
+
+def test_without_evaluation_one_panel_no_table_and_no_warning(tmp_path, capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels" would raise here
+        write_summary(tmp_path, _records(5), None, None, {}, steps=5, global_batch_size=8, world_size=1,
+                      on_bad_image="error", skipped_examples=0, rejected_pairs=0, estimated_pairs=8)
+        path = tmp_path / "report.png"
+        fig = report_figure(_records(5), {})
+    text = (tmp_path / "summary.md").read_text()
+    assert "no evaluation (--eval-before false, --eval-after false)" in text and "| |" not in text
+    assert path.stat().st_size > 0
+    assert [ax.get_title() for ax in fig.axes if ax.get_title()] == ["training"]  # loss axis (+ its lr twin) only
+    plt.close(fig)
+
+
+def test_bars_are_labelled_the_legend_is_outside_and_the_lr_axis_is_scientific():
+    evals = {"dev: random ranker": {k: 0.003 for k in METRICS}, "dev: after training": {k: 0.9 for k in METRICS}}
+    fig = report_figure(_records(100), evals)
+    fig.canvas.draw()
+    ax_loss, ax_bar, ax_lr = fig.axes  # subplots first, then the twin
+    assert [line.get_label() for line in ax_loss.get_lines()][:2] == ["training loss", "mean of the last 5 steps"]
+    assert ax_lr.yaxis.get_offset_text().get_text().replace("\u2212", "-") == "1e-4"  # 2e-4 peak: "x 1e-4" axis
+    labels = [t.get_text() for t in ax_bar.texts]
+    assert labels.count("0.00") == len(METRICS) and labels.count("0.90") == len(METRICS)
+    legend = ax_bar.get_legend().get_window_extent()
+    assert legend.x0 >= ax_bar.get_window_extent().x1  # right of the bar axes: covers no bar
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_tiny_runs_plot(tmp_path, n):
+    assert plot_run(_records(n), {}, tmp_path / "r.png").stat().st_size > 0

@@ -60,8 +60,8 @@ def _bad_query_rows(queries: list[Any], ids: list[str], where: str, policy: str)
             if policy != "skip":
                 raise ValueError(
                     f"{where}: row {row} (id {ident!r}) has an empty or non-string query {query!r}; "
-                    "remove the row, fill in its query, or pass on_empty_query='skip' (drop the row) or 'keep' "
-                    "(a corpus-only document, for evaluation)"
+                    "remove the row, fill in its query, or pass on_empty_query='skip' (drop the row; "
+                    "raggedvl train --on-empty-query skip) or 'keep' (a corpus-only document, for evaluation)"
                 )
             bad.append({"row": row, "id": ident, "reason": f"empty or non-string query {query!r}"})
     return bad
@@ -177,17 +177,19 @@ class RetrievalDataset(Sequence):
         """
         import datasets
 
+        where = kwargs.pop("where", None) or f"dataset split {split!r}"
         columns = list(dataset.column_names)
         for label, column in (("query_column", query_column), ("image_column", image_column)):
             if column not in columns:
-                raise ValueError(f"dataset has no column {column!r} (columns: {columns}); pass {label}= naming the right one")
+                raise ValueError(f"{where} has no column {column!r} (columns: {columns}); pass {label}= "
+                                 f"(raggedvl train --{label.replace('_', '-')}) naming the right one")
         if id_column is not None and id_column not in columns:
-            raise ValueError(f"dataset has no id column {id_column!r} (columns: {columns})")
+            raise ValueError(f"{where} has no id column {id_column!r} (columns: {columns}); pass id_column= "
+                             "(--id-column) naming the right one, or none")
         if isinstance(dataset.features[image_column], datasets.Image):
             dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
         queries = dataset[query_column]
         ids = [str(v) for v in dataset[id_column]] if id_column else [f"{split}-{i}" for i in range(len(queries))]
-        where = f"dataset split {split!r}"
         skipped = _bad_query_rows(queries, ids, where, on_empty_query)
         bad_rows = {s["row"] for s in skipped}
         valid = [i for i in range(len(ids)) if i not in bad_rows]
@@ -386,5 +388,5 @@ def load_retrieval_dataset(
     hf, base = _load_hf_split(name_or_path, split, **load_kwargs)
     return RetrievalDataset.from_hf(
         hf, split, query_column=query_column, image_column=image_column, id_column=id_column,
-        limit=limit, base_dir=base, **common,
+        limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}", **common,
     )

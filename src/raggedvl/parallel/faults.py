@@ -33,6 +33,7 @@ import threading
 import time
 import traceback
 
+from raggedvl.parallel.agent import REPORT_ATTRIBUTE, quiet_ranks
 from raggedvl.parallel.failures import abort, clear_note, peer_notes, post_note
 
 FAULT_KINDS = ("raise", "kill", "hang")
@@ -51,7 +52,9 @@ def _first_line(exc: BaseException, limit: int = 300) -> str:
 def report_failure(rank: int, where: str, exc: BaseException) -> str:
     """Report that this rank failed ``where`` (e.g. ``"in step 3"``) with ``exc``; returns the text.
 
-    Prints to stderr, posts this rank's note, appends the text to ``exc``'s notes (so it
+    Prints to stderr (not in ranks of ``raggedvl.parallel.agent``, which prints the first
+    failure of the job; the one-line report is kept in ``exc.raggedvl_report`` for the error
+    file), posts this rank's note, appends the text to ``exc``'s notes (so it
     shows in the traceback and in ``exc.__notes__``) and aborts the process group (see
     :func:`raggedvl.parallel.failures.abort`); the caller re-raises. Peers' notes, oldest
     first, follow this rank's line. Store operations only, no collective; never raises.
@@ -59,11 +62,18 @@ def report_failure(rank: int, where: str, exc: BaseException) -> str:
     own = f"rank {rank} failed {where}: {_first_line(exc)}"
     post_note(rank, own)
     now = time.time()
+    notes = peer_notes(rank)
     lines = [f"raggedvl: {own}"]
-    lines += [f"raggedvl:   rank {n.rank} reported {now - n.time:.1f} s earlier: {n.text}" for n in peer_notes(rank)]
+    lines += [f"raggedvl:   rank {n.rank} reported {now - n.time:.1f} s earlier: {n.text}" for n in notes]
     text = "\n".join(lines)
+    line = own + (f" (after rank {notes[0].rank}: {notes[0].text})" if notes else "")
+    try:  # what raggedvl.parallel.agent.record_failure writes to torchrun's error file
+        setattr(exc, REPORT_ATTRIBUTE, {"line": line, "time": now, "after_peer": bool(notes)})
+    except AttributeError:
+        pass
     try:
-        print(text, file=sys.stderr, flush=True)
+        if not quiet_ranks():  # under raggedvl's agent, the agent prints the first failure once
+            print(text, file=sys.stderr, flush=True)
     except (OSError, ValueError):  # stderr closed: the note and exc.__notes__ still carry the text
         pass
     exc.add_note(text)  # BaseException.add_note: Python 3.11+, the project's requires-python

@@ -63,6 +63,13 @@ class TrainConfig:
     eval_fraction: float | None = option(
         None, "hold out this share of the training split for evaluation, by a hash of each image's bytes "
               "(none: evaluate on eval_split)", above=0)
+    query_column: str = option("query", "column of the training (and evaluation) pairs holding the query text")
+    image_column: str = option("image", "column holding the document image (datasets Image feature, or file paths)")
+    id_column: str | None = option(None, "column holding each row's id, used in messages and reports "
+                                         "(none: '<split>-<row>')")
+    on_empty_query: Literal["error", "skip"] = option(
+        "error", "a training row whose query is empty or not text stops the run (error) or is left out and "
+                 "counted (skip)")
     allow_eval_overlap: bool = option(
         False, "train even when evaluation documents (same image bytes) or queries (same text) occur in training pairs")
     max_train_samples: int | None = option(
@@ -123,6 +130,12 @@ class TrainConfig:
                                    at_least=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept on disk", at_least=1)
     log_every: int = option(1, "metrics interval, in optimizer steps", at_least=1)
+    progress_every: int = option(
+        10, "when stderr is not a terminal (a log file, a pipe), one plain progress line every this many optimizer "
+            "steps (on a terminal: a progress bar)", at_least=1)
+    report_to: str = option(
+        "none", "experiment trackers, comma-separated: tensorboard (event files in <output_dir>/tensorboard), wandb, "
+                "mlflow; each needs its extra, e.g. pip install 'raggedvl[tensorboard]' (none: no tracker)")
     eval_before: bool = option(True, "evaluate before training (nDCG@1/3/5/10, Recall@1/5/10, MRR@10, MAP@10)")
     eval_after: bool = option(True, "evaluate after training")
     eval_train_samples: int = option(128, "training pairs also scored at evaluation, to show memorisation",
@@ -138,6 +151,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        from raggedvl.train.tracking import parse_report_to
+
+        parse_report_to(self.report_to)
         if self.eval_fraction is not None and not self.eval_fraction < 1:
             raise ValueError(f"eval_fraction must be < 1 (a share of the training split), got {self.eval_fraction}")
         if self.eval_fraction is not None and self.eval_dataset is not None:

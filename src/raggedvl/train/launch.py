@@ -1,10 +1,21 @@
-"""Start ``raggedvl train`` under torchrun, or run it directly when already under torchrun.
+"""How ``raggedvl train`` (and ``eval`` / ``encode`` with ``--nproc-per-node``) starts its ranks.
 
-``raggedvl train`` on a plain shell starts ``python -m torch.distributed.run`` itself with the
-torchrun options it was given (``--nproc-per-node`` defaults to the number of CUDA devices,
-or 2 processes on a CPU-only machine; ``--standalone`` unless ``--nnodes``/``--rdzv-*`` say
-otherwise), after preparing the data once in the launching process. Inside torchrun
-(``TORCHELASTIC_RUN_ID`` or ``LOCAL_RANK`` set) it runs the training loop directly.
+From a plain shell, ``raggedvl train``:
+
+1. checks everything that does not need a rank, each failure one line and exit code 2: the
+   config, the output directory, the world size against the global batch, the model and the
+   dataset names (``raggedvl.sources``: typos, unreachable or offline hub in seconds), the
+   processor, the data's columns, splits and overlap, and every training image's header (the
+   size estimate the sampler needs anyway; a corrupt image is named by row, id and file);
+2. with one process on one node (``--nproc-per-node 1``, or one CUDA device), trains right
+   there, reusing what step 1 built: no torchrun, no second process;
+3. otherwise replaces itself (``os.execv``) with torchrun's agent
+   (``python -m raggedvl.parallel.agent``, torchrun's options), so nothing of the launcher stays
+   resident while the ranks run, and a failing rank is reported once, in one line.
+
+``--nproc-per-node`` defaults to the number of CUDA devices, or 2 processes on a CPU-only
+machine; ``--standalone`` is used unless ``--nnodes``/``--rdzv-*`` say otherwise. Inside
+torchrun (``TORCHELASTIC_RUN_ID`` or ``LOCAL_RANK`` set) ``raggedvl train`` runs one rank.
 Multi-node jobs use torchrun's own rendezvous: run the same command on every node with
 ``--nnodes N --node-rank I --rdzv-endpoint HOST:PORT`` (or ``--master-addr``/``--master-port``).
 """
@@ -12,9 +23,9 @@ Multi-node jobs use torchrun's own rendezvous: run the same command on every nod
 from __future__ import annotations
 
 import os
-import subprocess
+import shlex
 import sys
-from typing import Sequence
+from typing import Any, NoReturn, Sequence
 
 TORCHRUN_HELP = {  # name: (metavar, help)
     "nproc_per_node": ("N", "processes on this node: a number, or gpu (one per CUDA device), auto (one per accelerator, "
@@ -52,14 +63,14 @@ def default_nproc() -> int:
 def local_world_size(nproc_per_node: str) -> int:
     """Processes torchrun starts for ``--nproc-per-node`` (a number, ``gpu``, ``auto``, ``cpu``;
     torchrun's ``determine_local_world_size`` rules). Raises ``ValueError`` for anything else,
-    for a number < 1, and for ``gpu`` without a CUDA device."""
-    import torch
-
+    for a number < 1, and for ``gpu`` without a CUDA device. Imports torch only for the words."""
     if nproc_per_node.lstrip("-").isdigit():
         number = int(nproc_per_node)
         if number < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {number}")
         return number
+    import torch
+
     if nproc_per_node == "gpu":
         if not torch.cuda.is_available():
             raise ValueError("--nproc-per-node gpu: no CUDA device is visible; give a number of processes or auto")
@@ -72,16 +83,33 @@ def local_world_size(nproc_per_node: str) -> int:
 
 
 def torchrun_command(args, train_argv: Sequence[str], command: str = "train") -> list[str]:
-    """The ``python -m torch.distributed.run ... -m raggedvl.cli COMMAND ...`` command line."""
+    """The ``python -m raggedvl.parallel.agent TORCHRUN_OPTIONS -m raggedvl.cli COMMAND ...``
+    command line (torchrun's agent with one-line failure reports)."""
     opts = {name: getattr(args, name) for name in TORCHRUN_OPTIONS if getattr(args, name, None) is not None}
     opts.setdefault("nproc_per_node", str(default_nproc()))
-    multi_node = any(k in opts for k in ("nnodes", "rdzv_endpoint", "master_addr"))
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
-    if not multi_node:
+    cmd = [sys.executable, "-m", "raggedvl.parallel.agent"]
+    if not is_multi_node(opts):
         cmd.append("--standalone")
     for name, value in opts.items():
         cmd += ["--" + name.replace("_", "-"), str(value)]
     return cmd + ["-m", "raggedvl.cli", command, *train_argv]
+
+
+def is_multi_node(options: dict[str, Any]) -> bool:
+    return any(options.get(k) is not None for k in ("nnodes", "rdzv_endpoint", "master_addr"))
+
+
+def world_of(cmd: Sequence[str]) -> tuple[int, bool]:
+    """(processes over all nodes, whether the job spans nodes) of an agent command line;
+    ``ValueError`` for a ``--nproc-per-node`` torchrun would refuse. An elastic ``--nnodes
+    MIN:MAX`` counts MIN nodes."""
+    def value(flag: str) -> str | None:
+        return cmd[cmd.index(flag) + 1] if flag in cmd else None
+
+    nproc = local_world_size(value("--nproc-per-node") or "1")
+    nnodes = (value("--nnodes") or "1").split(":")[0]
+    multi = "--standalone" not in cmd
+    return nproc * (int(nnodes) if nnodes.isdigit() else 1), multi
 
 
 def strip_torchrun_arguments(argv: Sequence[str]) -> list[str]:
@@ -102,7 +130,90 @@ def strip_torchrun_arguments(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def run_torchrun(cmd: list[str]) -> int:
-    env = dict(os.environ)
+def exec_agent(cmd: list[str], env_updates: dict[str, str] | None = None) -> NoReturn:
+    """Print ``cmd`` and replace this process with it (``os.execve``): the launcher's memory is
+    released, the agent keeps its process id. ``OMP_NUM_THREADS`` defaults to 1 per rank."""
+    env = dict(os.environ, **(env_updates or {}))
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, env=env)
+    print("+ " + shlex.join(cmd), flush=True)
+    sys.stderr.flush()
+    os.execve(cmd[0], cmd, env)
+
+
+def check_world_fits(cfg, cmd: Sequence[str]) -> tuple[int, bool]:
+    """(processes, spans nodes) of the agent command ``cmd``; raises ``ValueError`` before any
+    process starts when they cannot all get a sample (or ``--nproc-per-node`` is not a value
+    torchrun accepts)."""
+    world, multi = world_of(cmd)
+    if cfg.global_batch_size < world:
+        raise ValueError(
+            f"global_batch_size {cfg.global_batch_size} < {world} processes: every rank needs at least one "
+            f"sample per step; use --global-batch-size {world} or more"
+        )
+    return world, multi
+
+
+def plain_output() -> None:
+    """When stderr is not a terminal (a log file, a pipe): no carriage-return progress bars from
+    ``datasets`` and the hub, in this process and the ranks it starts."""
+    if sys.stderr.isatty():
+        return
+    for name in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(name, "1")
+    import datasets
+    import huggingface_hub.utils
+
+    datasets.disable_progress_bars()
+    huggingface_hub.utils.disable_progress_bars()
+
+
+def check_names(cfg) -> None:
+    """The launcher's first checks, before torch is imported: ``--report-to``'s packages, and
+    what ``--model``, ``--dataset`` and ``--eval-dataset`` name (:func:`raggedvl.sources.resolve_source`:
+    a typo, an offline or unreachable hub is a one-line ``ValueError`` in seconds)."""
+    from raggedvl.sources import resolve_source
+    from raggedvl.train.tracking import check_installed, parse_report_to
+
+    check_installed(parse_report_to(cfg.report_to))
+    resolve_source(cfg.model, repo_type="model", presets=("tiny",), what="--model")
+    for flag, name in (("--dataset", cfg.dataset), ("--eval-dataset", cfg.eval_dataset)):
+        if name is not None:
+            resolve_source(name, repo_type="dataset", presets=("rdocs",), what=flag)
+
+
+def launch_train(args, argv: Sequence[str]) -> int:
+    """``raggedvl train`` (module docstring): one rank under torchrun, else check, then train
+    here (one process) or exec the agent. Returns the exit code (0) or raises what the checks
+    and the run raise; never returns when it starts the agent."""
+    import time
+
+    from raggedvl.train.config import config_from_args
+    from raggedvl.train.startup import ENV, StartupClock, process_start_time
+
+    rank = under_torchrun()
+    clock = StartupClock.from_env() if rank else StartupClock()
+    cfg = config_from_args(args)
+    if rank:
+        plain_output()
+        from raggedvl.train.loop import train
+
+        clock.add({"imports": time.time() - process_start_time()})
+        train(cfg, clock=clock)
+        return 0
+    check_names(cfg)
+    cmd = torchrun_command(args, strip_torchrun_arguments(argv))
+    world, multi = check_world_fits(cfg, cmd)
+    plain_output()
+    from raggedvl.train.setup import check_model_checkpoint, check_output_dir, prepare_run_data
+
+    check_output_dir(cfg)
+    check_model_checkpoint(cfg)  # a broken colpali / transformers checkpoint: one line, before any rank
+    clock.add({"imports": clock.since_start()})
+    data = prepare_run_data(cfg)
+    clock.add(data.phases_s)
+    if world == 1 and not multi:
+        from raggedvl.train.loop import train
+
+        train(cfg, data=data, clock=clock)
+        return 0
+    exec_agent(cmd, {ENV: clock.to_env()})

@@ -46,7 +46,10 @@ from raggedvl.parallel.faults import FAULT_ENV, inject_fault
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.train.report import MetricsLog, write_summary
 from raggedvl.rng import capture_rng_state, restore_rng_state
-from raggedvl.train.setup import build_components, check_output_dir, make_scheduler
+from raggedvl.train.progress import PADDING_KEYS, Progress, batch_padding, peak_memory_mib
+from raggedvl.train.setup import RunData, build_components, check_output_dir, make_scheduler
+from raggedvl.train.startup import StartupClock
+from raggedvl.train.tracking import Trackers, parse_report_to
 
 
 @dataclass
@@ -56,18 +59,23 @@ class StepResult:
     encode_s: float
     step_s: float
     skipped: int  # examples the collator dropped under on_bad_image="skip"
+    grad_norm: float  # global L2 norm of the gradient before clipping
+    padding: dict[str, int]  # batch_padding(...) of this rank's batch
     doc_cosine: float = float("nan")  # this rank's documents: mean pairwise cosine of mean-pooled embeddings
 
 
 class Trainer:
     """Owns the model, optimizer, schedule, sampler and run directory of one training run."""
 
-    def __init__(self, cfg: TrainConfig, info: DistInfo, step_hooks: Sequence[Callable[[int, int], None]] = ()) -> None:
-        """``step_hooks``: called as ``hook(rank, step)`` before each optimizer step (0-based
-        ``step`` = steps done), after the stall watchdog entered it; ``train`` installs
-        ``raggedvl.parallel.faults.inject_fault`` there when ``RAGGEDVL_FAULT`` is set."""
+    def __init__(self, cfg: TrainConfig, info: DistInfo, data: RunData | None = None,
+                 clock: StartupClock | None = None, step_hooks: Sequence[Callable[[int, int], None]] = ()) -> None:
+        """``data``: what the launcher prepared (a single-process run reuses it), else built here;
+        ``clock``: the start-up phases so far. ``step_hooks``: called as ``hook(rank, step)`` before
+        each optimizer step (0-based ``step`` = steps done), after the stall watchdog entered it;
+        ``train`` installs ``raggedvl.parallel.faults.inject_fault`` there when ``RAGGEDVL_FAULT`` is set."""
         self.cfg = cfg
         self.info = info
+        self.clock = clock or StartupClock()
         self.step_hooks = tuple(step_hooks)
         self.watchdog = StallWatchdog(info.rank, cfg.collective_timeout_s, enabled=info.world_size > 1)
         self.run_dir = Path(cfg.output_dir)
@@ -77,7 +85,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.run_dir / TRAIN_CONFIG_NAME)  # not config.json: transformers would read it as a model
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        self.c = build_components(cfg, info)
+        self.c = build_components(cfg, info, data)
+        self.clock.add(self.c.phases_s)
         for bad in self.c.costs.skipped if info.is_main else ():  # on_bad_image="skip"; same list on every rank
             print(f"warning: the size estimate rejected {bad['name']}: {bad['reason']} (the collator drops it "
                   "whenever it is drawn)", file=sys.stderr, flush=True)
@@ -142,6 +151,7 @@ class Trainer:
         value = dev[metric]
         if self.info.is_main:
             self.metrics_log.write({"event": "eval_best", "step": self.step, f"dev/{metric}": value})
+            self.trackers.log({f"dev/{metric}": value}, self.step)
         if previous is not None and not value > previous:
             self.log(f"step {self.step}: dev {metric} {value:.4f} (best {previous:.4f})")
             return
@@ -212,14 +222,16 @@ class Trainer:
             doc_cosine = _doc_cosine(d)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-        if self.cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        # the norm before clipping (0: measured, not clipped); FSDP2 returns a DTensor
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
         self.scheduler.step()
         # L_r = (W/N) sum of local terms, so the global loss is the mean of L_r over ranks.
         global_loss = all_reduce_mean(float(loss.detach()))
         n_skipped = len(batch.get("skipped", ()))
-        return StepResult(global_loss, len(indices) - n_skipped, t2 - t1, time.perf_counter() - t0, n_skipped, doc_cosine)
+        return StepResult(global_loss, len(indices) - n_skipped, t2 - t1, time.perf_counter() - t0, n_skipped,
+                          float(norm), batch_padding(queries, docs, packed=self.cfg.packing), doc_cosine)
 
     def _vision_balance(self) -> dict[str, Any]:
         """With --rebalance-vision: the last document encode's tower max/mean rank load before
@@ -261,21 +273,27 @@ class Trainer:
             log.write({"event": "config", **cfg.to_dict(), "world_size": info.world_size})
             log.write({"event": "size_estimate", "pairs": len(self.c.costs.costs), "patches": int(self.c.costs.patches.sum()),
                        "rejected": [bad["name"] for bad in self.c.costs.skipped]})
+        self.trackers = Trackers(parse_report_to(cfg.report_to), self.run_dir, cfg.to_dict(), resume=resumed) if info.is_main else None
         before = None
         self.watchdog.enter("in evaluation before training", watch=False)
         if cfg.eval_before and not resumed:
+            t0 = time.perf_counter()
             before = self.evaluate()
+            self.clock.add({"eval_before": time.perf_counter() - t0})
             if info.is_main:
-                log.write({"event": "eval_before", "step": 0, **{f"{s}/{k}": v for s, m in before.items() for k, v in m.items() if k != "n"}, "raw": before})
+                flat = {f"{s}/{k}": v for s, m in before.items() for k, v in m.items() if k != "n"}
+                log.write({"event": "eval_before", "step": 0, **flat, "raw": before})
+                self.trackers.log(flat, 0)
         if info.is_main:
             self.log(
                 f"training {self.total_steps} steps on {info.world_size} rank(s) ({info.backend}, {info.device.type}), "
                 f"global batch {cfg.global_batch_size}, {len(self.c.train_set)} training pairs"
             )
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not info.is_main, desc="train", dynamic_ncols=True)
+        progress = Progress(self.total_steps, self.step, every=cfg.progress_every, enabled=info.is_main)
         batches = self._batches()
-        t_run = time.perf_counter()
-        samples_done = 0
+        loop_start, t_run = time.time(), time.perf_counter()
+        samples_done = patches_done = 0
+        first_step = True
         while self.step < self.total_steps:
             self.watchdog.enter(f"in step {self.step + 1}")
             indices = next(batches)
@@ -283,21 +301,37 @@ class Trainer:
                 hook(info.rank, self.step)
             r = self.train_step(indices)
             self.step += 1
-            per_rank = all_gather_objects((r.n_local, r.encode_s, r.skipped))
-            samples_done += sum(n for n, _, _ in per_rank)
-            self.skipped += sum(k for _, _, k in per_rank)
-            rate = samples_done / max(1e-9, time.perf_counter() - t_run)
+            per_rank = all_gather_objects((r.n_local, r.encode_s, r.skipped, r.padding, peak_memory_mib(info.device)))
+            samples_done += sum(p[0] for p in per_rank)
+            patches_done += sum(p[3]["pixel_rows"] for p in per_rank)
+            self.skipped += sum(p[2] for p in per_rank)
+            elapsed = max(1e-9, time.perf_counter() - t_run)
+            rate = samples_done / elapsed
             if info.is_main:
-                bar.update(1)
-                bar.set_postfix(loss=f"{r.loss:.3f}", samples_s=f"{rate:.1f}")
+                lrs = self.scheduler.get_last_lr()
+                progress.update(self.step, loss=r.loss, lr=lrs[0], samples_per_s=rate)
+                if first_step:  # where the time before it went (resumed runs too)
+                    first_step = False
+                    self.clock.add({"first_step": time.perf_counter() - t_run})
+                    log.write({"event": "startup", "command_start": self.clock.command_start, "loop_start": loop_start,
+                               "to_loop_s": loop_start - self.clock.command_start, "phases_s": self.clock.phases_s})
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
-                    log.write({
-                        "event": "train", "step": self.step, "epoch": self.epoch, "loss": r.loss,
-                        "lr": self.scheduler.get_last_lr()[0], "global_batch_size": cfg.global_batch_size,
-                        "samples_per_s": rate, "step_s": r.step_s,
-                        "rank_samples": [n for n, _, _ in per_rank], "rank_encode_s": [e for _, e, _ in per_rank],
+                    groups = [g.get("name", str(i)) for i, g in enumerate(self.optimizer.param_groups)]
+                    record = {
+                        "event": "train", "step": self.step, "epoch": self.epoch, "time": time.time(), "loss": r.loss,
+                        "lr": lrs[0], "lr_groups": dict(zip(groups, lrs)), "grad_norm": r.grad_norm,
+                        "global_batch_size": cfg.global_batch_size, "samples_per_s": rate,
+                        "patches_per_s": patches_done / elapsed, "step_s": r.step_s,
+                        "rank_samples": [p[0] for p in per_rank], "rank_encode_s": [p[1] for p in per_rank],
+                        "peak_memory_mib": [round(p[4], 1) for p in per_rank],
+                        "padding": {k: sum(p[3][k] for p in per_rank) for k in PADDING_KEYS},
                         "skipped_examples": self.skipped, **self._vision_balance(),
-                    })
+                    }
+                    log.write(record)
+                    self.trackers.log({"train/loss": r.loss, "train/grad_norm": r.grad_norm, "train/samples_per_s": rate,
+                                       "train/patches_per_s": record["patches_per_s"],
+                                       "train/peak_memory_mib": max(record["peak_memory_mib"]),
+                                       **{f"lr/{g}": v for g, v in record["lr_groups"].items()}}, self.step)
             warning = self.collapse.update(self.step, r.loss, r.doc_cosine)  # same verdict on every rank
             if warning:
                 self.log(warning + ("; stopping (--stop-on-collapse)" if cfg.stop_on_collapse else
@@ -314,11 +348,15 @@ class Trainer:
                     self.save_best()
             if self.stopped_by_collapse:
                 break
-        bar.close()
+        progress.close()
         self.watchdog.enter("in evaluation after training", watch=False)
         after = self.evaluate() if cfg.eval_after else None
         summary: dict[str, Any] = {}
         if info.is_main:
+            if after is not None:
+                self.trackers.log({f"{s}/{k}": v for s, m in after.items() for k, v in m.items() if k != "n"},
+                                  self.step)
+            self.trackers.close()
             records = log.read()
             if after is not None:
                 log.write({"event": "eval_after", "step": self.step, "raw": after})
@@ -355,8 +393,11 @@ def _doc_cosine(docs) -> float:
         return mean_pairwise_cosine(emb)
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig, *, data: RunData | None = None, clock: StartupClock | None = None) -> dict[str, Any]:
     """Run one training job in this process (one rank of a torchrun job, or a single process).
+
+    ``data``: what the launcher prepared (``raggedvl.train.setup.prepare_run_data``), reused by a
+    single-process run; ``clock``: the start-up phases so far (``metrics.jsonl``'s ``startup``).
 
     Every collective is bounded by ``cfg.collective_timeout_s`` seconds. When this rank fails
     (its own error, or a collective that failed or timed out because a peer failed), it prints
@@ -365,7 +406,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     info = init_distributed(timeout_s=cfg.collective_timeout_s)
     trainer = None
     try:
-        trainer = Trainer(cfg, info, step_hooks=(inject_fault,) if os.environ.get(FAULT_ENV) else ())
+        trainer = Trainer(cfg, info, data, clock, step_hooks=(inject_fault,) if os.environ.get(FAULT_ENV) else ())
         return trainer.run()
     except Exception as exc:
         if info.world_size > 1:

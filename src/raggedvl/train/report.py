@@ -45,40 +45,82 @@ def format_metrics_table(rows: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def plot_run(records: list[dict[str, Any]], evals: dict[str, dict[str, float]], path: str | Path) -> Path:
-    """Loss curve (with learning rate) and a bar chart of the evaluation metrics, as a PNG."""
+def loss_windows(losses: list[float]) -> tuple[str, float, float]:
+    """The summary's loss line and the means of the first and of the last ``w`` steps, with
+    ``w = min(10, n // 2)`` so that the two windows never overlap (one step: its loss twice;
+    none: NaN)."""
+    if not losses:
+        return "training loss: no steps", math.nan, math.nan
+    if len(losses) == 1:
+        return f"training loss: 1 step, {losses[0]:.3f}", losses[0], losses[0]
+    w = min(10, len(losses) // 2)
+    first, last = sum(losses[:w]) / w, sum(losses[-w:]) / w
+    return f"training loss: first {w} steps {first:.3f} -> last {w} steps {last:.3f}", first, last
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average over ``window`` points (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def report_figure(records: list[dict[str, Any]], evals: dict[str, dict[str, float]]):
+    """The report's matplotlib figure: the training loss (raw, and smoothed over ~5 % of the
+    steps when there are 20 or more) with the learning rate on a scientific axis; and, only
+    when ``evals`` holds results, their metrics as bars with value labels and the legend
+    outside the bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in records if r.get("event") == "train"]
-    losses = [r["loss"] for r in records if r.get("event") == "train"]
-    lrs = [r["lr"] for r in records if r.get("event") == "train"]
-    fig, (ax_loss, ax_bar) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax_loss.plot(steps, losses, lw=1, label="training loss")
+    train = [r for r in records if r.get("event") == "train"]
+    steps, losses, lrs = [r["step"] for r in train], [r["loss"] for r in train], [r["lr"] for r in train]
+    fig, axes = plt.subplots(1, 2 if evals else 1, figsize=(14 if evals else 7, 4.5), squeeze=False)
+    ax_loss = axes[0][0]
+    window = max(1, len(losses) // 20)
+    ax_loss.plot(steps, losses, lw=1, color="tab:blue", alpha=0.35 if window > 1 else 1.0, label="training loss")
+    if window > 1:
+        ax_loss.plot(steps, smooth(losses, window), lw=2, color="tab:blue", label=f"mean of the last {window} steps")
     ax_loss.set_xlabel("optimizer step")
     ax_loss.set_ylabel("loss")
-    if losses and records:
-        gbs = next((r.get("global_batch_size") for r in records if r.get("global_batch_size")), None)
-        if gbs:
-            ax_loss.axhline(math.log(gbs), color="grey", ls="--", lw=1, label=f"ln(global batch) = {math.log(gbs):.2f}")
+    gbs = next((r.get("global_batch_size") for r in train if r.get("global_batch_size")), None)
+    if gbs:
+        ax_loss.axhline(math.log(gbs), color="grey", ls="--", lw=1, label=f"ln(global batch) = {math.log(gbs):.2f}")
     ax_lr = ax_loss.twinx()
     ax_lr.plot(steps, lrs, color="tab:orange", lw=1, alpha=0.6)
     ax_lr.set_ylabel("learning rate", color="tab:orange")
-    ax_loss.legend(loc="upper right")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    if train:
+        ax_loss.legend(loc="upper right", fontsize=8)
     ax_loss.set_title("training")
-    width = 0.8 / max(1, len(evals))
-    for i, (name, m) in enumerate(evals.items()):
-        xs = [j + i * width for j in range(len(METRICS))]
-        ax_bar.bar(xs, [m.get(k, 0.0) for k in METRICS], width=width, label=name)
-    ax_bar.set_xticks([j + 0.4 - width / 2 for j in range(len(METRICS))], METRICS)
-    ax_bar.set_ylim(0, 1)
-    ax_bar.legend(fontsize=8)
-    ax_bar.set_title("retrieval metrics")
+    if evals:
+        ax_bar = axes[0][1]
+        width = 0.8 / len(evals)
+        for i, (name, m) in enumerate(evals.items()):
+            bars = ax_bar.bar([j + i * width for j in range(len(METRICS))], [m.get(k, 0.0) for k in METRICS],
+                              width=width, label=name)
+            ax_bar.bar_label(bars, fmt="%.2f", fontsize=6, rotation=90, padding=2)  # near-zero bars stay visible
+        ax_bar.set_xticks([j + 0.4 - width / 2 for j in range(len(METRICS))], METRICS, fontsize=8)
+        ax_bar.set_ylim(0, 1.15)
+        ax_bar.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+        ax_bar.set_title("retrieval metrics")
     fig.tight_layout()
+    return fig
+
+
+def plot_run(records: list[dict[str, Any]], evals: dict[str, dict[str, float]], path: str | Path) -> Path:
+    """Write :func:`report_figure` as a PNG at ``path``; returns it."""
+    import matplotlib.pyplot as plt
+
+    fig = report_figure(records, evals)
     path = Path(path)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # "tight": the legend outside the bars is kept
     plt.close(fig)
     return path
 
@@ -111,7 +153,7 @@ def write_summary(
     ``rejected_pairs`` of ``estimated_pairs``: pairs the size estimate rejected. ``notes``: lines
     shown under the training loss (e.g. the collapse check's verdict).
     Returns ``{"rows", "loss_first", "loss_last", "plot"}``: the table's rows, the mean loss of
-    the first 5 and last 10 logged steps, and the plot's path.
+    the first and of the last ``w`` logged steps (:func:`loss_windows`), and the plot's path.
     """
     if before is None:  # resumed: take the pre-training evaluation from the log
         before = next((r["raw"] for r in records if r.get("event") == "eval_before"), None)
@@ -125,16 +167,15 @@ def write_summary(
         if after and split in after:
             rows[f"{split}: after training"] = after[split]
     losses = [r["loss"] for r in records if r.get("event") == "train"]
-    first = sum(losses[:5]) / max(1, len(losses[:5]))
-    last = sum(losses[-10:]) / max(1, len(losses[-10:]))
-    table = format_metrics_table(rows)
+    loss_line, first, last = loss_windows(losses)
+    table = format_metrics_table(rows) if rows else "no evaluation (--eval-before false, --eval-after false)"
     plot = plot_run(records, {k: v for k, v in rows.items() if "dev" in k or "train" in k}, run_dir / "report.png")
     lines = [
         f"# raggedvl run: {run_dir}",
         "",
         f"steps {steps}, global batch {global_batch_size}, world size {world_size}, "
         f"ln(global batch) = {math.log(global_batch_size):.3f}",
-        f"training loss: first 5 steps {first:.3f} -> last 10 steps {last:.3f}",
+        loss_line,
         *notes,
         f"examples skipped for bad images (on_bad_image={on_bad_image!r}): {skipped_examples}",
         f"training pairs rejected by the size estimate (image header unreadable or out of limits): "

@@ -8,6 +8,7 @@ differs by rank.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -39,6 +40,7 @@ class Components:
     sampler: BalancedDistributedBatchSampler
     costs: SampleCosts  # the training split's size estimate (``costs.skipped``: pairs it rejected)
     loss: RetrievalLoss  # loss(queries, docs) on EmbeddingOutputs -> L_r
+    phases_s: dict[str, float]  # start-up seconds: data, cost_scan, model
 
 
 def prepare_data(cfg: TrainConfig) -> None:
@@ -47,12 +49,16 @@ def prepare_data(cfg: TrainConfig) -> None:
 
     Safe to call from several processes at once: a file lock serialises the dataset build."""
     build_cfg_processor(cfg)
-    if cfg.dataset != "rdocs":
-        return
+    if cfg.dataset == "rdocs":
+        _rdocs_source(cfg)
+
+
+def _rdocs_source(cfg: TrainConfig) -> Path:
+    """The embedded dataset's folder for ``cfg`` (built on first use under a file lock)."""
     root = cache_root(cfg.data_cache)
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / "rdocs.lock")):
-        build_rdocs(root, train_limit=cfg.max_train_samples, dev_limit=cfg.max_eval_samples)
+        return build_rdocs(root, train_limit=cfg.max_train_samples, dev_limit=cfg.max_eval_samples)
 
 
 def _evaluates(cfg: TrainConfig) -> bool:
@@ -68,15 +74,14 @@ def load_splits(cfg: TrainConfig, *, warn: bool = True) -> tuple[RetrievalDatase
     Evaluation documents or queries that also occur in the training pairs (by content, see
     ``raggedvl.data.splits``) are refused (``ValueError``) unless ``allow_eval_overlap``, then
     reported as a warning; either way before any training or collective."""
-    common = {"on_bad_image": cfg.on_bad_image}
+    common = {"on_bad_image": cfg.on_bad_image, "query_column": cfg.query_column, "image_column": cfg.image_column,
+              "id_column": cfg.id_column}
     if cfg.dataset == "rdocs":
-        prepare_data(cfg)
-        root = cache_root(cfg.data_cache)
-        source = build_rdocs(root, train_limit=cfg.max_train_samples, dev_limit=cfg.max_eval_samples)
+        source = _rdocs_source(cfg)
         train_limit = None  # the build already holds max_train_samples pairs
     else:
         source, train_limit = cfg.dataset, cfg.max_train_samples
-    train = load_retrieval_dataset(source, split=cfg.train_split, **common)
+    train = load_retrieval_dataset(source, split=cfg.train_split, on_empty_query=cfg.on_empty_query, **common)
     if cfg.eval_fraction is not None:
         train, held_out = hash_split(train, cfg.eval_fraction)
         bench = RetrievalBenchmark.from_pairs(held_out.sample(cfg.max_eval_samples), name=f"{cfg.dataset} (held out)")
@@ -182,24 +187,57 @@ def build_cfg_processor(cfg: TrainConfig) -> Any:
     return build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels, cache_dir=cfg.data_cache)
 
 
-def build_components(cfg: TrainConfig, info: DistInfo) -> Components:
+@dataclass
+class RunData:
+    """What the launcher checks before any rank starts and a single-process run reuses:
+    the processor, the training pairs, the evaluation benchmark and the training split's
+    size estimate (``costs``), plus how long each took (``phases_s``: ``data``, ``cost_scan``)."""
+
+    processor: Any
+    train_set: RetrievalDataset
+    eval_set: RetrievalBenchmark | None
+    costs: SampleCosts
+    phases_s: dict[str, float]
+
+
+def prepare_run_data(cfg: TrainConfig, *, warn: bool = True) -> RunData:
+    """Build the processor, open the data and check its columns, splits and overlap
+    (:func:`load_splits`), and estimate the training split's costs from its image headers (a
+    corrupt image is a ``BadImageError`` naming the row, the id, the file and
+    ``--on-bad-image skip``). No collective. (What the names point at is checked before, by
+    :func:`raggedvl.train.launch.check_names`, in the launching process.)"""
+    t0 = time.perf_counter()
     processor = build_cfg_processor(cfg)
-    train_set, eval_set = load_splits(cfg, warn=info.is_main)
+    train_set, eval_set = load_splits(cfg, warn=warn)
+    t1 = time.perf_counter()
+    costs = estimate_train_costs(cfg, train_set, ImagePolicy.from_processor(processor))
+    return RunData(processor, train_set, eval_set, costs, {"data": t1 - t0, "cost_scan": time.perf_counter() - t1})
+
+
+def build_components(cfg: TrainConfig, info: DistInfo, data: RunData | None = None) -> Components:
+    """Everything a rank trains with; ``data`` from :func:`prepare_run_data` when the caller has
+    it (a single-process run reuses the launcher's), else prepared here. ``Components.phases_s``
+    adds ``model`` (seconds to build the retriever)."""
+    data = data or prepare_run_data(cfg, warn=info.is_main)
+    train_set = data.train_set
     train_eval = train_set.select(range(min(cfg.eval_train_samples, len(train_set))))
-    train_eval_set = RetrievalBenchmark.from_pairs(train_eval, name="training pairs") if eval_set is not None and len(train_eval) else None
-    costs = estimate_train_costs(cfg, train_set, ImagePolicy.from_processor(processor))  # before the model: bad pages fail fast
-    model = build_model(cfg, processor)
+    train_eval_set = (RetrievalBenchmark.from_pairs(train_eval, name="training pairs")
+                      if data.eval_set is not None and len(train_eval) else None)
+    t0 = time.perf_counter()
+    model = build_model(cfg, data.processor)
+    phases = {**data.phases_s, "model": time.perf_counter() - t0}
     # the model's own prompts: a colpali / transformers checkpoint is fed as its library feeds it
-    collate = RetrievalCollator(processor, max_length=cfg.max_length, on_bad_image=cfg.on_bad_image,
+    collate = RetrievalCollator(data.processor, max_length=cfg.max_length, on_bad_image=cfg.on_bad_image,
                                 prompts=model.config.prompts, layout=model.family.name)
     return Components(
-        processor=processor,
+        processor=data.processor,
         train_set=train_set,
-        eval_set=eval_set,
+        eval_set=data.eval_set,
         train_eval_set=train_eval_set,
         collate=collate,
         model=model,
-        sampler=make_sampler(cfg, costs, info),
-        costs=costs,
+        sampler=make_sampler(cfg, data.costs, info),
+        costs=data.costs,
         loss=make_retrieval_loss(cfg.loss, temperature=cfg.temperature),
+        phases_s=phases,
     )

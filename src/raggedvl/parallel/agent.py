@@ -1,0 +1,151 @@
+"""torchrun's agent for ``raggedvl`` commands: one line from the first failing rank, no wrapper noise.
+
+``raggedvl train`` validates its input and then replaces itself (``os.execv``) with
+``python -m raggedvl.parallel.agent TORCHRUN_ARGS -m raggedvl.cli train ...``: torchrun's own
+agent (``torch.distributed.run``: the same options, rendezvous, restarts and teardown) in a
+process that holds nothing of the launcher's. What it changes is what a failure prints:
+
+- every rank records its failure in the error file torchrun gives it (``TORCHELASTIC_ERROR_FILE``,
+  torchrun's ``@record`` format plus a ``"raggedvl"`` entry: the one-line report, the Unix time
+  in seconds, the exit code, whether a peer's note preceded it); ranks started by this agent
+  (``RAGGEDVL_AGENT=1``) print neither that line nor a traceback;
+- when the job fails, this agent prints ``raggedvl: <the first failure>`` once and exits with
+  that rank's exit code (2 for an input error, as the launcher's own checks), instead of
+  torchrun's ``ChildFailedError`` block. The first failure is, in order: a rank killed by a
+  signal other than SIGTERM/SIGINT/SIGHUP (those are how torchrun stops the other ranks) that
+  left no record (it could not report; the line names the signal and the next rank's error),
+  the earliest record not preceded by a peer's note, the earliest record, a rank terminated
+  without a record. Its
+  traceback stays in the error file, whose path the line gives for errors that are not input
+  errors. torchrun's own log lines are silenced (``RAGGEDVL_AGENT_VERBOSE=1`` keeps them).
+
+Under a plain ``torchrun -m raggedvl.cli ...`` the ranks still write the error file (torchrun's
+summary then shows the message and traceback instead of ``error_file: <N/A>``) and print as
+before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any, Sequence
+
+AGENT_ENV = "RAGGEDVL_AGENT"
+INPUT_ERROR_EXIT_CODE = 2
+
+
+def quiet_ranks() -> bool:
+    """True in a rank started by this agent: failures are recorded, not printed."""
+    return os.environ.get(AGENT_ENV) == "1"
+
+
+REPORT_ATTRIBUTE = "raggedvl_report"  # set on an exception by parallel.faults.report_failure
+
+
+def record_failure(exc: BaseException, *, exit_code: int) -> bool:
+    """Write this rank's failure to torchrun's error file (``TORCHELASTIC_ERROR_FILE``); False
+    when there is none (not under torchrun). The one-line report, its time and whether a peer's
+    note preceded it come from :func:`raggedvl.parallel.faults.report_failure` when it ran
+    (``exc.raggedvl_report``), else the line is ``rank R: Type: message``. Never raises."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    report = getattr(exc, REPORT_ATTRIBUTE, None) or {
+        "line": f"rank {os.environ.get('RANK', '?')}: {type(exc).__name__}: {str(exc).strip()}", "time": time.time(),
+        "after_peer": False}
+    lines = report["line"].strip().splitlines()
+    data = {"message": {
+        "message": f"{type(exc).__name__}: {exc}",
+        "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc)), "timestamp": str(int(report["time"]))},
+        "raggedvl": {**report, "line": lines[0] if lines else type(exc).__name__, "exit_code": exit_code},
+    }}
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        return True
+    except OSError:
+        return False
+
+
+def _signal_name(exitcode: int) -> str:
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def first_failure(failures: dict[int, Any]) -> tuple[str, int]:
+    """The line to print and the exit code for a failed job, from torchrun's
+    ``ChildFailedError.failures`` (global rank -> ``ProcessFailure``). Order: see the module."""
+    records = {}
+    for rank, failure in failures.items():
+        message = failure.message if isinstance(failure.message, dict) else {}
+        if isinstance(message.get("raggedvl"), dict):
+            records[rank] = message["raggedvl"]
+    by_time = sorted(records, key=lambda r: (records[r]["time"], r))
+    killed = sorted(r for r, f in failures.items() if r not in records and f.exitcode < 0)
+    # SIGTERM / SIGINT / SIGHUP: most likely torchrun's own teardown of the other ranks
+    hard = [r for r in killed if -failures[r].exitcode not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)]
+    if hard or (killed and not by_time):
+        rank = (hard or killed)[0]
+        line = f"rank {rank} was killed by {_signal_name(failures[rank].exitcode)} (it left no report"
+        line += f"; then {records[by_time[0]]['line']})" if by_time else ")"
+        return line, 1
+    if by_time:
+        own = [r for r in by_time if not records[r].get("after_peer")]
+        rank = (own or by_time)[0]
+        line, code = records[rank]["line"], int(records[rank].get("exit_code", 1))
+        if code != INPUT_ERROR_EXIT_CODE:
+            line += f" (traceback: {failures[rank].error_file})"
+        return line, code
+    rank = min(failures)
+    return f"rank {rank} exited with code {failures[rank].exitcode} without a report", 1
+
+
+_TORCHRUN_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")
+
+
+def _silence_torchrun() -> None:
+    """torchrun's loggers to CRITICAL (``RAGGEDVL_AGENT_VERBOSE=1`` keeps them)."""
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith(_TORCHRUN_LOGGERS) and isinstance(logger, logging.Logger):
+            logger.setLevel(logging.CRITICAL)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``torchrun ARGS`` with one-line failure reports; returns the exit code."""
+    verbose = os.environ.get("RAGGEDVL_AGENT_VERBOSE") == "1"
+    loglevel = os.environ.get("LOGLEVEL")
+    if not verbose:  # torchrun's loggers take their level from LOGLEVEL when its modules are imported
+        os.environ["LOGLEVEL"] = "CRITICAL"
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    if not verbose:
+        _silence_torchrun()
+        if loglevel is None:  # not passed on to the ranks
+            del os.environ["LOGLEVEL"]
+        else:
+            os.environ["LOGLEVEL"] = loglevel
+    os.environ[AGENT_ENV] = "1"
+    try:
+        run(parse_args(list(sys.argv[1:] if argv is None else argv)))
+    except ChildFailedError as exc:
+        line, code = first_failure(exc.failures)
+        print(f"raggedvl: {line}", file=sys.stderr, flush=True)
+        return code
+    except SignalException as exc:  # the job was stopped (Ctrl-C, SIGTERM): the ranks are gone
+        print(f"raggedvl: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""What a model or dataset name points at (a preset, a local path or a hub id), checked in seconds.
+
+``raggedvl train`` calls :func:`resolve_source` for ``--model`` and ``--dataset`` before any
+rank starts, so that a typo or an unreachable hub is one line, not minutes of retries inside
+torchrun:
+
+| name | result |
+|---|---|
+| a preset (``tiny``, ``rdocs``) | itself |
+| an existing file or folder | itself |
+| a path that does not exist (``./x``, ``/x``, ``a/b/c``, ``x.parquet``, or a parent folder that exists) | ``ValueError`` naming the closest entry of the folder it would be in, or a preset |
+| a bare name close to a preset (``tyny``) | ``ValueError``: "did you mean 'tiny'?" |
+| a hub id, offline (``HF_HUB_OFFLINE=1``, or ``HF_DATASETS_OFFLINE=1`` for datasets) | itself when the hub cache holds it, else ``ValueError`` naming the cache and the fixes |
+| a hub id, online | one metadata request (``timeout_s``, default 10 s): itself when found; ``ValueError`` for a repository that does not exist or is gated; when the hub cannot be reached, itself if cached (and ``HF_HUB_OFFLINE=1`` is set for this process and the ranks it starts, so that no library retries), else ``ValueError`` |
+
+Only ``huggingface_hub`` is imported (for hub ids), never torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+RepoType = Literal["model", "dataset"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _offline(repo_type: RepoType) -> bool:
+    names = ["HF_HUB_OFFLINE"] + (["HF_DATASETS_OFFLINE"] if repo_type == "dataset" else [])
+    return any(os.environ.get(n, "").strip().lower() in _TRUE for n in names)
+
+
+def _closest(name: str, candidates: list[str]) -> str | None:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _missing_path(name: str, presets: tuple[str, ...], what: str) -> ValueError:
+    path = Path(name).expanduser()
+    parent = path.parent if str(path.parent) else Path(".")
+    hint = ""
+    if parent.is_dir():
+        try:
+            entries = sorted(p.name for p in parent.iterdir())
+        except OSError:
+            entries = []
+        close = _closest(path.name, entries)
+        if close is not None:
+            hint = f"; did you mean {str(parent / close) if str(parent) != '.' else close!r}?"
+        else:
+            hint = f" (the folder {str(parent)!r} exists)"
+    else:
+        hint = f" (no folder {str(parent)!r} either)"
+    close = _closest(name, list(presets))
+    if close and not hint.startswith("; did"):
+        hint += f"; did you mean the preset {close!r}?"
+    return ValueError(f"{what} {name!r}: no such file or folder{hint}")
+
+
+def _looks_like_path(name: str) -> bool:
+    return (name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+            or Path(name).suffix.lower() in (".parquet", ".json", ".jsonl", ".csv", ".arrow", ".yaml", ".safetensors"))
+
+
+def resolve_source(name: str, *, repo_type: RepoType, presets: tuple[str, ...] = (), what: str | None = None,
+                   timeout_s: float = 10.0) -> str:
+    """``name`` when it is a preset, an existing path or a reachable (or cached) hub id; raises
+    ``ValueError`` (one line, naming the name, the cause and the fix) otherwise. Module table."""
+    what = what or ("--model" if repo_type == "model" else "--dataset")
+    if name in presets or Path(name).expanduser().exists():
+        return name
+    if _looks_like_path(name):
+        raise _missing_path(name, presets, what)
+    first = name.split("/", 1)[0]
+    if "/" in name and Path(first).is_dir():  # "runs/defualt" next to a runs/ folder: a path typo
+        raise _missing_path(name, presets, what)
+    if "/" not in name:
+        close = _closest(name, list(presets)) or _closest(name, [p.name for p in Path(".").iterdir()])
+        if close is not None:
+            raise ValueError(f"{what} {name!r} is not a preset, a local path or a hub id it could be; "
+                             f"did you mean {close!r}?")
+    if not _HUB_ID.match(name):
+        raise ValueError(f"{what} {name!r} is neither an existing path nor a valid hub id (like 'org/name')"
+                         + (f"; presets: {', '.join(presets)}" if presets else ""))
+    return _check_hub(name, repo_type, what, timeout_s, presets)
+
+
+def _cached(name: str, repo_type: RepoType) -> bool:
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(name, repo_type=repo_type, local_files_only=True)
+        return True
+    except Exception:  # noqa: BLE001 - LocalEntryNotFoundError and kin: not cached
+        return False
+
+
+def _check_hub(name: str, repo_type: RepoType, what: str, timeout_s: float, presets: tuple[str, ...]) -> str:
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    cache = constants.HF_HUB_CACHE
+    if _offline(repo_type):
+        if _cached(name, repo_type):
+            return name
+        raise ValueError(f"{what} {name!r}: the hub is off (HF_HUB_OFFLINE) and {cache} does not hold this {repo_type}; "
+                         "download it where the hub is reachable, or pass a local folder"
+                         + (f" or a preset ({', '.join(presets)})" if presets else ""))
+    try:
+        HfApi().repo_info(name, repo_type=repo_type, timeout=timeout_s)
+        return name
+    except GatedRepoError:
+        raise ValueError(f"{what} {name!r} is gated on the hub: accept its terms on huggingface.co and log in "
+                         "(hf auth login or HF_TOKEN)") from None
+    except RepositoryNotFoundError:
+        close = _closest(name, list(presets))
+        raise ValueError(f"{what} {name!r}: no such {repo_type} on the hub (or it is private: log in with hf auth login "
+                         "or HF_TOKEN)" + (f"; did you mean {close!r}?" if close else "")) from None
+    except Exception as exc:  # noqa: BLE001 - any transport error: the hub cannot be reached
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if _cached(name, repo_type):
+            os.environ["HF_HUB_OFFLINE"] = "1"  # the ranks read the cache instead of retrying
+            return name
+        raise ValueError(f"{what} {name!r}: cannot reach the hub ({reason}) and {cache} does not hold this {repo_type}; "
+                         "check the network, or pass a local folder"
+                         + (f" or a preset ({', '.join(presets)})" if presets else "")) from None

@@ -1,0 +1,64 @@
+"""raggedvl.parallel.agent: what a failing rank records in torchrun's error file, read back by
+torchrun's own ``ProcessFailure``, and which single line the agent prints for a failed job.
+(End to end through ``raggedvl train``: tests/dist/test_fault_matrix.py.)"""
+
+import time
+from types import SimpleNamespace
+
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from raggedvl.parallel.agent import first_failure, record_failure
+from raggedvl.parallel.faults import report_failure
+
+
+def _failure(tmp_path, monkeypatch, rank, exc, *, exit_code, exitcode=1) -> ProcessFailure:
+    path = tmp_path / f"error-{rank}.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    monkeypatch.setenv("RANK", str(rank))
+    assert record_failure(exc, exit_code=exit_code)
+    return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_record_failure_without_an_error_file_does_nothing(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    assert record_failure(ValueError("x"), exit_code=2) is False
+
+
+def test_an_input_error_is_its_own_line_with_exit_code_2(tmp_path, monkeypatch):
+    exc = ValueError("eval_dataset 'x' has no split 'dev'\n(the splits present: train)")
+    failures = {0: _failure(tmp_path, monkeypatch, 0, exc, exit_code=2, exitcode=2)}
+    assert failures[0].message["message"].startswith("ValueError: eval_dataset")  # torchrun's own reading
+    line, code = first_failure(failures)
+    assert (line, code) == ("rank 0: ValueError: eval_dataset 'x' has no split 'dev'", 2)
+
+
+def test_the_first_own_failure_wins_over_peers_that_only_followed_it(tmp_path, monkeypatch):
+    """No process group here: report_failure posts no note and aborts nothing; peers' notes are faked."""
+    own = RuntimeError("injected fault on rank 1 in step 3")
+    report_failure(1, "in step 3", own)
+    failures = {1: _failure(tmp_path, monkeypatch, 1, own, exit_code=1)}
+    time.sleep(0.01)
+    note = SimpleNamespace(rank=1, time=time.time() - 0.5, text="rank 1 failed in step 3: boom")
+    monkeypatch.setattr("raggedvl.parallel.faults.peer_notes", lambda rank: [note])
+    follower = RuntimeError("Connection closed by peer")
+    report_failure(0, "in step 3", follower)
+    failures[0] = _failure(tmp_path, monkeypatch, 0, follower, exit_code=1)
+    line, code = first_failure(failures)
+    assert line.startswith("rank 1 failed in step 3: RuntimeError: injected fault on rank 1 in step 3 (traceback: ")
+    assert line.endswith("error-1.json)") and code == 1
+    alone, _ = first_failure({0: failures[0]})  # only the follower recorded: its line names what it followed
+    assert "rank 0 failed in step 3: RuntimeError: Connection closed by peer (after rank 1: rank 1 failed" in alone
+
+
+def test_a_killed_rank_without_a_record_comes_first(tmp_path, monkeypatch):
+    peer = _failure(tmp_path, monkeypatch, 0, RuntimeError("gloo: connection reset"), exit_code=1)
+    killed = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file=str(tmp_path / "none.json"))
+    line, code = first_failure({0: peer, 1: killed})
+    assert line == "rank 1 was killed by SIGKILL (it left no report; then rank 0: RuntimeError: gloo: connection reset)"
+    assert code == 1
+    stopped = ProcessFailure(local_rank=0, pid=100, exitcode=-15, error_file=str(tmp_path / "none.json"))
+    assert first_failure({0: stopped, 1: killed})[0].startswith("rank 1 was killed by SIGKILL")  # torchrun stopped rank 0
+    assert first_failure({0: stopped, 1: peer})[0] == "rank 0: RuntimeError: gloo: connection reset (traceback: " \
+        + f"{peer.error_file})"
+    silent = ProcessFailure(local_rank=0, pid=100, exitcode=3, error_file=str(tmp_path / "none.json"))
+    assert first_failure({0: silent}) == ("rank 0 exited with code 3 without a report", 1)

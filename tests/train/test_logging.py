@@ -1,0 +1,90 @@
+"""What a run logs (issue 16 item 5): plain progress lines outside a terminal, metrics.jsonl's
+per-step numbers, ``--report-to tensorboard`` event files (offline, a local log dir); and a
+1-process `raggedvl train` runs in the launching process (no torchrun)."""
+
+import io
+import json
+import math
+import re
+
+import pytest
+
+from raggedvl.cli import main
+from raggedvl.train import launch
+from raggedvl.train.config import TrainConfig
+from raggedvl.train.progress import Progress
+from raggedvl.train.tracking import check_installed, parse_report_to
+
+LINE = re.compile(r"^step (\d+)/7 loss [0-9.]+ lr [0-9.]+e[-+]\d\d samples/s [0-9.]+ ETA \d+:\d\d:\d\d$")
+
+
+def test_progress_outside_a_terminal_is_one_plain_line_every_n_steps():
+    stream = io.StringIO()  # not a terminal
+    progress = Progress(7, 0, every=3, enabled=True, stream=stream)
+    for step in range(1, 8):
+        progress.update(step, loss=2.0 / step, lr=1e-4, samples_per_s=3.5)
+    progress.close()
+    text = stream.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert [int(LINE.match(line).group(1)) for line in lines] == [3, 6, 7]  # every 3rd step and the last
+    assert lines[-1].endswith("ETA 0:00:00")
+    quiet = io.StringIO()
+    Progress(7, 0, every=1, enabled=False, stream=quiet).update(1, loss=1.0, lr=1e-4, samples_per_s=1.0)
+    assert quiet.getvalue() == ""  # ranks other than 0
+
+
+def test_report_to_names_are_checked():
+    assert parse_report_to("none") == () and parse_report_to("TensorBoard, tensorboard") == ("tensorboard",)
+    with pytest.raises(ValueError, match="unknown tracker 'tensorbord'; did you mean 'tensorboard'"):
+        TrainConfig(report_to="tensorbord")
+    with pytest.raises(ValueError, match="unknown tracker 'none'"):
+        parse_report_to("none,wandb")
+
+
+def test_a_missing_tracker_package_names_its_extra(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"--report-to mlflow needs the mlflow package: pip install 'raggedvl\[mlflow\]'"):
+        check_installed(("mlflow",))
+
+
+@pytest.mark.slow  # trains 4 steps of the tiny model (~30 s idle)
+def test_one_process_run_logs_plain_lines_metrics_and_tensorboard(tmp_path, capfd, small_data_cache, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def refuse(cmd, env_updates=None):
+        raise AssertionError(f"a 1-process run started {cmd}")
+
+    monkeypatch.setattr(launch, "exec_agent", refuse)
+    run = tmp_path / "run"
+    code = main(["train", "--nproc-per-node", "1", "--max-steps", "4", "--global-batch-size", "4", "--warmup-steps", "2",
+                 "--max-train-samples", "16", "--max-eval-samples", "8", "--eval-before", "false", "--eval-after", "false",
+                 "--progress-every", "2", "--report-to", "tensorboard", "--output-dir", str(run),
+                 "--data-cache", str(small_data_cache)])
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+    assert "\r" not in out + err
+    assert "raggedvl.parallel.agent" not in out and "torch.distributed.run" not in out
+    assert [line.split(" loss ")[0] for line in err.splitlines() if line.startswith("step ")] == ["step 2/4", "step 4/4"]
+
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["event"] == "train"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in steps)
+    for r in steps:  # every group's lr follows one schedule: head_lr / lr = 2e-3 / 2e-4
+        assert set(r["lr_groups"]) == {"backbone", "head"} and r["lr"] == r["lr_groups"]["backbone"]
+        assert r["lr_groups"]["head"] == pytest.approx(10 * r["lr_groups"]["backbone"])
+        assert r["samples_per_s"] > 0 and r["patches_per_s"] > 0 and r["peak_memory_mib"][0] > 0
+        assert r["padding"]["pixel_rows"] > 0 and r["padding"]["doc_tokens"] <= r["padding"]["doc_slots"]
+    times = [r["time"] for r in steps]
+    assert times == sorted(times)
+    startup = next(r for r in records if r["event"] == "startup")
+    assert {"imports", "data", "cost_scan", "model", "first_step"} <= set(startup["phases_s"])
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2, 3, 4]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in steps], rel=1e-6)
+    assert [e.value for e in events.Scalars("lr/head")] == pytest.approx([r["lr_groups"]["head"] for r in steps], rel=1e-6)
+    assert [e.value for e in events.Scalars("train/grad_norm")] == pytest.approx([r["grad_norm"] for r in steps], rel=1e-6)

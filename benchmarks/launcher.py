@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import psutil
+from colpali_bench.procmon import process_tree  # benchmarks/ is sys.path[0] when run as a script
 
 MiB = 2**20
 TRAIN, DEV = 16, 8  # rdocs pairs of the job (the test suite's small subset)
@@ -54,11 +55,7 @@ class TreeSampler(threading.Thread):
         self.samples = 0
 
     def sample(self) -> None:
-        try:
-            root = psutil.Process(self.root_pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return
+        procs = process_tree(self.root_pid)
         parents, mem = set(), {}
         for proc in procs:
             try:

@@ -54,6 +54,15 @@ class JobMemory:
         }
 
 
+def process_tree(root_pid: int) -> list[psutil.Process]:
+    """``root_pid``'s process and all its descendants (empty once it is gone)."""
+    try:
+        root = psutil.Process(root_pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
 def _is_torchrun(cmdline: list[str]) -> bool:
     return "torch.distributed.run" in cmdline or any(c.endswith("/torchrun") for c in cmdline[:2])
 
@@ -81,10 +90,8 @@ class _Sampler(threading.Thread):
         self._torchrun: set[int] = set()
 
     def sample(self) -> None:
-        try:
-            root = psutil.Process(self.root_pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
+        procs = process_tree(self.root_pid)
+        if not procs:
             return
         fresh = {}
         for proc in procs:  # name new processes first, so a worker seen before torchrun gets its role

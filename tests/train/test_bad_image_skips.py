@@ -43,7 +43,7 @@ def test_a_skipped_bad_image_is_counted_in_the_log_and_the_summary(tmp_path, cap
                       output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache))
     train(cfg)  # one process: 2 steps of 4 cover all 8 pairs once
     err = capfd.readouterr().err
-    assert err.count("the size estimate rejected {path} split 'train' row 5 (id 'train-5')") == 1
+    assert err.count(f"the size estimate rejected {path} split 'train' row 5 (id 'train-5')") == 1
     assert "cannot read the image header" in err
     assert err.count("skipped example 'train-5'") == 1 and err.count("skipped example 'train-3'") == 1
     assert "cannot be decoded" in err and "skipped example 'train-1'" not in err and "(id 'train-1')" not in err

@@ -129,3 +129,16 @@ def test_nproc_per_node_rejects_what_torchrun_would():
     for value, message in (("0", "must be >= 1"), ("two", "a number, gpu, auto or cpu")):
         with pytest.raises(ValueError, match=message):
             local_world_size(value)
+
+
+def test_transformers_spellings_name_raggedvls_flag_and_key(tmp_path, capsys):
+    """A colpali-engine / HF Trainer user's habits (``--learning-rate``, ``num_train_epochs:``)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--learning-rate", "1e-4"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "did you mean '--lr'? (--learning-rate is transformers' name)" in err
+    path = tmp_path / "c.yaml"
+    path.write_text("num_train_epochs: 2\n")
+    assert main(["train", "--config", str(path)]) == 2
+    assert "did you mean 'epochs'? (num_train_epochs is transformers' name)" in capsys.readouterr().err

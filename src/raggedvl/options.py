@@ -139,9 +139,36 @@ def check_fields(obj: Any) -> None:
         spec.check(getattr(obj, name))
 
 
+# transformers ``TrainingArguments`` / colpali-engine config names -> raggedvl's (flag or key form)
+TRAINER_SYNONYMS = {
+    "learning_rate": "lr",
+    "num_train_epochs": "epochs",
+    "gradient_checkpointing_enable": "gradient_checkpointing",
+    "logging_steps": "log_every",
+    "save_steps": "checkpoint_every",
+    "save_total_limit": "keep_checkpoints",
+    "warmup_ratio": "warmup_steps",
+    "lr_scheduler_type": "lr_schedule",
+    "bf16": "precision",
+    "fp16": "precision",
+    "resume_from_checkpoint": "resume",
+    "per_device_train_batch_size": "global_batch_size",
+}
+
+
 def did_you_mean(name: str, known: typing.Iterable[str]) -> str:
-    """``"; did you mean 'x'?"`` for the closest known name, or ``""`` when none is close."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    """``"; did you mean 'x'?"`` for the closest known name (or raggedvl's name for a transformers
+    ``TrainingArguments`` spelling such as ``learning_rate`` / ``--learning-rate``), or ``""``
+    when none is close."""
+    known = list(known)
+    flag = name.startswith("--")
+    key = name[2:].replace("-", "_") if flag else name
+    if key in TRAINER_SYNONYMS:
+        ours = TRAINER_SYNONYMS[key]
+        ours = "--" + ours.replace("_", "-") if flag else ours
+        if ours in known:
+            return f"; did you mean {ours!r}? ({name} is transformers' name)"
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 

@@ -34,7 +34,7 @@ def test_hub_layout_folder_splits_are_respected(tmp_path):
     write_pairs(tmp_path / "data" / "test-00000-of-00001.parquet", pairs("test", 5, offset=50))
     train, bench = load_splits(cfg(tmp_path, eval_split="test"))
     assert {q.split()[0] for q in train.queries()} == {"train"} and {q.split()[0] for q in bench.queries} == {"test"}
-    with pytest.raises(ValueError, match=r"no split 'dev'.*\['test', 'train'\].*--eval-dataset"):
+    with pytest.raises(ValueError, match=r"no split 'dev'.*\['test', 'train'\].*raggedvl eval / encode: pass --split.*--eval-dataset"):
         load_splits(cfg(tmp_path))
 
 

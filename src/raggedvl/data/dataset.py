@@ -320,8 +320,9 @@ def pick_split(available: Sequence[str], split: str, where: str) -> str:
     raise ValueError(
         f"{where} has no split {split!r}; its splits: {sorted(available)}. Local files are split by name "
         "(train*, dev*/validation*, test*, or the hub layout data/<split>-*.parquet); a file without a split "
-        "name is a training set only: evaluate with --eval-dataset PATH (--eval-split NAME) or hold out a "
-        "hash split with --eval-fraction F"
+        "name is a training set only. raggedvl eval / encode: pass --split with one of the splits above; "
+        "raggedvl train: evaluate with --eval-dataset PATH (--eval-split NAME) or hold out a hash split with "
+        "--eval-fraction F"
     )
 
 

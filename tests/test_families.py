@@ -127,3 +127,14 @@ def test_a_processor_whose_geometry_disagrees_with_its_family_is_refused(fake_fa
     wrong.image_processor.patch_size = 14
     with pytest.raises(ValueError, match="patch_size 14, where fake_vl has 8"):
         RetrievalCollator(wrong)
+
+
+def test_registry_entries_survive_deepcopy_and_pickle():
+    """Models hold their family: ``copy.deepcopy(model)``, ``torch.save`` and spawn must work."""
+    import pickle
+
+    for family in FAMILIES.values():
+        for copied in (copy.deepcopy(family), pickle.loads(pickle.dumps(family))):
+            assert copied == family
+            with pytest.raises(TypeError):  # still read-only after the round trip
+                copied.layout.sample_dims["input_ids"] = 1

@@ -149,6 +149,12 @@ class BatchLayout:
         )
     )
 
+    def __reduce__(self):
+        """Pickled and deep-copied as plain dicts (``MappingProxyType`` pickles in neither):
+        models holding a layout survive ``copy.deepcopy``, ``torch.save`` and spawn."""
+        return (_layout_from_dicts, (self.name, self.streams, self.patch_dim, self.merge_size,
+                                     dict(self.sample_dims), dict(self.pad_values)))
+
     @property
     def known_keys(self) -> frozenset[str]:
         """Every key this layout can place."""
@@ -179,6 +185,10 @@ def _load(path: str) -> Any:
     """The object at ``"module:attribute"``."""
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def _layout_from_dicts(name, streams, patch_dim, merge_size, sample_dims, pad_values) -> BatchLayout:
+    return BatchLayout(name, streams, patch_dim, merge_size, MappingProxyType(sample_dims), MappingProxyType(pad_values))
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from raggedvl.families import FAMILIES, family_of
 from raggedvl.prompts import DEFAULT_PROMPTS, LEGACY_PROMPTS, RetrievalPrompts
 
 from .attention import resolve_attn_implementation
-from .dummy_vision import check_modalities, drop_empty_vision, install_dummy_vision
+from .dummy_vision import check_modalities, drop_empty_vision, dummy_vision_inputs, install_dummy_vision
 from .heads import EmbeddingOutput, RetrievalHead
 from .lora import LoraSettings, apply_lora
 from .packed_attention import set_packed_attention
@@ -168,7 +168,8 @@ class Retriever(nn.Module):
         set_packed_attention(self.base_model, self.packing)
 
     def set_vision_rebalancer(self, rebalancer: Any = None) -> None:
-        """Encoder rebalancing (off with None): ``rebalancer(base_model, inputs) -> inputs`` runs
+        """Encoder rebalancing (off with None): ``rebalancer(base_model, inputs, dummy_vision_inputs)
+        -> inputs`` runs
         on every encode call's backbone inputs before the backbone, e.g.
         :class:`raggedvl.parallel.VisionRebalancer`, which moves whole images of overloaded
         ranks to less loaded ones for the vision tower only (a collective on every call: every
@@ -208,7 +209,7 @@ class Retriever(nn.Module):
                 raise ValueError(f"{stream.patches_key} and {stream.grid_key} must be given together (batch has only one)")
         inputs = drop_empty_vision({k: v for k, v in batch.items() if v is not None}, self.family)
         if self.vision_rebalancer is not None:
-            inputs = self.vision_rebalancer(self.base_model, inputs)
+            inputs = self.vision_rebalancer(self.base_model, inputs, dummy_vision_inputs)
         # the backbone's pre-hook runs the dummy vision pass before the decoder (raggedvl.models.dummy_vision)
         if self.packing:
             packed = pack_batch(self.base_model, inputs)

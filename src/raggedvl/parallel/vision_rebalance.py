@@ -39,6 +39,7 @@ are not rebalanced. Not for GradCache (ranks may run different numbers of chunks
 from __future__ import annotations
 
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,9 +111,12 @@ class VisionRebalancer:
             self._group = dist.new_group(backend=dist.get_backend(), **kwargs)
         return self._group
 
-    def __call__(self, base: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+    def __call__(self, base: nn.Module, inputs: dict[str, Any],
+                 dummy_inputs: Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
         """``inputs`` of a Qwen-VL base model ``base`` -> the same inputs with image features in
-        place of ``pixel_values`` when the plan moves images (module docstring). Raises
+        place of ``pixel_values`` when the plan moves images (module docstring).
+        ``dummy_inputs(base.visual)``: zero pixel rows and their grid for a rank given no image
+        (the retriever passes :func:`raggedvl.models.dummy_vision.dummy_vision_inputs`). Raises
         ``ValueError`` on every rank when any rank's pixel rows do not match its grids."""
         if not is_distributed() or dist.get_world_size() == 1:
             return inputs
@@ -138,7 +142,7 @@ class VisionRebalancer:
         self.last_plan = plan
         if plan.moved == 0:
             return inputs
-        return _encode_moved(base, inputs, plan, grids, rank, world, group)
+        return _encode_moved(base, inputs, plan, grids, rank, world, group, dummy_inputs)
 
 
 def _row_index(sizes: list[int], order: list[int], device) -> torch.Tensor:
@@ -149,9 +153,7 @@ def _row_index(sizes: list[int], order: list[int], device) -> torch.Tensor:
 
 
 def _encode_moved(base: nn.Module, inputs: dict[str, Any], plan: VisionPlan, grids: list[torch.Tensor],
-                  rank: int, world: int, group) -> dict[str, Any]:
-    from raggedvl.models.dummy_vision import dummy_vision_inputs
-
+                  rank: int, world: int, group, dummy_inputs) -> dict[str, Any]:
     merge2 = base.visual.spatial_merge_size ** 2
     patches = [g.prod(-1).tolist() for g in grids]
     mine, assign = patches[rank], plan.assignment[rank]
@@ -160,7 +162,7 @@ def _encode_moved(base: nn.Module, inputs: dict[str, Any], plan: VisionPlan, gri
     # 3. pixel rows, grouped by destination; received grouped by source (= computed order)
     send_rows = [sum(mine[i] for i in order if assign[i] == c) for c in range(world)]
     recv_rows = [sum(patches[s][i] for s_, i in computed if s_ == s) for s in range(world)]
-    dummy_pixels, dummy_grid = dummy_vision_inputs(base.visual)  # also the tower's patch_dim and dtype
+    dummy_pixels, dummy_grid = dummy_inputs(base.visual)  # also the tower's patch_dim and dtype
     pixels = inputs.get("pixel_values")
     pixels = dummy_pixels[:0] if pixels is None else pixels.detach().to(dummy_pixels.dtype)
     send = pixels[_row_index(mine, order, pixels.device)]

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import os
 import re
+import shlex
 
 import pytest
 import torch
@@ -55,6 +56,23 @@ def test_top_level_help_and_version_speak_to_users(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith(f"raggedvl {__version__} (torch {torch.__version__}")
+
+
+def test_every_example_of_the_top_level_help_parses():
+    """Each ``raggedvl ...`` example line of ``raggedvl --help`` names a command and flags that
+    exist, with values they accept (the help once showed flags and metrics the CLI no longer had)."""
+    from raggedvl.cli import EPILOG
+
+    examples = [re.split(r"\s{3,}", line.strip())[0] for line in EPILOG.splitlines() if line.startswith("  raggedvl ")]
+    commands = {shlex.split(example)[1] for example in examples}
+    assert commands == {"train", "eval", "encode", "search", "export", "data"}  # one example per command at least
+    for example in examples:
+        tokens = shlex.split(example)[1:]
+        args = build_parser().parse_args(tokens)  # an unknown command, flag or choice exits here
+        if args.command == "train" and args.config is None:
+            config_from_args(args)  # values of the right type and range
+    for mentioned in re.findall(r"raggedvl (\w+) --help", EPILOG):
+        assert mentioned in commands
 
 
 def test_yaml_numbers_in_any_notation_are_numbers(tmp_path):

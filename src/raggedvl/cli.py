@@ -77,12 +77,20 @@ cross-rank negatives and cost-balanced batches of dynamic-resolution images.
 
 EPILOG = """\
 examples:
-  raggedvl train                                   the default job: tiny model, embedded rdocs data, 2 processes on CPU
-  raggedvl train --config my.yaml --lr 1e-4        YAML keys, overridden by flags (see raggedvl train --help)
-  raggedvl train --output-dir runs/a --resume      continue from the newest valid checkpoint
-  raggedvl eval runs/a --split dev                 nDCG@5, Recall@1/5, MRR@10 of the newest checkpoint
-  raggedvl export runs/a --format colpali --output out/colpali   for colpali-engine (or --format transformers)
+  raggedvl train                                   the built-in job: tiny model on the embedded rdocs pairs
+                                                   (one process per GPU, or 2 processes on a CPU-only machine)
+  raggedvl train --config my.yaml --lr 1e-4        YAML keys, overridden by flags
+  raggedvl train --model vidore/colqwen2-v1.0 --dataset my_pairs.parquet --query-column question
+                                                   continue training a colpali checkpoint on your (query, image) pairs
+  raggedvl train --output-dir runs/a --resume      continue a run from its newest valid checkpoint
+  raggedvl eval runs/a                             nDCG, Recall, MRR, MAP of the newest checkpoint on the run's dev split
+  raggedvl eval runs/a --dataset benchmark/        another benchmark (BEIR folder, parquet pairs, hub id); writes a JSON
+  raggedvl encode runs/a --dataset corpus/ --output index/   embed a document collection
+  raggedvl search runs/a --index index/ --query "quarterly revenue" -k 5   its top 5 documents for a query
+  raggedvl export runs/a --format colpali --output out/colpali   load with colpali-engine (or --format transformers)
   raggedvl data rdocs                              build the embedded dataset once and print its path
+
+Every command has its own help: raggedvl train --help lists each config key with its units and choices.
 """
 
 

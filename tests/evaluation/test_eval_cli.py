@@ -96,3 +96,26 @@ def test_retriever_encode_forms(setup):
     assert [r.shape[0] for r in ragged] == mask.sum(1).tolist()
     for i, r in enumerate(ragged):  # same vectors whatever the batching (bucketed, then restored to input order)
         assert torch.allclose(emb[i][mask[i]], r, atol=1e-5)
+
+
+def test_eval_flags_collapsed_documents_with_the_run_summary_criterion(setup, tmp_path, capsys):
+    from raggedvl.train.collapse import doc_cosine_warning
+
+    root, _, bench_dir = setup
+    collapsed = build_retriever(str(root / "model"))
+    with torch.no_grad():  # every token of every page projects to one vector: the documents collapse
+        collapsed.head.proj.weight.zero_()
+        collapsed.head.proj.bias.fill_(0.1)
+    collapsed.save_pretrained(tmp_path / "collapsed")
+    capsys.readouterr()
+    for name, want in (("collapsed", True), ("model", None)):
+        folder = tmp_path / "collapsed" if name == "collapsed" else root / "model"
+        out = tmp_path / f"{name}.json"
+        assert main(["eval", str(folder), "--dataset", str(bench_dir), "--output", str(out)]) == 0
+        results = json.loads(out.read_text())
+        printed = capsys.readouterr().out
+        warning = doc_cosine_warning(results["doc_mean_cosine"])
+        assert results["collapsed"] == (warning is not None)
+        assert (warning in printed) if warning else "WARNING" not in printed
+        if want:
+            assert results["doc_mean_cosine"] > 0.9999 and results["collapsed"]

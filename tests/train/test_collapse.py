@@ -77,3 +77,21 @@ def test_a_collapsed_run_warns_and_stops_when_asked(tmp_path, capsys):
     assert [r["step"] for r in records if r.get("event") == "train"] == [1, 2, 3]
     assert (tmp_path / "stop" / "checkpoints" / "step-000003").is_dir()  # the final checkpoint of the stopped run
     assert "STOPPED at step 3 of 8" in (tmp_path / "stop" / "summary.md").read_text()
+
+
+def test_one_document_cosine_criterion_for_the_run_summary_and_raggedvl_eval(tmp_path):
+    """0.9996 (a new user's `raggedvl eval` of a run whose training check had fired) is flagged;
+    the healthy tiny range (<= 0.999) and a single document (NaN) are not."""
+    from raggedvl.train.collapse import COLLAPSED_DOC_COSINE, doc_cosine_warning
+    from raggedvl.train.report import write_summary
+
+    warning = doc_cosine_warning(0.9996)
+    assert warning is not None and "0.9996" in warning and str(COLLAPSED_DOC_COSINE) in warning and "\n" not in warning
+    assert [doc_cosine_warning(c) for c in (COLLAPSED_DOC_COSINE, 0.97, float("nan"), None)] == [None] * 4
+    evaluation = {"ndcg@5": 0.1, "queries": 4, "documents": 8, "n": 8, "doc_mean_cosine": 0.9996}
+    for cosine, flagged in ((0.9996, True), (0.998, False)):
+        write_summary(tmp_path, [], None, {"dev": {**evaluation, "doc_mean_cosine": cosine}}, {"dev": {}}, steps=1,
+                      global_batch_size=4, world_size=1, on_bad_image="error", skipped_examples=0, rejected_pairs=0,
+                      estimated_pairs=8)
+        line = next(x for x in (tmp_path / "summary.md").read_text().splitlines() if x.startswith("dev documents:"))
+        assert (doc_cosine_warning(cosine) or "WARNING") in line if flagged else "WARNING" not in line

@@ -9,6 +9,7 @@ retrieval head is not part of the backbone and stays fully trainable.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field
 
 from torch import nn
@@ -66,7 +67,12 @@ def apply_lora(model: nn.Module, settings: LoraSettings, *, task_type: str | Non
     pattern = rf"(.*\.)?language_model\..*\.({'|'.join(settings.target_modules)})"
     config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=pattern, bias="none", task_type=task_type)
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft (<= 0.21.2, the newest release) reads transformers' deprecated `is_gradient_checkpointing`
+        # in PeftModel.__init__, which transformers 5 answers with a FutureWarning; the value is
+        # still right (it is `is_activation_checkpointing`), only that one warning is hidden.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def apply_generation_lora(model: nn.Module, settings: LoraSettings | None = None) -> nn.Module:

@@ -16,6 +16,12 @@ alike) but moves by far more than 1e-4 from step to step; a collapsed one stays 
 within float rounding (its gradient is ~0). Mean pairwise cosine of documents' mean-pooled
 embeddings (``raggedvl.evaluation.mean_pairwise_cosine``), when the caller passes it, is
 reported beside the verdict: it reads 1.0000 for a collapsed model.
+
+After training, the same statistic over an evaluation set's documents is the one criterion
+that the run summary (``summary.md``) and ``raggedvl eval`` both apply
+(:func:`doc_cosine_warning`): above ``COLLAPSED_DOC_COSINE`` (0.999) the documents count as
+collapsed. A healthy tiny model reads 0.96-0.999 on mostly white pages, a collapsed one
+0.9999-1.0000 (``raggedvl.models.recipe``); 0.999 flags the band between as well.
 """
 
 from __future__ import annotations
@@ -29,6 +35,19 @@ LIKELY_CAUSES = (
     "query: BENCHMARKS.md section 12), a randomly initialised or untrained backbone (see raggedvl.models.recipe), "
     "a --temperature too low for its scores, or documents that are nearly identical (blank pages)"
 )
+
+
+COLLAPSED_DOC_COSINE = 0.999  # documents' mean pairwise cosine above which they count as collapsed
+
+
+def doc_cosine_warning(doc_cosine: float | None) -> str | None:
+    """The one-line warning for documents whose mean pairwise cosine (mean-pooled embeddings,
+    ``raggedvl.evaluation.mean_pairwise_cosine``) is above ``COLLAPSED_DOC_COSINE``; None at or
+    below it, and for None or NaN (fewer than two documents)."""
+    if doc_cosine is None or math.isnan(doc_cosine) or not doc_cosine > COLLAPSED_DOC_COSINE:
+        return None
+    return (f"WARNING: document embeddings have collapsed: their mean pairwise cosine {doc_cosine:.4f} is above "
+            f"{COLLAPSED_DOC_COSINE} (every page embeds to nearly the same vector, so every query scores them alike)")
 
 
 def chance_loss(loss: str, global_batch: int) -> float:

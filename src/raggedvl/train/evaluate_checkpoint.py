@@ -15,6 +15,7 @@ from raggedvl import __version__
 from raggedvl.data import RetrievalCollator
 from raggedvl.evaluation.metrics import METRICS
 from raggedvl.parallel import init_distributed, load_full_state_dicts, shutdown
+from raggedvl.train.collapse import doc_cosine_warning
 from raggedvl.train.checkpoint import MANIFEST, list_checkpoints, load_checkpoint_or_latest
 from raggedvl.train.config import TrainConfig
 from raggedvl.train.report import format_metrics_table
@@ -101,6 +102,8 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             "random_mean_rank_se": metrics["random_mean_rank_se"],
             "doc_mean_cosine": metrics["doc_mean_cosine"], "world_size": info.world_size,
         }
+        collapse = doc_cosine_warning(metrics["doc_mean_cosine"])  # the run summary's criterion
+        results["collapsed"] = collapse is not None
         if info.is_main:
             if output is None:
                 run_dir = Path(described["path"]).parent.parent if cfg is not None else None
@@ -112,6 +115,8 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             print(format_metrics_table({"random ranker": results["random_ranker"], "checkpoint": metrics}))
             print(f"first relevant document's mean rank {metrics['mean_rank']:.1f} (random ranker {metrics['random_mean_rank']:.1f}); "
                   f"documents' mean pairwise cosine {metrics['doc_mean_cosine']:.4f}; results written to {output}")
+            if collapse:
+                print(collapse)
         return results
     finally:
         shutdown()

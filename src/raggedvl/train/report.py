@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from raggedvl.evaluation.evaluator import chance_verdict
 from raggedvl.evaluation.metrics import METRICS
+from raggedvl.train.collapse import doc_cosine_warning
 
 
 class MetricsLog:
@@ -188,8 +189,8 @@ def write_summary(
         result = (after or before or {}).get(split, {})
         cos = result.get("doc_mean_cosine")
         if cos is not None:
-            warn = "  WARNING: document embeddings have collapsed (> 0.999)" if cos > 0.999 else ""
-            lines.append(f"{split} documents: mean pairwise cosine {cos:.4f}{warn}")
+            warning = doc_cosine_warning(cos)
+            lines.append(f"{split} documents: mean pairwise cosine {cos:.4f}" + (f"; {warning}" if warning else ""))
         if "mean_rank" in result:
             lines.append(f"{split} ({'after' if after else 'before'} training): {chance_verdict(result)}")
         if result.get("skipped_documents"):

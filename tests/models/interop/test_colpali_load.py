@@ -163,3 +163,17 @@ def test_raggedvl_train_refuses_a_broken_checkpoint_in_one_line_before_torchrun(
     err = capsys.readouterr()
     assert "raggedvl: error:" in err.err and "custom_text_proj.weight' has shape [96, 64]" in err.err
     assert "torch.distributed.run" not in err.out  # no process was started
+
+
+def test_loading_an_adapter_prints_no_future_warning():
+    """peft's PeftModel reads transformers' deprecated ``is_gradient_checkpointing``: raggedvl
+    hides that one FutureWarning around get_peft_model and nothing else."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = build_retriever(str(LORA))
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
+    backbone = model.backbone.get_base_model()
+    with pytest.warns(FutureWarning, match="is_gradient_checkpointing"):  # still raised outside that call
+        assert backbone.is_gradient_checkpointing is False

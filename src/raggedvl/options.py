@@ -10,9 +10,13 @@ and everything else is derived from that declaration:
 - :func:`check_fields` (call it from ``__post_init__``): types (``bool`` / ``int`` / ``float`` /
   ``str``, ``X | None`` allows null; an ``int`` is a valid ``float``; a boolean is never a number),
   ``Literal`` choices, and bounds (``at_least=``, ``above=``). Raises ``ValueError`` naming the key.
+  A list field (``list[float] | None``, or ``str | list[str]`` for one value or several) holds a
+  non-empty YAML list whose every item is checked like a scalar of that type.
 - :func:`add_arguments`: one ``--flag`` per field for argparse, with the help text, the choices
   and the default in ``--help``; boolean fields are also bare flags (``--lora`` sets true,
   ``--no-lora`` false; ``--lora false`` still works); ``none`` sets a nullable field to null.
+  A list field's flag may be repeated (``--dataset a --dataset b``); a list of numbers is also
+  written comma-separated (``--dataset-weights 0.7,0.3``).
 - :func:`values_from`: the fields given on the command line, for the dataclass constructor.
 - :func:`load_yaml`: YAML with numbers in any notation read as numbers (PyYAML follows YAML 1.1,
   where ``1e-4`` without a dot is a string).
@@ -54,6 +58,8 @@ class FieldSpec:
     help: str
     at_least: float | None
     above: float | None
+    many: bool = False  # a list of values of ``kind`` (a plain ``kind`` value too when ``one`` is set)
+    one: bool = False  # ``X | list[X]``: one value or a list
 
     @property
     def flag(self) -> str:
@@ -66,6 +72,9 @@ class FieldSpec:
             parts.append("one of " + ", ".join(map(str, self.choices)) + (", none" if self.nullable else ""))
         elif self.kind is bool:
             parts.append(f"bare {self.flag} sets true, --no-{self.flag[2:]} false")
+        if self.many:
+            parts.append(f"repeat {self.flag} for several" + (", or separate them with commas"
+                                                              if self.kind in (int, float) else ""))
         default = "none" if self.default is None else str(self.default).lower() if self.kind is bool else self.default
         return ("; ".join(parts) + f" (default: {default})").replace("%", "%%")
 
@@ -75,6 +84,19 @@ class FieldSpec:
             if not self.nullable:
                 raise ValueError(f"config key {self.name!r} may not be null")
             return
+        if self.many and isinstance(value, (list, tuple)):
+            if not value:
+                raise ValueError(f"config key {self.name!r} is an empty list; give at least one value (or leave it out)")
+            for item in value:
+                self._check_one(item)
+            return
+        if self.many and not self.one:
+            raise ValueError(f"config key {self.name!r} must be a list of {self.kind.__name__}, got {value!r} "
+                             f"({type(value).__name__}); in YAML write [a, b], on the command line repeat {self.flag}"
+                             + (" or separate the values with commas" if self.kind in (int, float) else ""))
+        self._check_one(value)
+
+    def _check_one(self, value: Any) -> None:
         if self.kind is bool:
             ok = isinstance(value, bool)
         elif self.kind is int:
@@ -94,9 +116,16 @@ class FieldSpec:
             raise ValueError(f"{self.name} must be > {self.above}, got {value}")
 
     def parse(self, text: str) -> Any:
-        """A command-line string as a value of this field (``ValueError`` when it is none)."""
+        """A command-line string as a value of this field (``ValueError`` when it is none); a list
+        field's value is a list (numbers: comma-separated)."""
         if self.nullable and text.lower() in ("none", "null"):
             return None
+        if self.many:
+            parts = text.split(",") if self.kind in (int, float) else [text]
+            return [self._parse_one(part.strip()) for part in parts]
+        return self._parse_one(text)
+
+    def _parse_one(self, text: str) -> Any:
         if self.kind is bool:
             low = text.lower()
             if low in ("1", "true", "yes", "on"):
@@ -110,18 +139,24 @@ class FieldSpec:
 def field_specs(cls: type) -> dict[str, FieldSpec]:
     """``{name: FieldSpec}`` for every field of the dataclass ``cls``, in declaration order.
 
-    Raises ``TypeError`` for a hint that is not a scalar, ``X | None`` or a ``Literal``."""
+    Raises ``TypeError`` for a hint that is not a scalar, ``X | None``, a ``Literal``,
+    ``list[X]`` or ``X | list[X]`` (either optionally ``| None``)."""
     hints = typing.get_type_hints(cls)
     specs = {}
     for f in dataclasses.fields(cls):
-        hint, nullable, choices = hints[f.name], False, None
+        hint, nullable, choices, many, one = hints[f.name], False, None, False, False
         args = typing.get_args(hint)
         if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
             nullable = type(None) in args
             rest = [a for a in args if a is not type(None)]
+            lists = [a for a in rest if typing.get_origin(a) is list]
+            if len(rest) == 2 and len(lists) == 1 and typing.get_args(lists[0]) == tuple(a for a in rest if a not in lists):
+                rest, one = lists, True  # X | list[X]
             if len(rest) != 1:
                 raise TypeError(f"{cls.__name__}.{f.name}: unsupported type {hint}")
             hint = rest[0]
+        if typing.get_origin(hint) is list:
+            many, hint = True, typing.get_args(hint)[0]
         if typing.get_origin(hint) is Literal:
             choices = typing.get_args(hint)
             hint = type(choices[0])
@@ -129,7 +164,7 @@ def field_specs(cls: type) -> dict[str, FieldSpec]:
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported type {hint}")
         meta = f.metadata
         specs[f.name] = FieldSpec(f.name, hint, nullable, choices, f.default, meta.get("help", ""),
-                                  meta.get("at_least"), meta.get("above"))
+                                  meta.get("at_least"), meta.get("above"), many, one)
     return specs
 
 
@@ -206,6 +241,14 @@ class _NegateAction(argparse.Action):
         setattr(namespace, self.dest, False)
 
 
+class _ExtendAction(argparse.Action):
+    """A repeated list flag adds to the list (``none`` clears it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, None if values is None else (before or []) + values)
+
+
 def add_arguments(parser: argparse.ArgumentParser | Any, cls: type) -> None:
     """One ``--flag`` per field of ``cls`` (absent from the namespace unless given)."""
     for spec in field_specs(cls).values():
@@ -220,11 +263,11 @@ def add_arguments(parser: argparse.ArgumentParser | Any, cls: type) -> None:
             parser.add_argument(f"--no-{spec.flag[2:]}", dest=spec.name, nargs=0, action=_NegateAction,
                                 default=argparse.SUPPRESS, help=argparse.SUPPRESS)
             continue
-        if spec.choices is not None:
+        kwargs["metavar"] = spec.kind.__name__.upper()
+        if spec.many:
+            kwargs["action"] = _ExtendAction
+        elif spec.choices is not None:
             kwargs["choices"] = spec.choices + ((None,) if spec.nullable else ())
-            kwargs["metavar"] = spec.kind.__name__.upper()
-        else:
-            kwargs["metavar"] = spec.kind.__name__.upper()
         parser.add_argument(spec.flag, type=convert, **kwargs)
 
 

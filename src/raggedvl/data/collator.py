@@ -13,6 +13,13 @@ torchvision backend and each document's patch rows equal ``estimate_costs``'s co
 is padded to the batch: ``pixel_values`` stays one flat [sum t*h*w, patch_dim] tensor owned per
 sample through ``RaggedBatch``. Text is padded to the batch's longest row on the prompts' side.
 
+Hard negatives: an example may hold ``"negatives"``, a list of k images (the same k in every
+example of a batch). They go through the same image policy and are written and encoded exactly
+like documents, in the same processor call as the positives (one padding for both), and come
+back as ``"negatives"``: a RaggedBatch of B*k documents, query-major (negatives ``i*k ..
+i*k+k-1`` belong to example i), the layout the losses take. Under ``on_bad_image="skip"`` a
+bad negative drops its whole example.
+
 Truncation (case C09): queries are text only and are truncated to ``max_length`` tokens.
 Documents are never truncated, because a cut would fall inside an image's placeholder run:
 a document longer than ``max_length`` raises ValueError naming the example, its length, its
@@ -47,12 +54,14 @@ class RetrievalCollator:
             (``raggedvl.families.family_of``; ``ValueError`` for a processor of no registered family).
 
     Output: ``queries`` (text-only RaggedBatch, B rows), ``docs`` (RaggedBatch, B rows, one image
-    each), ``ids`` (B example ids, in order), ``skipped`` (list of ``{"id", "reason"}``).
+    each), ``ids`` (B example ids, in order), ``skipped`` (list of ``{"id", "reason"}``), and,
+    when the examples hold hard negatives, ``negatives`` (RaggedBatch, B*k rows, query-major).
 
     Raises:
         ValueError: an example without ``query``/``image``, an empty query or one containing a
             visual placeholder token, a document longer
-            than ``max_length``, or a batch where every example was skipped.
+            than ``max_length``, examples with different numbers of hard negatives (or
+            ``negatives`` that is not a non-empty list), or a batch where every example was skipped.
     """
 
     def __init__(
@@ -77,7 +86,8 @@ class RetrievalCollator:
         self.image_policy = ImagePolicy.from_processor(processor)
 
     def _prepare(self, examples: Sequence[dict[str, Any]], with_query: bool = True):
-        kept, images, skipped = [], [], []
+        kept, images, negatives, skipped = [], [], [], []
+        k = _negatives_per_example(examples) if with_query else 0
         for position, example in enumerate(examples):
             ident = str(example.get("id", position))
             missing = [k for k in (("query", "image") if with_query else ("image",)) if k not in example]
@@ -91,6 +101,8 @@ class RetrievalCollator:
                 if image is None:
                     raise BadImageError(example.get("image_error", f"example {ident!r} has no image"))
                 image = self.image_policy.prepare(image, name=f"image of example {ident!r}")
+                negs = [self.image_policy.prepare(neg, name=f"hard negative {j} of example {ident!r}")
+                        for j, neg in enumerate(example["negatives"] if k else ())]
             except BadImageError as exc:
                 if self.on_bad_image == "error":
                     raise
@@ -98,9 +110,10 @@ class RetrievalCollator:
                 continue
             kept.append((ident, query))
             images.append(image)
+            negatives.extend(negs)
         if not kept:
             raise ValueError(f"every example of this batch was rejected: {skipped}")
-        return kept, images, skipped
+        return kept, images, negatives, skipped
 
     def _check_doc_lengths(self, ids: list[str], features) -> None:
         if self.max_length is None:
@@ -136,19 +149,36 @@ class RetrievalCollator:
     def collate_documents(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """``{"docs", "ids", "skipped"}`` for examples holding an ``image`` (any query is ignored):
         the document side of :meth:`__call__`."""
-        kept, images, skipped = self._prepare(examples, with_query=False)
+        kept, images, _, skipped = self._prepare(examples, with_query=False)
         ids = [ident for ident, _ in kept]
         return {"docs": self._collate_images(ids, images), "ids": ids, "skipped": skipped}
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        kept, images, skipped = self._prepare(examples)
+        kept, images, negatives, skipped = self._prepare(examples)
         ids = [ident for ident, _ in kept]
-        return {
-            "queries": self.collate_queries([q for _, q in kept]),
-            "docs": self._collate_images(ids, images),
-            "ids": ids,
-            "skipped": skipped,
-        }
+        out = {"queries": self.collate_queries([q for _, q in kept]), "ids": ids, "skipped": skipped}
+        if not negatives:
+            return {**out, "docs": self._collate_images(ids, images)}
+        k = len(negatives) // len(ids)
+        neg_ids = [f"{ident} (hard negative {j})" for ident in ids for j in range(k)]
+        docs, negs = self._collate_images(ids + neg_ids, images + negatives).split([len(ids), len(negatives)])
+        return {**out, "docs": docs, "negatives": negs}
+
+
+def _negatives_per_example(examples: Sequence[dict[str, Any]]) -> int:
+    """k, the hard negatives of every example (0 when none has any). Raises ``ValueError`` when
+    examples differ in k or ``negatives`` is not a non-empty list."""
+    counts = []
+    for position, example in enumerate(examples):
+        negs = example.get("negatives")
+        if negs is not None and (not isinstance(negs, (list, tuple)) or not negs):
+            raise ValueError(f"example {position} (id {example.get('id', position)!r}): 'negatives' must be a non-empty "
+                             f"list of images, got {type(negs).__name__} {negs!r:.80}")
+        counts.append(0 if negs is None else len(negs))
+    if len(set(counts)) > 1:
+        raise ValueError(f"examples hold different numbers of hard negatives {counts}; the losses score the same "
+                         "number per query: give every example the same count")
+    return counts[0] if counts else 0
 
 
 def _check_query(query: Any, name: str) -> None:

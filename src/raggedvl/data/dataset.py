@@ -2,7 +2,9 @@
 
 Items are dicts ``{"query": str, "image": PIL.Image (RGB, decoded on access), "id": str, ...}``
 plus metadata (rdocs: split, pdf, page, pages, view, dpi, width, height, source). Query i's
-relevant document is item i's image.
+relevant document is item i's image. With a hard-negatives column (``negatives_column=``) an
+item also holds ``"negatives"``: a list of k PIL images, the same k for every row (the losses
+score k hard negatives per query), decoded on access like the image.
 
 Bad input policy:
 - a missing ``query`` / ``image`` column (or manifest key): ValueError at construction, naming
@@ -17,7 +19,10 @@ Bad input policy:
   ``on_bad_image="error"`` a ``BadImageError`` naming the row and id when the item is read;
   with ``"skip"`` the item comes back with ``image=None`` and ``image_error`` set, and
   ``RetrievalCollator`` drops it and lists it under ``"skipped"`` in its output (counted in the
-  run summary, never silent).
+  run summary, never silent). A bad hard negative does the same to its whole row;
+- a hard-negatives column that is missing, holds something other than images (paths, bytes,
+  the datasets ``Image`` feature), or has a row with no negatives or with a count that differs
+  from the first row's: ``ValueError`` at construction naming the row and the fix.
 """
 
 from __future__ import annotations
@@ -85,6 +90,71 @@ class _ImageColumn(Sequence):
         return value
 
 
+def _negative_counts(dataset, column: str, rows: list[int], ids: list[str], where: str) -> int:
+    """k, the number of hard negatives in every row of ``column`` (one image, or a list of
+    images), read from the Arrow column's list lengths (no image bytes are copied). Raises
+    ``ValueError`` naming the first row that has none, holds no image, or differs from row 0."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    chunked = dataset.data.table.column(column) if hasattr(dataset.data, "table") else dataset.data.column(column)
+    kind = chunked.type
+    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    item = kind.value_type if is_list else kind
+    image_like = (pa.types.is_string(item) or pa.types.is_large_string(item) or pa.types.is_binary(item)
+                  or pa.types.is_large_binary(item) or (pa.types.is_struct(item) and item.get_field_index("bytes") >= 0))
+    if not image_like:
+        raise ValueError(f"{where}: hard-negatives column {column!r} holds {item} values, not images; give each row "
+                         "one image or a list of images (the datasets Image feature, file paths or encoded bytes)")
+    if is_list:
+        lengths = pc.list_value_length(chunked).to_numpy(zero_copy_only=False)
+    else:
+        lengths = chunked.is_valid().to_numpy(zero_copy_only=False).astype(int)
+    counts = [0 if lengths[r] != lengths[r] else int(lengths[r]) for r in rows]  # a null list: NaN
+    nulls = chunked.is_null().to_numpy(zero_copy_only=False)
+    for position, (row, count) in enumerate(zip(rows, counts)):
+        if count == 0 or nulls[row]:
+            raise ValueError(f"{where}: row {row} (id {ids[position]!r}) has no hard negative in column {column!r}; "
+                             "give every row at least one image there, or leave out --negatives-column")
+        if count != counts[0]:
+            raise ValueError(
+                f"{where}: row {row} (id {ids[position]!r}) has {count} hard negatives in column {column!r}, row "
+                f"{rows[0]} has {counts[0]}; the losses score the same number per query: give every row {counts[0]} "
+                "(repeat or drop negatives)")
+    return counts[0] if counts else 0
+
+
+class _RowLists(Sequence):
+    """Per row, the list of its undecoded hard-negative image sources (a one-image cell is a
+    list of one), read lazily from a view of the column."""
+
+    def __init__(self, column: "_ImageColumn", base_dir: str | os.PathLike | None) -> None:
+        self.column, self.base_dir = column, base_dir  # the column view joins no paths itself
+
+    def __len__(self) -> int:
+        return len(self.column)
+
+    def __getitem__(self, index: int) -> list[Any]:
+        value = self.column[index]
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if self.base_dir is not None:
+            values = [str(Path(self.base_dir) / v) if isinstance(v, str) else v for v in values]
+        return values
+
+
+class _WithNegatives(Sequence):
+    """Per row, ``[image, *negatives]``: what a size estimate of the whole row reads."""
+
+    def __init__(self, images: Sequence[Any], negatives: Sequence[list[Any]]) -> None:
+        self.images, self.negatives = images, negatives
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> list[Any]:
+        return [self.images[index], *self.negatives[index]]
+
+
 class RetrievalDataset(Sequence):
     """A split of (query, document image) pairs with lazy image decoding.
 
@@ -103,10 +173,14 @@ class RetrievalDataset(Sequence):
         max_source_pixels: int = 64_000_000,
         where: str = "dataset",
         on_empty_query: str = "error",
+        negative_sources: Sequence[list[Any]] | None = None,
+        negatives_per_row: int = 0,
     ) -> None:
         check_bad_image_policy(on_bad_image)
         if len(records) != len(image_sources):
             raise ValueError(f"{len(records)} records but {len(image_sources)} image sources")
+        if negative_sources is not None and len(negative_sources) != len(records):
+            raise ValueError(f"{len(records)} records but {len(negative_sources)} hard-negative lists")
         _bad_query_rows([r.get("query") for r in records], [r.get("id", "") for r in records], where, on_empty_query)
         self.skipped_rows: list[dict[str, Any]] = []  # rows left out by on_empty_query="skip"
         self.records = records
@@ -116,6 +190,9 @@ class RetrievalDataset(Sequence):
         self.max_source_pixels = max_source_pixels
         self.where = where
         self.on_empty_query = on_empty_query
+        self.part_sizes = [len(records)]  # rows of each dataset concat_datasets joined (one entry otherwise)
+        self.negative_sources = negative_sources  # per row, k undecoded images (None: no hard negatives)
+        self.negatives_per_row = negatives_per_row if negative_sources is not None else 0  # k
         self._sizes = sizes  # from the manifest
         self._read_sizes: list[tuple[int, int] | None] | None = None  # from the headers, cached
 
@@ -164,13 +241,15 @@ class RetrievalDataset(Sequence):
         query_column: str = "query",
         image_column: str = "image",
         id_column: str | None = None,
+        negatives_column: str | None = None,
         limit: int | None = None,
         base_dir: str | os.PathLike | None = None,
         on_empty_query: str = "error",
         **kwargs,
     ) -> "RetrievalDataset":
         """Wrap a ``datasets.Dataset`` with a query column and an image column (the datasets
-        ``Image`` feature, or strings holding paths relative to ``base_dir``).
+        ``Image`` feature, or strings holding paths relative to ``base_dir``), and optionally a
+        hard-negatives column (one image or a list of images per row, the same count in each).
 
         Images are read undecoded (``Image(decode=False)``), row by row on access, and decoded
         by this package's hardened loader. Ids come from ``id_column`` or are ``"<split>-<row>"``.
@@ -186,8 +265,17 @@ class RetrievalDataset(Sequence):
         if id_column is not None and id_column not in columns:
             raise ValueError(f"{where} has no id column {id_column!r} (columns: {columns}); pass id_column= "
                              "(--id-column) naming the right one, or none")
+        if negatives_column is not None and negatives_column not in columns:
+            raise ValueError(f"{where} has no hard-negatives column {negatives_column!r} (columns: {columns}); pass "
+                             "negatives_column= (--negatives-column) naming the right one, or none")
         if isinstance(dataset.features[image_column], datasets.Image):
             dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
+        if negatives_column is not None:
+            feature = dataset.features[negatives_column]
+            if isinstance(feature, datasets.Image):
+                dataset = dataset.cast_column(negatives_column, datasets.Image(decode=False))
+            elif isinstance(getattr(feature, "feature", None), datasets.Image):  # a list of images
+                dataset = dataset.cast_column(negatives_column, datasets.List(datasets.Image(decode=False)))
         queries = dataset[query_column]
         ids = [str(v) for v in dataset[id_column]] if id_column else [f"{split}-{i}" for i in range(len(queries))]
         skipped = _bad_query_rows(queries, ids, where, on_empty_query)
@@ -195,8 +283,12 @@ class RetrievalDataset(Sequence):
         valid = [i for i in range(len(ids)) if i not in bad_rows]
         keep = [valid[j] for j in _limit_order([ids[i] for i in valid], limit)]
         records = [{"query": queries[i], "id": ids[i], "row": i} for i in keep]
+        negatives, k = None, 0
+        if negatives_column is not None:
+            k = _negative_counts(dataset, negatives_column, keep, [ids[i] for i in keep], where)
+            negatives = _RowLists(_ImageColumn(dataset, negatives_column, keep, None), base_dir)
         result = cls(records, _ImageColumn(dataset, image_column, keep, base_dir), split, where=where,
-                     on_empty_query=on_empty_query, **kwargs)
+                     on_empty_query=on_empty_query, negative_sources=negatives, negatives_per_row=k, **kwargs)
         result.skipped_rows = skipped
         return result
 
@@ -208,18 +300,24 @@ class RetrievalDataset(Sequence):
         if isinstance(index, slice):
             raise TypeError("RetrievalDataset does not support slices; index one row at a time")
         record = dict(self.records[index])
+        name = self.row_name(index)
         try:
-            record["image"] = load_image(self.image_sources[index], max_source_pixels=self.max_source_pixels, name=self.row_name(index))
+            record["image"] = load_image(self.image_sources[index], max_source_pixels=self.max_source_pixels, name=name)
+            if self.negative_sources is not None:
+                record["negatives"] = [
+                    load_image(source, max_source_pixels=self.max_source_pixels, name=f"{name}: hard negative {j}")
+                    for j, source in enumerate(self.negative_sources[index])
+                ]
         except BadImageError as exc:
             if self.on_bad_image == "error":
                 raise
-            record["image"], record["image_error"] = None, str(exc)
+            record["image"], record["image_error"] = None, str(exc)  # the whole row goes
         return record
 
     def row_name(self, index: int) -> str:
         """How errors refer to item ``index``: its source, row and id."""
-        record = self.records[index]
-        return f"{self.where} row {record.get('row', index)} (id {record['id']!r})"
+        record = self.records[index]  # a row of several concatenated datasets names its own
+        return f"{record.get('dataset', self.where)} row {record.get('row', index)} (id {record['id']!r})"
 
     def ids(self) -> list[str]:
         return [r["id"] for r in self.records]
@@ -227,9 +325,11 @@ class RetrievalDataset(Sequence):
     def image_inputs(self) -> Sequence[Any]:
         """Per item, what a size estimate reads (``raggedvl.sampling.estimate_costs``): the
         manifest's (width, height) when it has one, else the undecoded image source (a path or a
-        ``{"bytes", "path"}`` dict, of which only the header is read). Lazy: rows are read on
-        access."""
-        return self._sizes if self._sizes is not None else self.image_sources
+        ``{"bytes", "path"}`` dict, of which only the header is read). With hard negatives, each
+        row's entry is the list ``[image, *negatives]``, so a row's cost counts every image the
+        collator encodes for it. Lazy: rows are read on access."""
+        images = self._sizes if self._sizes is not None else self.image_sources
+        return images if self.negative_sources is None else _WithNegatives(images, self.negative_sources)
 
     def sample(self, limit: int | None) -> "RetrievalDataset":
         """The ``limit`` rows whose ids hash lowest, in their order (all rows for None): the same
@@ -245,9 +345,11 @@ class RetrievalDataset(Sequence):
         positions = [int(p) for p in positions]
         sizes = None if self._sizes is None else [self._sizes[p] for p in positions]
         sources = [self.image_sources[p] for p in positions]
+        negatives = None if self.negative_sources is None else [self.negative_sources[p] for p in positions]
         out = type(self)([self.records[p] for p in positions], sources, self.split, sizes=sizes,
                          on_bad_image=self.on_bad_image, max_source_pixels=self.max_source_pixels,
-                         where=self.where, on_empty_query=self.on_empty_query)
+                         where=self.where, on_empty_query=self.on_empty_query, negative_sources=negatives,
+                         negatives_per_row=self.negatives_per_row)
         return out
 
     def image_digests(self) -> list[str]:
@@ -355,6 +457,7 @@ def load_retrieval_dataset(
     query_column: str = "query",
     image_column: str = "image",
     id_column: str | None = None,
+    negatives_column: str | None = None,
     on_bad_image: BadImagePolicy = "error",
     on_empty_query: str = "error",
     cache_dir: str | os.PathLike | None = None,
@@ -372,13 +475,18 @@ def load_retrieval_dataset(
     - a hub dataset id (``vidore/colpali_train_set``) through ``datasets.load_dataset``.
     ``split`` names one of the splits present; "dev" and "validation" (and the other
     ``SPLIT_ALIASES``) find each other. A missing split is a ``ValueError`` listing those present.
-    ``limit`` keeps a stable hash sample of that many rows. Extra ``load_kwargs`` go to
-    ``datasets.load_dataset``.
+    ``limit`` keeps a stable hash sample of that many rows. ``negatives_column`` names a column
+    of hard negatives (one image or a list of images per row; not for rdocs manifests, which have
+    none). Extra ``load_kwargs`` go to ``datasets.load_dataset``.
     """
     if on_empty_query not in EMPTY_QUERY_POLICIES:
         raise ValueError(f"on_empty_query must be one of {EMPTY_QUERY_POLICIES}, got {on_empty_query!r}")
     common = {"on_bad_image": on_bad_image, "on_empty_query": on_empty_query}
     path = Path(name_or_path)
+    is_manifest = str(name_or_path) == "rdocs" or (path / "manifest.jsonl").is_file()
+    if negatives_column is not None and is_manifest:
+        raise ValueError(f"{name_or_path} is an rdocs manifest, which has no hard-negatives column "
+                         f"{negatives_column!r}; leave out --negatives-column or train on a parquet file that has one")
     if str(name_or_path) == "rdocs":
         from raggedvl.data.rdocs import build_rdocs
 
@@ -389,5 +497,5 @@ def load_retrieval_dataset(
     hf, base = _load_hf_split(name_or_path, split, **load_kwargs)
     return RetrievalDataset.from_hf(
         hf, split, query_column=query_column, image_column=image_column, id_column=id_column,
-        limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}", **common,
+        negatives_column=negatives_column, limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}", **common,
     )

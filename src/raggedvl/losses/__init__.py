@@ -26,7 +26,7 @@ from raggedvl.losses.functional import (
     real_rows,
 )
 from raggedvl.losses.modules import InfoNCELoss, LateInteractionLoss, PairwiseLoss
-from raggedvl.losses.objective import LOSS_NAMES, RetrievalLoss, make_retrieval_loss
+from raggedvl.losses.objective import LOSS_NAMES, RetrievalLoss, loss_with_negatives, make_retrieval_loss
 from raggedvl.losses.scoring import check_late_interaction_inputs, late_interaction_scores
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "cross_entropy_terms",
     "global_mean_share",
     "late_interaction_scores",
+    "loss_with_negatives",
     "make_retrieval_loss",
     "pairwise_terms",
     "positive_labels",

@@ -12,6 +12,7 @@ rank.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 import torch
@@ -58,6 +59,29 @@ class RetrievalLoss(nn.Module):
                 )
         neg = (None, None) if negatives is None else (negatives.embeddings, negatives.mask)
         return self.loss(queries.embeddings, queries.mask, docs.embeddings, docs.mask, *neg, **kwargs)
+
+
+def _rows(out: Any, rows: slice) -> Any:
+    mask = None if out.mask is None else out.mask[rows]
+    return dataclasses.replace(out, embeddings=out.embeddings[rows], mask=mask)
+
+
+def loss_with_negatives(loss: RetrievalLoss, queries: Embeddings, docs: Embeddings, num_positives: int,
+                        **kwargs: Any) -> torch.Tensor:
+    """``loss(queries, positives, negatives)`` where ``docs`` is ONE document encode holding the
+    ``num_positives`` positives (rows ``[0, n)``) then the hard negatives (rows ``[n, n + n*k)``,
+    query-major), as ``RetrievalCollator`` returns them (``docs`` then ``negatives``) and a
+    training step encodes them in one forward call. ``docs``: an embedding output (a dataclass
+    with ``embeddings [n + n*k, ...]`` and ``mask [n + n*k, L]`` or None); the slices keep the
+    shared padding (masked). Value, collectives and gradient: those of ``loss`` (the hard-negative
+    path of :mod:`raggedvl.losses.modules`); the gradient flows to both slices of ``docs``.
+    Raises ``ValueError`` when ``num_positives`` is outside ``[0, rows]`` (and whatever ``loss`` raises)."""
+    total = docs.embeddings.shape[0]
+    if not 0 <= num_positives <= total:
+        raise ValueError(f"num_positives {num_positives} is outside [0, {total}], the rows of the document encode")
+    if num_positives == total:
+        return loss(queries, docs, **kwargs)
+    return loss(queries, _rows(docs, slice(0, num_positives)), _rows(docs, slice(num_positives, total)), **kwargs)
 
 
 def make_retrieval_loss(name: str = "late_interaction", *, temperature: float = 0.02, **options: Any) -> RetrievalLoss:

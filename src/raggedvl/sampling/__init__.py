@@ -1,7 +1,8 @@
 """raggedvl.sampling: cost-balanced distributed batch sampler, partitioner, size-based costs,
-cost-model calibration."""
+cost-model calibration, weighted mixing of datasets."""
 
 from raggedvl.sampling.calibrate import CalibrationResult, calibrate, fit_cost_model, measure_times, relative_errors
+from raggedvl.sampling.mixture import Mixture
 from raggedvl.sampling.partition import PartitionInfeasible, partition_costs
 from raggedvl.sampling.plan import epoch_permutation, global_batches, plan_epoch
 from raggedvl.sampling.sampler import BalancedDistributedBatchSampler
@@ -10,6 +11,7 @@ from raggedvl.sampling.sizes import SampleCosts, estimate_costs
 __all__ = [
     "BalancedDistributedBatchSampler",
     "CalibrationResult",
+    "Mixture",
     "PartitionInfeasible",
     "SampleCosts",
     "calibrate",

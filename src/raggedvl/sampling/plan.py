@@ -6,7 +6,9 @@ the cap); a plan is a list of S steps, each a list of W ascending lists of sampl
 
 Policies (documented here, enforced and tested):
 - Order: a permutation of 0..N-1 from ``numpy.random.Generator(PCG64(SeedSequence([seed,
-  epoch])))``, identical on every machine and numpy version that keeps PCG64's stream.
+  epoch])))``, identical on every machine and numpy version that keeps PCG64's stream; with a
+  ``mixture`` (several datasets with weights), the mixture's seeded order of N draws instead
+  (``raggedvl.sampling.mixture``).
 - Global batches: consecutive runs of G samples of that permutation.
 - Remainder (r = N mod G), ``drop_last=False``: if r >= W the r samples form one last, smaller
   step; if 0 < r < W they join the last full step (G + r samples), so every rank still gets at
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from raggedvl.sampling.mixture import Mixture
 from raggedvl.sampling.partition import PartitionInfeasible, partition_costs
 
 
@@ -49,11 +52,12 @@ def global_batches(
     drop_last: bool,
     homogeneous: bool = False,
     bucket_steps: int = 32,
+    mixture: Mixture | None = None,
 ) -> list[np.ndarray]:
     """The epoch's global batches (arrays of sample indices), before partitioning."""
     n, g = len(costs), global_batch_size
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), 1])))
-    order = epoch_permutation(n, seed, epoch)
+    order = epoch_permutation(n, seed, epoch) if mixture is None else mixture.order(seed, epoch)
     full = (n // g) * g
     body, rest = order[:full], order[full:]
     if homogeneous and full:
@@ -106,12 +110,13 @@ def plan_epoch(
     max_patches_per_rank: float | None = None,
     homogeneous: bool = False,
     bucket_steps: int = 32,
+    mixture: Mixture | None = None,
 ) -> list[list[list[int]]]:
     """The epoch's steps: [S][W] ascending lists of sample indices (see the module policies)."""
     plan: list[list[list[int]]] = []
     batches = global_batches(
         costs, global_batch_size, world_size, seed=seed, epoch=epoch, drop_last=drop_last,
-        homogeneous=homogeneous, bucket_steps=bucket_steps,
+        homogeneous=homogeneous, bucket_steps=bucket_steps, mixture=mixture,
     )
     for step, batch in enumerate(batches):
         plan.extend(_partition_step(costs, patches, max_patches_per_rank, world_size, batch, step))

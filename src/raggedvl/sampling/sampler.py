@@ -19,6 +19,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from raggedvl.sampling.mixture import Mixture
 from raggedvl.sampling.plan import plan_epoch
 
 _STATE_VERSION = 1
@@ -51,6 +52,10 @@ class BalancedDistributedBatchSampler:
         patches: [N] per-sample patch counts; required with ``max_patches_per_rank``.
         homogeneous: group samples of similar cost into the same step (``plan`` explains the
             effect on balance and negatives); ``bucket_steps`` global batches form one pool.
+        mixture: several datasets concatenated in ``costs``' order, drawn with weights
+            (:class:`raggedvl.sampling.mixture.Mixture`; its sizes must sum to N): each epoch's
+            order is the mixture's seeded draws instead of a permutation. Part of the resume
+            fingerprint.
 
     ``len()`` is the number of steps of the current epoch (constant unless the cap splits a
     step). The whole epoch is planned at its first ``len()``/iteration (about 1 ms of CPU per
@@ -78,9 +83,14 @@ class BalancedDistributedBatchSampler:
         patches: Sequence[float] | None = None,
         homogeneous: bool = False,
         bucket_steps: int = 32,
+        mixture: Mixture | None = None,
     ) -> None:
         self.costs = _as_array("cost", costs)
         n = len(self.costs)
+        if mixture is not None and mixture.num_samples != n:
+            raise ValueError(f"the mixture's datasets hold {mixture.num_samples} rows {list(mixture.sizes)} but costs "
+                             f"has {n}; give one cost per row of the concatenated datasets")
+        self.mixture = mixture
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
@@ -138,7 +148,7 @@ class BalancedDistributedBatchSampler:
             self._plan = plan_epoch(
                 self.costs, self.global_batch_size, self.world_size, seed=self.seed, epoch=self.epoch,
                 drop_last=self.drop_last, patches=self.patches, max_patches_per_rank=self.max_patches_per_rank,
-                homogeneous=self.homogeneous, bucket_steps=self.bucket_steps,
+                homogeneous=self.homogeneous, bucket_steps=self.bucket_steps, mixture=self.mixture,
             )
             self._plan_epoch = self.epoch
         return self._plan
@@ -168,6 +178,7 @@ class BalancedDistributedBatchSampler:
             "homogeneous": self.homogeneous,
             "bucket_steps": self.bucket_steps,
             "costs_sha256": digest.hexdigest()[:16],
+            "mixture": None if self.mixture is None else self.mixture.state(),
         }
 
     def state_dict(self, step: int | None = None) -> dict[str, Any]:

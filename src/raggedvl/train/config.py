@@ -53,7 +53,12 @@ class TrainConfig:
                "max(mean, largest image) hands whole images to less loaded ranks for the tower only (all-to-all, "
                "features and gradients come back; same losses and gradients); multi-process runs without grad_cache")
     # data
-    dataset: str = option("rdocs", "training data: 'rdocs' (embedded), a hub id, a local parquet file or image folder")
+    dataset: str | list[str] = option(
+        "rdocs", "training data: 'rdocs' (embedded), a hub id, a local parquet file or image folder; several "
+                 "(YAML: a list) are mixed by dataset_weights")
+    dataset_weights: list[float] | None = option(
+        None, "sampling weight of each dataset, in the order given (normalised to sum 1; a global batch draws each "
+              "sample's dataset with these probabilities, seeded; none: every row equally likely)", at_least=0)
     train_split: str = option("train", "dataset split to train on")
     eval_split: str = option(
         "dev", "split to evaluate on (of eval_dataset when given, else of dataset); dev and validation find each other")
@@ -67,6 +72,10 @@ class TrainConfig:
     image_column: str = option("image", "column holding the document image (datasets Image feature, or file paths)")
     id_column: str | None = option(None, "column holding each row's id, used in messages and reports "
                                          "(none: '<split>-<row>')")
+    negatives_column: str | None = option(
+        None, "column holding each row's hard negatives: one image, or a list of images with the same length in "
+              "every row; each is encoded as a document and is a candidate for every query of the global batch "
+              "(none: in-batch negatives only)")
     on_empty_query: Literal["error", "skip"] = option(
         "error", "a training row whose query is empty or not text stops the run (error) or is left out and "
                  "counted (skip)")
@@ -150,7 +159,19 @@ class TrainConfig:
     data_cache: str | None = option(None, "where built datasets are cached (none: ~/.cache/raggedvl)")
 
     def __post_init__(self) -> None:
+        if isinstance(self.dataset, (list, tuple)) and len(self.dataset) == 1:
+            self.dataset = self.dataset[0]  # one --dataset flag: the plain name
         check_fields(self)
+        if isinstance(self.dataset, (list, tuple)):
+            self.dataset = list(self.dataset)
+        if self.dataset_weights is not None:
+            weights = self.dataset_weights
+            if len(weights) != len(self.datasets):
+                raise ValueError(
+                    f"dataset_weights has {len(weights)} values {weights} for {len(self.datasets)} datasets "
+                    f"{self.datasets}; give one weight per dataset, in order (--dataset-weights 0.7,0.3)")
+            if not any(w > 0 for w in weights):
+                raise ValueError(f"dataset_weights {weights} are all 0; give at least one dataset a positive weight")
         from raggedvl.train.tracking import parse_report_to
 
         parse_report_to(self.report_to)
@@ -166,6 +187,11 @@ class TrainConfig:
                 f"head={self.head!r} does not go with loss={self.loss!r}: use loss='infonce' with the "
                 "bi-encoder head, and 'late_interaction' or 'pairwise' with the multi-vector head"
             )
+
+    @property
+    def datasets(self) -> list[str]:
+        """The training datasets, in order (one for a plain ``dataset``)."""
+        return list(self.dataset) if isinstance(self.dataset, list) else [self.dataset]
 
     @property
     def resolved_max_pixels(self) -> int | None:

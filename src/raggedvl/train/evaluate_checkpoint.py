@@ -85,7 +85,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             cfg = dataclasses.replace(cfg, eval_split=split or cfg.eval_split,
                                       max_eval_samples=max_samples if max_samples is not None else cfg.max_eval_samples)
             _, bench = load_splits(cfg, warn=info.is_main)
-            name, split = cfg.eval_dataset or cfg.dataset, cfg.eval_split
+            name, split = cfg.eval_dataset or cfg.datasets[0], cfg.eval_split
         else:
             split = split or "test"
             bench = load_benchmark(dataset, split, limit=max_samples, on_bad_image=on_bad_image)

@@ -176,7 +176,7 @@ def check_names(cfg) -> None:
 
     check_installed(parse_report_to(cfg.report_to))
     resolve_source(cfg.model, repo_type="model", presets=("tiny",), what="--model")
-    for flag, name in (("--dataset", cfg.dataset), ("--eval-dataset", cfg.eval_dataset)):
+    for flag, name in [*(("--dataset", d) for d in cfg.datasets), ("--eval-dataset", cfg.eval_dataset)]:
         if name is not None:
             resolve_source(name, repo_type="dataset", presets=("rdocs",), what=flag)
 

@@ -37,7 +37,9 @@ from raggedvl.parallel import (
     unwrap_model,
     wrap_model,
 )
+from raggedvl.batch import RaggedBatch
 from raggedvl.evaluation.metrics import mean_pairwise_cosine
+from raggedvl.losses import loss_with_negatives
 from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from raggedvl.train.collapse import CollapseCheck, chance_loss
 from raggedvl.train.config import TRAIN_CONFIG_NAME, TrainConfig
@@ -205,12 +207,19 @@ class Trainer:
         for bad in batch.get("skipped", ()):  # on_bad_image="skip": dropped, never silently
             print(f"warning: rank {self.info.rank} skipped example {bad['id']!r}: {bad['reason']}", file=sys.stderr, flush=True)
         queries = batch["queries"].to(self.info.device)
-        docs = batch["docs"].to(self.info.device)
+        docs, n_docs = batch["docs"], batch["docs"].num_samples
+        if batch.get("negatives") is not None:  # hard negatives: one document encode, positives first
+            docs = RaggedBatch.concat([docs, batch["negatives"]])  # same length: split from one processor call
+        docs = docs.to(self.info.device)
+
+        def loss_fn(q, d):
+            return loss_with_negatives(self.c.loss, q, d, n_docs)
+
         self.model.train()
         t1 = time.perf_counter()
         if self.cfg.grad_cache:  # chunked encode, one loss, replayed backward (raggedvl.gradcache)
             self.optimizer.zero_grad(set_to_none=True)
-            cached = grad_cache_step(self.model, queries, docs, self.c.loss, budget=self.cfg.grad_cache_budget,
+            cached = grad_cache_step(self.model, queries, docs, loss_fn, budget=self.cfg.grad_cache_budget,
                                      autocast=self.autocast)
             loss, t2 = cached.loss, t1 + cached.encode_s
             doc_cosine = float("nan")
@@ -218,7 +227,7 @@ class Trainer:
             with self.autocast:  # one forward call per backward, as DDP expects
                 q, d = self.model(queries=queries, docs=docs)
             t2 = time.perf_counter()
-            loss = self.c.loss(q, d)
+            loss = loss_fn(q, d)
             doc_cosine = _doc_cosine(d)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()

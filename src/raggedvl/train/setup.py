@@ -18,6 +18,7 @@ from filelock import FileLock
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from raggedvl.data import RetrievalCollator, RetrievalDataset, build_processor, build_rdocs, load_retrieval_dataset
+from raggedvl.data.concat import concat_datasets
 from raggedvl.data.splits import find_overlap, hash_split
 from raggedvl.data.cache import cache_root
 from raggedvl.evaluation.benchmark import RetrievalBenchmark, load_benchmark
@@ -25,7 +26,7 @@ from raggedvl.losses import RetrievalLoss, make_retrieval_loss
 from raggedvl.models import LoraSettings, build_retriever
 from raggedvl.parallel import DistInfo
 from raggedvl.images import ImagePolicy
-from raggedvl.sampling import BalancedDistributedBatchSampler, SampleCosts, estimate_costs
+from raggedvl.sampling import BalancedDistributedBatchSampler, Mixture, SampleCosts, estimate_costs
 from raggedvl.train.config import TrainConfig
 
 
@@ -49,7 +50,7 @@ def prepare_data(cfg: TrainConfig) -> None:
 
     Safe to call from several processes at once: a file lock serialises the dataset build."""
     build_cfg_processor(cfg)
-    if cfg.dataset == "rdocs":
+    if "rdocs" in cfg.datasets:
         _rdocs_source(cfg)
 
 
@@ -68,28 +69,40 @@ def _evaluates(cfg: TrainConfig) -> bool:
 def load_splits(cfg: TrainConfig, *, warn: bool = True) -> tuple[RetrievalDataset, RetrievalBenchmark | None]:
     """The training pairs and the evaluation benchmark (None when the run does not evaluate).
 
-    Evaluation data, in order of precedence: ``eval_fraction`` (a content-hash split of the
-    training split), ``eval_dataset`` (its ``eval_split``), else ``dataset``'s own
-    ``eval_split``; a dataset without that split is a ``ValueError`` naming the two options.
+    Several datasets (``cfg.datasets``) are each loaded (``max_train_samples`` per dataset) and
+    concatenated in order (:func:`raggedvl.data.concat.concat_datasets`; ``make_sampler`` mixes
+    them by ``dataset_weights``). Evaluation data, in order of precedence: ``eval_fraction`` (a
+    content-hash split of each training split, held-out rows together), ``eval_dataset`` (its
+    ``eval_split``), else the first dataset's own ``eval_split``; a dataset without that split is
+    a ``ValueError`` naming the two options.
     Evaluation documents or queries that also occur in the training pairs (by content, see
     ``raggedvl.data.splits``) are refused (``ValueError``) unless ``allow_eval_overlap``, then
     reported as a warning; either way before any training or collective."""
     common = {"on_bad_image": cfg.on_bad_image, "query_column": cfg.query_column, "image_column": cfg.image_column,
               "id_column": cfg.id_column}
-    if cfg.dataset == "rdocs":
-        source = _rdocs_source(cfg)
-        train_limit = None  # the build already holds max_train_samples pairs
-    else:
-        source, train_limit = cfg.dataset, cfg.max_train_samples
-    train = load_retrieval_dataset(source, split=cfg.train_split, on_empty_query=cfg.on_empty_query, **common)
+    sources, trains, held = [], [], []
+    for name in cfg.datasets:
+        if name == "rdocs":
+            source = _rdocs_source(cfg)
+            train_limit = None  # the build already holds max_train_samples pairs
+        else:
+            source, train_limit = name, cfg.max_train_samples
+        train = load_retrieval_dataset(source, split=cfg.train_split, on_empty_query=cfg.on_empty_query,
+                                       negatives_column=cfg.negatives_column, **common)
+        if cfg.eval_fraction is not None:
+            train, held_out = hash_split(train, cfg.eval_fraction)
+            held.append(held_out)
+        sources.append(source)
+        trains.append(train.sample(train_limit))
+    names = [str(s) for s in cfg.datasets]
+    train = concat_datasets(trains, names)
     if cfg.eval_fraction is not None:
-        train, held_out = hash_split(train, cfg.eval_fraction)
-        bench = RetrievalBenchmark.from_pairs(held_out.sample(cfg.max_eval_samples), name=f"{cfg.dataset} (held out)")
+        held_out = concat_datasets(held, names)
+        bench = RetrievalBenchmark.from_pairs(held_out.sample(cfg.max_eval_samples), name=f"{' + '.join(names)} (held out)")
     elif not _evaluates(cfg):
         bench = None
     else:
-        bench = load_benchmark(cfg.eval_dataset or source, cfg.eval_split, limit=cfg.max_eval_samples, **common)
-    train = train.sample(train_limit)
+        bench = load_benchmark(cfg.eval_dataset or sources[0], cfg.eval_split, limit=cfg.max_eval_samples, **common)
     if bench is not None:
         check_overlap(cfg, train, bench, warn=warn)
     return train, bench
@@ -101,7 +114,7 @@ def check_overlap(cfg: TrainConfig, train: RetrievalDataset, bench: RetrievalBen
     overlap = find_overlap(train, bench.documents, bench.queries, bench.query_ids)
     if not overlap:
         return
-    where = f"evaluation set {cfg.eval_dataset or cfg.dataset!r} (split {cfg.eval_split!r})"
+    where = f"evaluation set {cfg.eval_dataset or cfg.datasets[0]!r} (split {cfg.eval_split!r})"
     if not cfg.allow_eval_overlap:
         raise ValueError(
             f"{where} overlaps the training pairs: {overlap.describe()}; dev metrics would measure memorisation. "
@@ -144,7 +157,11 @@ def estimate_train_costs(cfg: TrainConfig, train_set, policy: ImagePolicy) -> Sa
                           on_bad_image=cfg.on_bad_image, names=names)
 
 
-def make_sampler(cfg: TrainConfig, costs: SampleCosts, info: DistInfo) -> BalancedDistributedBatchSampler:
+def make_sampler(cfg: TrainConfig, costs: SampleCosts, info: DistInfo,
+                 dataset_sizes: list[int] | None = None) -> BalancedDistributedBatchSampler:
+    """This rank's cost-balanced sampler; with ``cfg.dataset_weights``, the datasets (rows in
+    ``dataset_sizes``, concatenated in order) are drawn by weight (:class:`raggedvl.sampling.Mixture`).
+    Raises ``ValueError`` for fewer pairs than the global batch, or bad weights."""
     n = len(costs.costs)
     if n < cfg.global_batch_size:
         raise ValueError(
@@ -155,9 +172,12 @@ def make_sampler(cfg: TrainConfig, costs: SampleCosts, info: DistInfo) -> Balanc
         weights = [1.0] * n
     else:
         weights = costs.costs.tolist()
+    mixture = None
+    if cfg.dataset_weights is not None:
+        mixture = Mixture.from_weights(dataset_sizes or [n], cfg.dataset_weights, names=cfg.datasets)
     return BalancedDistributedBatchSampler(
         weights, cfg.global_batch_size, info.world_size, info.rank, seed=cfg.seed,
-        max_patches_per_rank=cfg.max_patches_per_rank, patches=costs.patches,
+        max_patches_per_rank=cfg.max_patches_per_rank, patches=costs.patches, mixture=mixture,
     )
 
 
@@ -236,7 +256,7 @@ def build_components(cfg: TrainConfig, info: DistInfo, data: RunData | None = No
         train_eval_set=train_eval_set,
         collate=collate,
         model=model,
-        sampler=make_sampler(cfg, data.costs, info),
+        sampler=make_sampler(cfg, data.costs, info, train_set.part_sizes),
         costs=data.costs,
         loss=make_retrieval_loss(cfg.loss, temperature=cfg.temperature),
         phases_s=phases,

@@ -1,0 +1,87 @@
+"""Weighted mixing of several training datasets into one epoch order (seeded, resumable).
+
+The datasets are concatenated (dataset d holds the global indices ``offset_d .. offset_d +
+size_d - 1``) and an epoch of the mixture has N = sum_d size_d draws, like an epoch of the
+concatenation. Draw j of epoch e picks its dataset with probability ``weights[d]`` (numpy's
+``Generator.choice`` on ``PCG64(SeedSequence([seed, e, 2]))``); the draws of dataset d take its
+rows in the order of seeded permutations (``SeedSequence([seed, e, 3, d, round])``): every row
+once before any row repeats, then a fresh permutation (an up-weighted small dataset cycles, a
+down-weighted large one is only partly seen in an epoch). The order is a pure function of
+(sizes, weights, seed, epoch): every rank computes the same one without communication, and a
+resumed sampler (epoch, step) replays exactly the draws of an uninterrupted run.
+
+Expected share of dataset d in any window of n draws: ``weights[d] * n``, with binomial spread
+``sqrt(n * w_d * (1 - w_d))``. A row occurs twice in one global batch only when its dataset has
+fewer rows than it has draws in that batch, or the batch spans the end of one permutation round
+and the start of the next.
+
+Shapes: D datasets; ``sizes`` [D] ints; ``weights`` [D] floats >= 0 (normalised to sum 1);
+an order is [N] int64 global indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """Sizes and normalised weights of the mixed datasets (build with :meth:`from_weights`)."""
+
+    sizes: tuple[int, ...]
+    weights: tuple[float, ...]
+
+    @classmethod
+    def from_weights(cls, sizes: Sequence[int], weights: Sequence[float], names: Sequence[str] | None = None) -> "Mixture":
+        """Validate and normalise. Raises ``ValueError`` for a count mismatch, a negative or
+        non-finite weight, all-zero weights, or a dataset with a positive weight and no rows
+        (``names`` label the datasets in messages)."""
+        sizes, weights = [int(s) for s in sizes], [float(w) for w in weights]
+        names = list(names) if names is not None else [f"dataset {d}" for d in range(len(sizes))]
+        if len(weights) != len(sizes):
+            raise ValueError(f"{len(weights)} weights {weights} for {len(sizes)} datasets {names}; give one weight per dataset")
+        for name, w in zip(names, weights):
+            if not (w >= 0 and np.isfinite(w)):
+                raise ValueError(f"weight {w!r} of {name} must be finite and >= 0")
+        total = sum(weights)
+        if not total > 0:
+            raise ValueError(f"the weights {weights} are all 0; give at least one dataset a positive weight")
+        for name, size, w in zip(names, sizes, weights):
+            if w > 0 and size < 1:
+                raise ValueError(f"{name} has weight {w:g} but no rows; give it rows or weight 0")
+        return cls(tuple(sizes), tuple(w / total for w in weights))
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.sizes)
+
+    def offsets(self) -> np.ndarray:
+        """[D] first global index of each dataset."""
+        return np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+
+    def labels(self, seed: int, epoch: int) -> np.ndarray:
+        """[N] int64: the dataset of each draw of the epoch."""
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), 2])))
+        return rng.choice(len(self.sizes), size=self.num_samples, p=np.asarray(self.weights))
+
+    def order(self, seed: int, epoch: int) -> np.ndarray:
+        """[N] int64 global sample indices of the epoch's draws (module docstring)."""
+        labels = self.labels(seed, epoch)
+        order = np.empty(len(labels), dtype=np.int64)
+        for d, (size, offset) in enumerate(zip(self.sizes, self.offsets())):
+            slots = np.flatnonzero(labels == d)
+            rounds, rows = 0, []
+            while sum(len(r) for r in rows) < len(slots):
+                rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), 3, d, rounds])))
+                rows.append(rng.permutation(size))
+                rounds += 1
+            if len(slots):
+                order[slots] = np.concatenate(rows)[: len(slots)] + offset
+        return order
+
+    def state(self) -> dict[str, Any]:
+        """JSON-serialisable description (part of a sampler's resume fingerprint)."""
+        return {"sizes": list(self.sizes), "weights": [round(w, 12) for w in self.weights]}

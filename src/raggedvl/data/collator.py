@@ -166,11 +166,14 @@ class RetrievalCollator:
 
 
 def _negatives_per_example(examples: Sequence[dict[str, Any]]) -> int:
-    """k, the hard negatives of every example (0 when none has any). Raises ``ValueError`` when
-    examples differ in k or ``negatives`` is not a non-empty list."""
+    """k, the hard negatives of every example (0 when none has any; rows without an image are
+    not counted: they are dropped). Raises ``ValueError`` when examples differ in k or
+    ``negatives`` is not a non-empty list."""
     counts = []
     for position, example in enumerate(examples):
         negs = example.get("negatives")
+        if example.get("image") is None:  # a row the dataset rejected (on_bad_image="skip"): dropped later
+            continue
         if negs is not None and (not isinstance(negs, (list, tuple)) or not negs):
             raise ValueError(f"example {position} (id {example.get('id', position)!r}): 'negatives' must be a non-empty "
                              f"list of images, got {type(negs).__name__} {negs!r:.80}")

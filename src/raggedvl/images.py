@@ -39,6 +39,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import re
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,8 +47,6 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Union
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 ImageSource = Union[str, os.PathLike, bytes, Image.Image, dict]
@@ -58,6 +57,12 @@ _DECODE_ERRORS = (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFE
 
 
 _BAD_IMAGE_FIX = "fix or remove it, or skip such images: on_bad_image='skip' (raggedvl: --on-bad-image skip)"
+_IN_MEMORY_FILE = re.compile(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
+
+
+def _reason(exc: BaseException) -> str:
+    """``exc`` as ``Type: message``, without PIL's ``<_io.BytesIO object at 0x...>`` for images held in memory."""
+    return f"{type(exc).__name__}: {_IN_MEMORY_FILE.sub('', str(exc))}"
 
 
 class BadImageError(ValueError):
@@ -244,6 +249,9 @@ def resize_image(image: Image.Image, size: tuple[int, int]) -> Image.Image:
     it already has that size."""
     if image.size == tuple(size):
         return image
+    import torch  # here, so that header reads (read_size, ImagePolicy.inspect) never import torch
+    import torch.nn.functional as F
+
     pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).unsqueeze(0)
     out = F.interpolate(pixels, size=(size[1], size[0]), mode="bicubic", align_corners=False, antialias=True)
     return Image.fromarray(out[0].permute(1, 2, 0).contiguous().numpy(), mode="RGB")
@@ -322,7 +330,7 @@ def read_size(source: ImageSource, *, name: str | None = None) -> tuple[int, int
     except Image.DecompressionBombError as exc:
         raise BadImageError(f"{label} is above PIL's decompression-bomb limit ({exc}); downscale it") from exc
     except _DECODE_ERRORS as exc:
-        raise BadImageError(f"{label}: cannot read the image header ({type(exc).__name__}: {exc}); {_BAD_IMAGE_FIX}") from exc
+        raise BadImageError(f"{label}: cannot read the image header ({_reason(exc)}); {_BAD_IMAGE_FIX}") from exc
     return (height, width) if swap else (width, height)
 
 
@@ -388,4 +396,4 @@ def load_image(source: ImageSource, *, max_source_pixels: int = 64_000_000, name
             f"{max_source_pixels} ({exc}); downscale it"
         ) from exc
     except _DECODE_ERRORS as exc:
-        raise BadImageError(f"{label} cannot be decoded ({type(exc).__name__}: {exc}); {_BAD_IMAGE_FIX}") from exc
+        raise BadImageError(f"{label} cannot be decoded ({_reason(exc)}); {_BAD_IMAGE_FIX}") from exc

@@ -1,43 +1,47 @@
 """raggedvl.data: the embedded rdocs dataset, retrieval datasets and loaders, processors, collator
-(image hardening: ``raggedvl.images``, re-exported here)."""
+(image hardening: ``raggedvl.images``, re-exported here).
 
-from .collator import DOC_TEMPLATE, IMAGE_BLOCK, QUERY_AUGMENTATION, QUERY_TEMPLATE, RetrievalCollator
-from .dataset import RetrievalDataset, load_retrieval_dataset
-from raggedvl.images import BadImageError, ImagePolicy, load_image
+Names are imported lazily (PEP 562), so that ``raggedvl.data.scan`` (the launcher's data check)
+and ``raggedvl.data.dataset`` load without transformers or torch."""
 
-from .processing import (
-    QWEN2_VL_SPECIAL_TOKENS,
-    TINY_MAX_PIXELS,
-    TINY_MIN_PIXELS,
-    Qwen2VLImageTextProcessor,
-    build_processor,
-    build_tiny_tokenizer,
-    set_pixel_limits,
-)
-from .cache import cache_root
-from .rdocs import DEFAULT_JOB_DEV_PAIRS, DEFAULT_JOB_TRAIN_PAIRS, build_rdocs, verify_manuals
+from __future__ import annotations
 
-__all__ = [
-    "BadImageError",
-    "DEFAULT_JOB_DEV_PAIRS",
-    "DEFAULT_JOB_TRAIN_PAIRS",
-    "DOC_TEMPLATE",
-    "IMAGE_BLOCK",
-    "ImagePolicy",
-    "QUERY_AUGMENTATION",
-    "QUERY_TEMPLATE",
-    "QWEN2_VL_SPECIAL_TOKENS",
-    "Qwen2VLImageTextProcessor",
-    "RetrievalCollator",
-    "RetrievalDataset",
-    "TINY_MAX_PIXELS",
-    "TINY_MIN_PIXELS",
-    "build_processor",
-    "build_rdocs",
-    "build_tiny_tokenizer",
-    "cache_root",
-    "load_image",
-    "load_retrieval_dataset",
-    "set_pixel_limits",
-    "verify_manuals",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BadImageError": "raggedvl.images",
+    "DEFAULT_JOB_DEV_PAIRS": "raggedvl.data.rdocs",
+    "DEFAULT_JOB_TRAIN_PAIRS": "raggedvl.data.rdocs",
+    "DOC_TEMPLATE": "raggedvl.data.collator",
+    "IMAGE_BLOCK": "raggedvl.data.collator",
+    "ImagePolicy": "raggedvl.images",
+    "QUERY_AUGMENTATION": "raggedvl.data.collator",
+    "QUERY_TEMPLATE": "raggedvl.data.collator",
+    "QWEN2_VL_SPECIAL_TOKENS": "raggedvl.data.processing",
+    "Qwen2VLImageTextProcessor": "raggedvl.data.processing",
+    "RetrievalCollator": "raggedvl.data.collator",
+    "RetrievalDataset": "raggedvl.data.dataset",
+    "TINY_MAX_PIXELS": "raggedvl.data.processing",
+    "TINY_MIN_PIXELS": "raggedvl.data.processing",
+    "build_processor": "raggedvl.data.processing",
+    "build_rdocs": "raggedvl.data.rdocs",
+    "build_tiny_tokenizer": "raggedvl.data.processing",
+    "cache_root": "raggedvl.data.cache",
+    "load_image": "raggedvl.images",
+    "load_retrieval_dataset": "raggedvl.data.dataset",
+    "set_pixel_limits": "raggedvl.data.processing",
+    "verify_manuals": "raggedvl.data.rdocs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'raggedvl.data' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -109,6 +109,55 @@ def test_names_are_checked_before_torch_is_imported(tmp_path):
     assert out.stderr.count("\n") == 1 and "did you mean 'tiny'?" in out.stderr
 
 
+def test_data_errors_are_one_line_before_torch_is_imported(tmp_path):
+    """A missing dataset, a wrong column and a corrupt image (under the default sample limit and
+    with all rows) each end the command with exit code 2 and one line, in a process that never
+    imported torch or transformers: the launcher reads the table and the image headers itself."""
+    good = _parquet(tmp_path / "good.parquet")
+    renamed = _parquet(tmp_path / "renamed.parquet", names=("question", "page", "doc_id"))
+    corrupt = _parquet(tmp_path / "corrupt.parquet", corrupt=(5,))
+    cases = [["--dataset", str(tmp_path / "missing.parquet")],
+             ["--dataset", renamed],
+             ["--dataset", renamed, "--query-column", "question"],
+             ["--dataset", renamed, "--query-column", "question", "--image-column", "page", "--id-column", "id"],
+             ["--dataset", corrupt, "--id-column", "doc_id"],
+             ["--dataset", corrupt, "--max-train-samples", "none"]]
+    code = ("import sys; from raggedvl.cli import main\n"
+            f"for argv in {cases!r}:\n"
+            f"    rc = main(['train', '--output-dir', {str(tmp_path / 'run')!r}, *argv])\n"
+            "    print(rc, 'torch' in sys.modules, 'transformers' in sys.modules, flush=True)\n"
+            "    print('---', file=sys.stderr, flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.stdout.split("\n")[:-1] == ["2 False False"] * len(cases), out.stdout + out.stderr
+    errors = out.stderr.split("---\n")[:-1]
+    assert len(errors) == len(cases) and all(e.count("\n") == 1 and e.startswith("raggedvl: error: ") for e in errors), errors
+    assert f"--dataset '{tmp_path / 'missing.parquet'}': no such file or folder; did you mean" in errors[0]
+    assert "good.parquet" in errors[0] or "corrupt.parquet" in errors[0]
+    columns = "(columns: ['question', 'page', 'doc_id'])"
+    assert f"{renamed} split 'train' has no column 'query' {columns}" in errors[1] and "--query-column" in errors[1]
+    assert "has no column 'image'" in errors[2] and "--image-column" in errors[2]
+    assert "has no id column 'id'" in errors[3] and "--id-column" in errors[3]
+    for err, ident in ((errors[4], "doc-5"), (errors[5], "train-5")):
+        assert f"{corrupt} split 'train' row 5 (id '{ident}'): cannot read the image header" in err, err
+        assert "--on-bad-image skip" in err and "BytesIO" not in err
+    assert good  # the near miss the missing path is compared with
+
+
+def test_a_corrupt_image_outside_the_training_sample_does_not_stop_the_run(tmp_path):
+    """The launcher judges only the rows the run trains on (--max-train-samples keeps a stable
+    sample, the ranks' own): a corrupt image left out of it is no error."""
+    from raggedvl.data.dataset import kept_rows
+
+    used, _ = kept_rows([f"q{i}" for i in range(12)], [f"train-{i}" for i in range(12)], "t", "error", 4)
+    outside = min(set(range(12)) - set(used))
+    path = _parquet(tmp_path / "pairs.parquet", n=12, corrupt=(outside,))
+    common = {"dataset": path, "eval_before": False, "eval_after": False}
+    launch.check_data(TrainConfig(max_train_samples=4, **common))
+    with pytest.raises(ValueError, match=rf"row {outside} \(id 'train-{outside}'\): cannot read the image header"):
+        launch.check_data(TrainConfig(max_train_samples=None, **common))
+    launch.check_data(TrainConfig(max_train_samples=None, on_bad_image="skip", **common))
+
+
 def test_missing_columns_name_the_flags_that_fix_them(capsys, tmp_path):
     path = _parquet(tmp_path / "pairs.parquet", names=("question", "page", "doc_id"))
     err = one_line_error(capsys, ["--dataset", path, "--eval-fraction", "0.25"], tmp_path)

@@ -36,6 +36,7 @@ from typing import Any
 
 from PIL import Image
 
+from raggedvl.data.scan import check_columns, pick_split
 from raggedvl.images import BadImageError, BadImagePolicy, check_bad_image_policy, load_image, read_size
 
 
@@ -70,6 +71,32 @@ def _bad_query_rows(queries: list[Any], ids: list[str], where: str, policy: str)
                 )
             bad.append({"row": row, "id": ident, "reason": f"empty or non-string query {query!r}"})
     return bad
+
+
+def kept_rows(queries: list[Any], ids: list[str], where: str, on_empty_query: str,
+              limit: int | None = None) -> tuple[list[int], list[dict[str, Any]]]:
+    """(rows kept, rows skipped): the rows a loader keeps of a table with these ``queries`` and
+    ``ids`` under ``on_empty_query`` (see ``_bad_query_rows``; "error" raises), then the stable
+    ``limit`` sample of them (``_limit_order``)."""
+    skipped = _bad_query_rows(queries, ids, where, on_empty_query)
+    bad_rows = {s["row"] for s in skipped}
+    valid = [i for i in range(len(ids)) if i not in bad_rows]
+    return [valid[j] for j in _limit_order([ids[i] for i in valid], limit)], skipped
+
+
+class _SizesOrSources(Sequence):
+    """Per row, its known (width, height), else its image source (whose header a size estimate
+    reads): a view over two equally long sequences."""
+
+    def __init__(self, sizes: Sequence[tuple[int, int] | None], sources: Sequence[Any]) -> None:
+        self.sizes, self.sources = sizes, sources
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, index: int) -> Any:
+        size = self.sizes[index]
+        return self.sources[index] if size is None else size
 
 
 class _ImageColumn(Sequence):
@@ -193,7 +220,7 @@ class RetrievalDataset(Sequence):
         self.part_sizes = [len(records)]  # rows of each dataset concat_datasets joined (one entry otherwise)
         self.negative_sources = negative_sources  # per row, k undecoded images (None: no hard negatives)
         self.negatives_per_row = negatives_per_row if negative_sources is not None else 0  # k
-        self._sizes = sizes  # from the manifest
+        self._sizes = sizes  # from the manifest or the size cache; a None entry: read the header
         self._read_sizes: list[tuple[int, int] | None] | None = None  # from the headers, cached
 
     # ------------------------------------------------------------------ constructors
@@ -245,11 +272,14 @@ class RetrievalDataset(Sequence):
         limit: int | None = None,
         base_dir: str | os.PathLike | None = None,
         on_empty_query: str = "error",
+        sizes: Sequence[tuple[int, int] | None] | None = None,
         **kwargs,
     ) -> "RetrievalDataset":
         """Wrap a ``datasets.Dataset`` with a query column and an image column (the datasets
         ``Image`` feature, or strings holding paths relative to ``base_dir``), and optionally a
         hard-negatives column (one image or a list of images per row, the same count in each).
+        ``sizes``: each row's image (width, height) when known (``raggedvl.data.scan``'s cache;
+        None: read the header when needed), so that a size estimate reads no image.
 
         Images are read undecoded (``Image(decode=False)``), row by row on access, and decoded
         by this package's hardened loader. Ids come from ``id_column`` or are ``"<split>-<row>"``.
@@ -257,17 +287,8 @@ class RetrievalDataset(Sequence):
         import datasets
 
         where = kwargs.pop("where", None) or f"dataset split {split!r}"
-        columns = list(dataset.column_names)
-        for label, column in (("query_column", query_column), ("image_column", image_column)):
-            if column not in columns:
-                raise ValueError(f"{where} has no column {column!r} (columns: {columns}); pass {label}= "
-                                 f"(raggedvl train --{label.replace('_', '-')}) naming the right one")
-        if id_column is not None and id_column not in columns:
-            raise ValueError(f"{where} has no id column {id_column!r} (columns: {columns}); pass id_column= "
-                             "(--id-column) naming the right one, or none")
-        if negatives_column is not None and negatives_column not in columns:
-            raise ValueError(f"{where} has no hard-negatives column {negatives_column!r} (columns: {columns}); pass "
-                             "negatives_column= (--negatives-column) naming the right one, or none")
+        check_columns(dataset.column_names, where, query_column=query_column, image_column=image_column,
+                      id_column=id_column, negatives_column=negatives_column)
         if isinstance(dataset.features[image_column], datasets.Image):
             dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
         if negatives_column is not None:
@@ -278,17 +299,15 @@ class RetrievalDataset(Sequence):
                 dataset = dataset.cast_column(negatives_column, datasets.List(datasets.Image(decode=False)))
         queries = dataset[query_column]
         ids = [str(v) for v in dataset[id_column]] if id_column else [f"{split}-{i}" for i in range(len(queries))]
-        skipped = _bad_query_rows(queries, ids, where, on_empty_query)
-        bad_rows = {s["row"] for s in skipped}
-        valid = [i for i in range(len(ids)) if i not in bad_rows]
-        keep = [valid[j] for j in _limit_order([ids[i] for i in valid], limit)]
+        keep, skipped = kept_rows(queries, ids, where, on_empty_query, limit)
         records = [{"query": queries[i], "id": ids[i], "row": i} for i in keep]
         negatives, k = None, 0
         if negatives_column is not None:
             k = _negative_counts(dataset, negatives_column, keep, [ids[i] for i in keep], where)
             negatives = _RowLists(_ImageColumn(dataset, negatives_column, keep, None), base_dir)
         result = cls(records, _ImageColumn(dataset, image_column, keep, base_dir), split, where=where,
-                     on_empty_query=on_empty_query, negative_sources=negatives, negatives_per_row=k, **kwargs)
+                     on_empty_query=on_empty_query, negative_sources=negatives, negatives_per_row=k,
+                     sizes=None if sizes is None else [sizes[i] for i in keep], **kwargs)
         result.skipped_rows = skipped
         return result
 
@@ -328,7 +347,7 @@ class RetrievalDataset(Sequence):
         ``{"bytes", "path"}`` dict, of which only the header is read). With hard negatives, each
         row's entry is the list ``[image, *negatives]``, so a row's cost counts every image the
         collator encodes for it. Lazy: rows are read on access."""
-        images = self._sizes if self._sizes is not None else self.image_sources
+        images = self.image_sources if self._sizes is None else _SizesOrSources(self._sizes, self.image_sources)
         return images if self.negative_sources is None else _WithNegatives(images, self.negative_sources)
 
     def sample(self, limit: int | None) -> "RetrievalDataset":
@@ -388,10 +407,9 @@ class RetrievalDataset(Sequence):
         applied), without decoding pixels (from the manifest, else from each file's header,
         cached). An unreadable header gives None under ``on_bad_image="skip"`` and raises
         BadImageError naming the row under "error"."""
-        if self._sizes is not None:
-            return list(self._sizes)
         if self._read_sizes is None:
-            self._read_sizes = [self._header_size(i) for i in range(len(self))]
+            known = self._sizes or [None] * len(self)
+            self._read_sizes = [size if size is not None else self._header_size(i) for i, size in enumerate(known)]
         return list(self._read_sizes)
 
     def _header_size(self, index: int) -> tuple[int, int] | None:
@@ -401,31 +419,6 @@ class RetrievalDataset(Sequence):
             if self.on_bad_image == "skip":
                 return None
             raise
-
-
-SPLIT_ALIASES = (("train", "training"), ("dev", "validation", "valid", "val"), ("test", "testing", "eval", "evaluation"))
-"""Split names that ``datasets`` treats as one split when it infers splits from file names
-(``dev.parquet`` becomes the "validation" split): a request for one finds any other."""
-
-
-def pick_split(available: Sequence[str], split: str, where: str) -> str:
-    """The name in ``available`` that means ``split`` (itself, or an alias from SPLIT_ALIASES).
-
-    Raises ``ValueError`` naming the splits present and how split names are inferred."""
-    if split in available:
-        return split
-    for group in SPLIT_ALIASES:
-        if split in group:
-            found = [name for name in group if name in available]
-            if found:
-                return found[0]
-    raise ValueError(
-        f"{where} has no split {split!r}; its splits: {sorted(available)}. Local files are split by name "
-        "(train*, dev*/validation*, test*, or the hub layout data/<split>-*.parquet); a file without a split "
-        "name is a training set only. raggedvl eval / encode: pass --split with one of the splits above; "
-        "raggedvl train: evaluate with --eval-dataset PATH (--eval-split NAME) or hold out a hash split with "
-        "--eval-fraction F"
-    )
 
 
 def _load_hf_split(name_or_path: str | os.PathLike, split: str, **load_kwargs):
@@ -474,7 +467,7 @@ def load_retrieval_dataset(
       names (``train*``, ``dev*``/``validation*``, ``test*``, the hub's ``data/<split>-*.parquet``);
     - a hub dataset id (``vidore/colpali_train_set``) through ``datasets.load_dataset``.
     ``split`` names one of the splits present; "dev" and "validation" (and the other
-    ``SPLIT_ALIASES``) find each other. A missing split is a ``ValueError`` listing those present.
+    ``raggedvl.data.scan.SPLIT_ALIASES``) find each other. A missing split is a ``ValueError`` listing those present.
     ``limit`` keeps a stable hash sample of that many rows. ``negatives_column`` names a column
     of hard negatives (one image or a list of images per row; not for rdocs manifests, which have
     none). Extra ``load_kwargs`` go to ``datasets.load_dataset``.
@@ -497,5 +490,20 @@ def load_retrieval_dataset(
     hf, base = _load_hf_split(name_or_path, split, **load_kwargs)
     return RetrievalDataset.from_hf(
         hf, split, query_column=query_column, image_column=image_column, id_column=id_column,
-        negatives_column=negatives_column, limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}", **common,
+        negatives_column=negatives_column, limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}",
+        sizes=_cached_sizes(name_or_path, split, image_column, len(hf)), **common,
     )
+
+
+def _cached_sizes(name_or_path: str | os.PathLike, split: str, image_column: str,
+                  num_rows: int) -> list[tuple[int, int] | None] | None:
+    """Each row's image size from ``raggedvl.data.scan``'s cache of a local parquet split (the
+    launcher writes it), else None (the sizes are then read from the headers when needed)."""
+    from raggedvl.data.scan import cached_image_sizes, parquet_split
+
+    if Path(name_or_path).expanduser().exists():
+        table = parquet_split(name_or_path, split)
+        found = cached_image_sizes(table, image_column) if table is not None else None
+        if found is not None and table.num_rows == num_rows:
+            return [None if width < 0 else (width, height) for width, height in found.sizes.tolist()]
+    return None

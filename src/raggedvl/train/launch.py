@@ -181,6 +181,43 @@ def check_names(cfg) -> None:
             resolve_source(name, repo_type="dataset", presets=("rdocs",), what=flag)
 
 
+def check_data(cfg) -> None:
+    """The launcher's data checks before torch is imported, for each training set held in local
+    parquet files (``raggedvl.data.scan``; other sources are checked by ``prepare_run_data``):
+    the columns, the queries (``--on-empty-query``), and every image's header, read in parallel
+    and cached beside the data, so the ranks' size estimate reads no image. Raises ``ValueError``
+    (a missing column, with the columns present and the flag; an empty query, with its row and
+    id) or ``BadImageError`` (the first unreadable image among the rows the run trains on,
+    with its row, id and file and ``--on-bad-image skip``; with ``--eval-fraction``, left to
+    ``prepare_run_data``)."""
+    for name in cfg.datasets:
+        if name != "rdocs":
+            _check_parquet_data(cfg, name)
+
+
+def _check_parquet_data(cfg, name: str) -> None:
+    from raggedvl.data.dataset import kept_rows
+    from raggedvl.data.scan import check_columns, image_sizes, parquet_split, read_column
+    from raggedvl.images import BadImageError
+
+    table = parquet_split(name, cfg.train_split)
+    if table is None:
+        return
+    check_columns(table.columns, table.where, query_column=cfg.query_column, image_column=cfg.image_column,
+                  id_column=cfg.id_column, negatives_column=cfg.negatives_column)
+    queries = read_column(table, cfg.query_column)
+    ids = ([str(v) for v in read_column(table, cfg.id_column)] if cfg.id_column
+           else [f"{cfg.train_split}-{i}" for i in range(len(queries))])
+    used, _ = kept_rows(queries, ids, table.where, cfg.on_empty_query, cfg.max_train_samples)
+    sizes = image_sizes(table, cfg.image_column)
+    # with --eval-fraction the rows used depend on image digests: prepare_run_data decides
+    strict = cfg.on_bad_image == "error" and cfg.eval_fraction is None
+    bad = next((row for row in used if row in sizes.errors), None) if strict else None
+    if bad is not None:
+        label = f"{table.where} row {bad} (id {ids[bad]!r})"
+        raise BadImageError(sizes.message(bad, label if len(table.files) == 1 else f"{label} in {table.file_of(bad)}"))
+
+
 def launch_train(args, argv: Sequence[str]) -> int:
     """``raggedvl train`` (module docstring): one rank under torchrun, else check, then train
     here (one process) or exec the agent. Returns the exit code (0) or raises what the checks
@@ -201,6 +238,7 @@ def launch_train(args, argv: Sequence[str]) -> int:
         train(cfg, clock=clock)
         return 0
     check_names(cfg)
+    check_data(cfg)
     cmd = torchrun_command(args, strip_torchrun_arguments(argv))
     world, multi = check_world_fits(cfg, cmd)
     plain_output()

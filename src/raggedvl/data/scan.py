@@ -1,0 +1,263 @@
+"""A local parquet dataset as the launcher sees it, without torch, transformers or ``datasets``'
+arrow conversion: the split's files and columns (pyarrow), chosen columns, and every image's
+size from its header, read in parallel and cached beside the data.
+
+``parquet_split`` finds the parquet files of one split of a ``.parquet`` file or a folder (a
+folder's splits inferred by ``datasets``' own file-name rules, so rows come in the order
+``datasets.load_dataset`` gives them). ``image_sizes`` reads each row's image header (PIL, lazy
+open: no pixel decoded) in worker processes over the files' row groups, and caches the result
+in ``<data folder>/.raggedvl/sizes-<key>.npz``, the key a hash of each file's resolved path,
+byte size and modification time and of the image column, so a changed file is scanned again
+(falls back to ``<cache root>/sizes/`` where the data folder is read-only). Rows whose header
+cannot be read keep their reason, so a corrupt image is reported again from the cache.
+
+Shapes and units: sizes are ``[N, 2]`` int64 (width, height) in pixels, EXIF orientation
+applied, ``-1`` for an unreadable row; N counts the split's rows over all its files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SCAN_VERSION = 1
+_LABEL = "\x00"  # stands for the row's label in a stored reason; replaced when reported
+PARALLEL_ROWS = 2048  # fewer rows are read in this process (worker start-up would dominate)
+
+
+SPLIT_ALIASES = (("train", "training"), ("dev", "validation", "valid", "val"), ("test", "testing", "eval", "evaluation"))
+"""Split names that ``datasets`` treats as one split when it infers splits from file names
+(``dev.parquet`` becomes the "validation" split): a request for one finds any other."""
+
+
+def pick_split(available: Sequence[str], split: str, where: str) -> str:
+    """The name in ``available`` that means ``split`` (itself, or an alias from SPLIT_ALIASES).
+
+    Raises ``ValueError`` naming the splits present and how split names are inferred."""
+    if split in available:
+        return split
+    for group in SPLIT_ALIASES:
+        if split in group:
+            found = [name for name in group if name in available]
+            if found:
+                return found[0]
+    raise ValueError(
+        f"{where} has no split {split!r}; its splits: {sorted(available)}. Local files are split by name "
+        "(train*, dev*/validation*, test*, or the hub layout data/<split>-*.parquet); a file without a split "
+        "name is a training set only. raggedvl eval / encode: pass --split with one of the splits above; "
+        "raggedvl train: evaluate with --eval-dataset PATH (--eval-split NAME) or hold out a hash split with "
+        "--eval-fraction F"
+    )
+
+
+@dataclass(frozen=True)
+class ParquetSplit:
+    """One split of a local parquet dataset: its ``files`` (in ``datasets``' order), the folder
+    relative image paths refer to (``base_dir``), its ``columns``, ``num_rows`` over all files, and
+    ``where`` (how messages name it, e.g. ``"pairs.parquet split 'train'"``)."""
+
+    files: tuple[Path, ...]
+    base_dir: Path
+    columns: tuple[str, ...]
+    file_rows: tuple[int, ...]  # rows per file
+    where: str
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.file_rows)
+
+    def file_of(self, row: int) -> Path:
+        """The file that holds split row ``row``."""
+        end = 0
+        for file, rows in zip(self.files, self.file_rows):
+            end += rows
+            if row < end:
+                return file
+        raise IndexError(f"row {row} is beyond the {self.num_rows} rows of {self.where}")
+
+
+def parquet_split(name_or_path: str | os.PathLike, split: str) -> ParquetSplit | None:
+    """The split ``split`` of a local ``.parquet`` file (its one split, "train"; ``split`` aliases
+    as in ``pick_split``) or of a folder of parquet files; None for
+    anything else (an rdocs manifest, an image folder, a folder with a dataset card, a hub id),
+    which only the full loader reads. Raises ``ValueError`` naming the splits present when the
+    split is missing."""
+    import pyarrow.parquet as pq
+
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".parquet":
+        files, base, splits = [path], path.parent, {"train": [path]}
+    elif path.is_dir() and not (path / "manifest.jsonl").exists() and not (path / "README.md").exists():
+        from datasets.data_files import DataFilesDict, get_data_patterns
+
+        try:
+            found = DataFilesDict.from_patterns(get_data_patterns(str(path.resolve())), base_path=str(path.resolve()))
+        except (FileNotFoundError, ValueError):
+            return None
+        splits = {name: [Path(f) for f in files] for name, files in found.items()}
+        base = path
+    else:
+        return None
+    files = splits[pick_split(list(splits), split, str(name_or_path))]
+    if not files or any(f.suffix != ".parquet" for f in files):
+        return None
+    metadata = [pq.ParquetFile(f).metadata for f in files]
+    return ParquetSplit(tuple(files), base, tuple(metadata[0].schema.to_arrow_schema().names),
+                        tuple(m.num_rows for m in metadata), f"{name_or_path} split {split!r}")
+
+
+def check_columns(columns: Sequence[str], where: str, *, query_column: str, image_column: str,
+                  id_column: str | None, negatives_column: str | None = None) -> None:
+    """Raises ``ValueError`` naming the missing column, the columns present and the option (and
+    ``raggedvl train`` flag) that names the right one."""
+    columns = list(columns)
+    for label, column in (("query_column", query_column), ("image_column", image_column)):
+        if column not in columns:
+            raise ValueError(f"{where} has no column {column!r} (columns: {columns}); pass {label}= "
+                             f"(raggedvl train --{label.replace('_', '-')}) naming the right one")
+    if id_column is not None and id_column not in columns:
+        raise ValueError(f"{where} has no id column {id_column!r} (columns: {columns}); pass id_column= "
+                         "(--id-column) naming the right one, or none")
+    if negatives_column is not None and negatives_column not in columns:
+        raise ValueError(f"{where} has no hard-negatives column {negatives_column!r} (columns: {columns}); pass "
+                         "negatives_column= (--negatives-column) naming the right one, or none")
+
+
+def read_column(split: ParquetSplit, column: str) -> list[Any]:
+    """One column of the split as Python values, all files concatenated (for the small text
+    columns: queries, ids)."""
+    import pyarrow.parquet as pq
+
+    return [v for f in split.files for v in pq.read_table(f, columns=[column]).column(column).to_pylist()]
+
+
+@dataclass
+class ImageSizes:
+    """``sizes`` [N, 2] int64 (width, height), -1 where the header could not be read;
+    ``errors``: row -> reason (the message with the row's label left out)."""
+
+    sizes: np.ndarray
+    errors: dict[int, str]
+
+    def size(self, row: int) -> tuple[int, int] | None:
+        width, height = (int(v) for v in self.sizes[row])
+        return None if width < 0 else (width, height)
+
+    def message(self, row: int, label: str) -> str:
+        """The ``BadImageError`` text of an unreadable row, naming it as ``label``."""
+        return self.errors[row].replace(_LABEL, label, 1)
+
+
+def _image_source(value: Any, base_dir: Path) -> Any:
+    """What ``raggedvl.images.read_size`` reads for one parquet value: a ``{"bytes", "path"}``
+    struct (``datasets``' Image feature), bytes, or a path relative to ``base_dir``."""
+    if isinstance(value, str):
+        return str(base_dir / value)
+    if isinstance(value, dict) and value.get("bytes") is None and value.get("path"):
+        return {"bytes": None, "path": str(base_dir / value["path"])}
+    return value
+
+
+def _scan_part(task: tuple[str, int, str, str]) -> tuple[list[tuple[int, int]], dict[int, str]]:
+    """Sizes of one row group (runs in a worker process)."""
+    import pyarrow.parquet as pq
+
+    from raggedvl.images import BadImageError, read_size
+
+    file, group, column, base_dir = task
+    values = pq.ParquetFile(file).read_row_group(group, columns=[column]).column(column).to_pylist()
+    sizes, errors = [], {}
+    for i, value in enumerate(values):
+        source = _image_source(value, Path(base_dir))
+        try:
+            if source is None:
+                raise BadImageError(f"{_LABEL} has no image (the value is null); fill it in or remove the row")
+            sizes.append(read_size(source, name=_LABEL))
+        except (BadImageError, TypeError) as exc:
+            sizes.append((-1, -1))
+            errors[i] = str(exc) if str(exc).startswith(_LABEL) else f"{_LABEL}: {exc}"
+    return sizes, errors
+
+
+def _fingerprint(split: ParquetSplit, column: str) -> str:
+    parts = [SCAN_VERSION, column]
+    for f in split.files:
+        stat = f.stat()
+        parts.append([str(f.resolve()), stat.st_size, stat.st_mtime_ns])
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
+
+
+def _cache_paths(split: ParquetSplit, column: str) -> list[Path]:
+    """Where the sizes of ``split`` are cached: beside the data first, then the cache root."""
+    from raggedvl.data.cache import cache_root
+
+    name = f"sizes-{_fingerprint(split, column)}.npz"
+    return [split.files[0].parent / ".raggedvl" / name, cache_root() / "sizes" / name]
+
+
+def cached_image_sizes(split: ParquetSplit, column: str) -> ImageSizes | None:
+    """The cached sizes of ``split``'s ``column``, or None when no valid cache entry exists."""
+    for path in _cache_paths(split, column):
+        try:
+            with np.load(path) as data:
+                sizes = data["sizes"]
+                errors = {int(k): v for k, v in json.loads(str(data["errors"])).items()}
+        except (OSError, KeyError, ValueError):
+            continue
+        if sizes.shape == (split.num_rows, 2):
+            return ImageSizes(sizes, errors)
+    return None
+
+
+def _store(split: ParquetSplit, column: str, result: ImageSizes) -> None:
+    for path in _cache_paths(split, column):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                np.savez(f, sizes=result.sizes, errors=np.array(json.dumps({str(k): v for k, v in result.errors.items()})))
+            os.replace(tmp, path)
+            return
+        except OSError:
+            continue
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def image_sizes(split: ParquetSplit, column: str, *, workers: int | None = None) -> ImageSizes:
+    """Every row's image size from its header (module docstring), from the cache when it holds
+    this split's files unchanged, else read (``workers`` processes, default one per CPU; one
+    row group at a time, so memory holds a few row groups' bytes, not the dataset's) and
+    cached. Raises nothing for unreadable images: they are in ``ImageSizes.errors``."""
+    import pyarrow.parquet as pq
+
+    cached = cached_image_sizes(split, column)
+    if cached is not None:
+        return cached
+    tasks = [(str(f), g, column, str(split.base_dir)) for f in split.files
+             for g in range(pq.ParquetFile(f).metadata.num_row_groups)]
+    workers = min(workers or _cpus(), len(tasks))
+    if workers > 1 and split.num_rows >= PARALLEL_ROWS:
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            parts = list(pool.map(_scan_part, tasks))
+    else:
+        parts = [_scan_part(t) for t in tasks]
+    sizes, errors, offset = [], {}, 0
+    for part_sizes, part_errors in parts:
+        errors.update({offset + i: reason for i, reason in part_errors.items()})
+        sizes.extend(part_sizes)
+        offset += len(part_sizes)
+    result = ImageSizes(np.asarray(sizes, dtype=np.int64).reshape(-1, 2), errors)
+    _store(split, column, result)
+    return result

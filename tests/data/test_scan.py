@@ -1,0 +1,137 @@
+"""raggedvl.data.scan: a local parquet split's files, columns and image sizes, read without
+decoding, in parallel, and cached beside the data by file fingerprint (issue 16 items 1, 3)."""
+
+import io
+import os
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from raggedvl.data import load_retrieval_dataset
+from raggedvl.data import scan
+from raggedvl.data.scan import cached_image_sizes, image_sizes, parquet_split
+from raggedvl.images import read_size
+
+
+def _png(width: int, height: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("L", (width, height), 200).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _write(path, sizes, *, corrupt=(), row_group_size=None):
+    """A parquet file with ``datasets``' Image feature: one PNG of each (width, height)."""
+    images = [{"bytes": b"not a png" if i in corrupt else _png(*s), "path": None} for i, s in enumerate(sizes)]
+    features = datasets.Features({"query": datasets.Value("string"), "image": datasets.Image()})
+    table = datasets.Dataset.from_dict({"query": [f"q{i}" for i in range(len(sizes))], "image": images},
+                                       features=features).data.table
+    pq.write_table(table, str(path), row_group_size=row_group_size)
+    return path
+
+
+SIZES = [(30 + i, 40 + 2 * i) for i in range(12)]
+
+
+def test_sizes_equal_the_header_reads_and_keep_unreadable_rows(tmp_path):
+    path = _write(tmp_path / "pairs.parquet", SIZES, corrupt=(4,), row_group_size=5)
+    table = parquet_split(path, "train")
+    assert table.num_rows == 12 and table.columns == ("query", "image")
+    found = image_sizes(table, "image", workers=1)
+    expected = [None if i == 4 else read_size({"bytes": _png(*s), "path": None}) for i, s in enumerate(SIZES)]
+    assert [found.size(i) for i in range(12)] == expected
+    assert list(found.errors) == [4]
+    message = found.message(4, "pairs row 4 (id 'x')")
+    assert message.startswith("pairs row 4 (id 'x'): cannot read the image header") and "--on-bad-image skip" in message
+
+
+def test_worker_processes_give_the_serial_result(tmp_path, monkeypatch):
+    path = _write(tmp_path / "pairs.parquet", SIZES, corrupt=(7,), row_group_size=3)
+    table = parquet_split(path, "train")
+    serial = scan.ImageSizes(*_unpack(image_sizes(table, "image", workers=1)))
+    for cached in (tmp_path / ".raggedvl").iterdir():
+        cached.unlink()
+    monkeypatch.setattr(scan, "PARALLEL_ROWS", 1)
+    parallel = image_sizes(table, "image", workers=2)
+    np.testing.assert_array_equal(parallel.sizes, serial.sizes)
+    assert parallel.errors == serial.errors
+
+
+def _unpack(result):
+    return result.sizes.copy(), dict(result.errors)
+
+
+def test_the_cache_is_read_back_and_a_changed_file_is_scanned_again(tmp_path, monkeypatch):
+    path = _write(tmp_path / "pairs.parquet", SIZES)
+    first = image_sizes(parquet_split(path, "train"), "image", workers=1)
+    assert len(list((tmp_path / ".raggedvl").glob("sizes-*.npz"))) == 1  # beside the data
+
+    def no_reads(task):
+        raise AssertionError("read an image although the cache holds the sizes")
+
+    monkeypatch.setattr(scan, "_scan_part", no_reads)
+    again = image_sizes(parquet_split(path, "train"), "image", workers=1)
+    np.testing.assert_array_equal(again.sizes, first.sizes)
+    monkeypatch.undo()
+
+    _write(path, [(70, 80)] * 3)  # new content, new fingerprint
+    os.utime(path, ns=(1, 1))
+    table = parquet_split(path, "train")
+    assert cached_image_sizes(table, "image") is None
+    assert [image_sizes(table, "image").size(i) for i in range(3)] == [(70, 80)] * 3
+
+
+def test_a_data_folder_that_takes_no_cache_caches_under_the_cache_root(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    path = _write(data / "pairs.parquet", SIZES)
+    (data / ".raggedvl").write_text("")  # a file where the cache folder would go: writing beside the data fails
+    monkeypatch.setenv("RAGGEDVL_CACHE", str(tmp_path / "cache"))
+    first = image_sizes(parquet_split(path, "train"), "image", workers=1)
+    assert len(list((tmp_path / "cache" / "sizes").glob("sizes-*.npz"))) == 1
+    np.testing.assert_array_equal(cached_image_sizes(parquet_split(path, "train"), "image").sizes, first.sizes)
+
+
+def test_a_folder_split_follows_datasets_file_order_and_names_the_file(tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    _write(folder / "train-00000-of-00002.parquet", SIZES[:5])
+    _write(folder / "train-00001-of-00002.parquet", SIZES[5:], corrupt=(2,))
+    _write(folder / "dev.parquet", SIZES[:2])
+    table = parquet_split(folder, "train")
+    assert [f.name for f in table.files] == ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
+    assert table.file_rows == (5, 7) and table.file_of(7).name == "train-00001-of-00002.parquet"
+    found = image_sizes(table, "image", workers=1)
+    assert list(found.errors) == [7]
+    assert parquet_split(folder, "validation").num_rows == 2  # dev and validation find each other
+    with pytest.raises(ValueError, match="has no split 'test'"):
+        parquet_split(folder, "test")
+
+
+def test_the_loader_takes_the_cached_sizes_so_costs_read_no_image(tmp_path):
+    path = _write(tmp_path / "pairs.parquet", SIZES, corrupt=(3,))
+    unscanned = load_retrieval_dataset(str(path), on_bad_image="skip")
+    assert unscanned.image_inputs() is unscanned.image_sources  # no cache yet: headers are read when needed
+    image_sizes(parquet_split(path, "train"), "image", workers=1)
+    train = load_retrieval_dataset(str(path), on_bad_image="skip")
+    inputs = train.image_inputs()
+    assert [inputs[i] for i in range(12) if i != 3] == [read_size({"bytes": _png(*s), "path": None})
+                                                        for i, s in enumerate(SIZES) if i != 3]
+    assert isinstance(inputs[3], dict)  # the unreadable row: its source, so the estimate names and skips it
+    assert train.image_sizes() == unscanned.image_sizes()
+    subset = train.select([5, 3])
+    assert subset.image_inputs()[0] == inputs[5] and subset.image_sizes()[1] is None
+
+
+def test_other_sources_are_left_to_the_full_loader(tmp_path):
+    (tmp_path / "manifest.jsonl").write_text("")
+    assert parquet_split(tmp_path, "train") is None  # an rdocs manifest
+    assert parquet_split("org/name", "train") is None  # a hub id
+    table = pa.table({"query": ["a"], "image": ["a.png"]})
+    (tmp_path / "carded").mkdir()
+    pq.write_table(table, str(tmp_path / "carded" / "train.parquet"))
+    (tmp_path / "carded" / "README.md").write_text("---\nconfigs: []\n---\n")
+    assert parquet_split(tmp_path / "carded", "train") is None  # a dataset card may name other files

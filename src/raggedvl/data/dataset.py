@@ -303,6 +303,8 @@ class RetrievalDataset(Sequence):
         records = [{"query": queries[i], "id": ids[i], "row": i} for i in keep]
         negatives, k = None, 0
         if negatives_column is not None:
+            if getattr(dataset, "_indices", None) is not None:  # a selected / shuffled view: rows as the user sees them
+                dataset = dataset.flatten_indices()
             k = _negative_counts(dataset, negatives_column, keep, [ids[i] for i in keep], where)
             negatives = _RowLists(_ImageColumn(dataset, negatives_column, keep, None), base_dir)
         result = cls(records, _ImageColumn(dataset, image_column, keep, base_dir), split, where=where,

@@ -149,10 +149,13 @@ def check_model_checkpoint(cfg: TrainConfig) -> None:
 
 def estimate_train_costs(cfg: TrainConfig, train_set, policy: ImagePolicy) -> SampleCosts:
     """Per-pair costs and patch counts of the training split from image headers (no decoding),
-    through the collator's own image ``policy``, so ``patches`` equal the collator's rows.
+    through the collator's own image ``policy``, so ``patches`` equal the collator's rows (a
+    pair's document and its hard negatives together).
     Raises ``BadImageError`` naming the row under ``on_bad_image="error"``; under "skip" the
     rejected pairs are listed in ``SampleCosts.skipped`` (and later dropped by the collator)."""
-    names = [train_set.row_name(i) for i in range(len(train_set))]
+    k = train_set.negatives_per_row  # each row's images: the document, then its k hard negatives
+    which = f" (image 0: the document, 1-{k}: its hard negatives)" if k else ""
+    names = [train_set.row_name(i) + which for i in range(len(train_set))]
     return estimate_costs(train_set.image_inputs(), text_tokens=32, policy=policy,
                           on_bad_image=cfg.on_bad_image, names=names)
 

@@ -8,7 +8,8 @@ and the heavy imports it pulls in, the data build (``load_splits``: rdocs from t
 scan (``estimate_train_costs``: image headers through the resize rule), the model build, the
 sampler and the optimizer (``Trainer.__init__`` as a whole). Then ``--steps`` training steps of
 ``Trainer.train_step`` in one process (no process group, as ``--nproc-per-node 1`` runs a rank),
-the first ``--warmup`` untimed (each collates its batch on the training thread, as the loop does):
+the first ``--warmup`` untimed, batches drawn from ``Trainer.batch_stream`` as the loop draws them
+(``--extra '--data-workers 0'`` collates on the training thread; the wait for a batch counts):
 wall seconds per step and a ``torch.profiler`` table of the top operators by self CPU time over
 the timed steps. One thread
 (``OMP_NUM_THREADS=1``) unless ``--threads``. Figures on a shared machine vary with its load:
@@ -88,14 +89,7 @@ def main(argv=None) -> int:
         print(f"  {name:<30} {s:6.2f} s")
     print(f"  Trainer.__init__ in all        {t_init:6.2f} s")
 
-    def indices_per_step():  # this rank's sampler steps, epochs chained (as Trainer.run draws them)
-        epoch = 0
-        while True:
-            trainer.c.sampler.set_epoch(epoch)
-            yield from trainer.c.sampler
-            epoch += 1
-
-    batches = indices_per_step()
+    batches = trainer.batch_stream()  # collated as Trainer.run draws them (--data-workers processes ahead)
     for _ in range(args.warmup):
         trainer.train_step(next(batches))
     from torch.profiler import ProfilerActivity, profile
@@ -104,7 +98,7 @@ def main(argv=None) -> int:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps - args.warmup):
             s = time.perf_counter()
-            trainer.train_step(next(batches))
+            trainer.train_step(next(batches))  # the wait for the batch counts
             walls.append(time.perf_counter() - s)
     n = len(walls)
     print(f"\n{n} timed steps, global batch {cfg.global_batch_size}: {sum(walls) / n:.3f} s/step "

@@ -55,7 +55,7 @@ def main() -> None:
         trainer.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, **{args.adamw: True})
         trainer.scheduler = make_scheduler(trainer.optimizer, cfg, trainer.total_steps)
     steps = []
-    batches = trainer._batches()
+    batches = trainer.batch_stream()
     for _ in range(min(args.stop_after, trainer.total_steps)):
         lr = trainer.optimizer.param_groups[0]["lr"]
         r = trainer.train_step(next(batches))

@@ -45,7 +45,7 @@ def _losses(rank: int, world_size: int, data: str, out: str) -> list[float]:
     )
     trainer = Trainer(cfg, info)
     losses = []
-    batches = trainer._batches()
+    batches = trainer.batch_stream()
     while trainer.step < trainer.total_steps:
         losses.append(trainer.train_step(next(batches)).loss)
         trainer.step += 1

@@ -26,7 +26,7 @@ def test_trainer_loss_equals_the_raggedvl_loop_on_the_same_batch(tmp_path, small
     trainer = RaggedTrainer(hf_model, training_args(tmp_path / "hf"), processor=loop.c.processor)
     inputs = trainer._prepare_inputs(RetrievalWireCollator(loop.c.collate)(examples))
     hf_loss = float(trainer.compute_loss(hf_model, inputs).detach())
-    loop_loss = loop.train_step(indices).loss
+    loop_loss = loop.train_step(loop.c.collate(examples)).loss
 
     assert len(indices) == 4
     assert hf_loss == pytest.approx(loop_loss, rel=1e-6, abs=1e-7)

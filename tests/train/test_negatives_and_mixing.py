@@ -34,7 +34,7 @@ def test_the_training_loss_is_the_losses_hard_negative_path(tmp_path, small_data
         q, d, n = (model(**batch[key]) for key in ("queries", "docs", "negatives"))
         expected = float(trainer.c.loss(q, d, n))  # the loss's own hard-negative path
         without = float(trainer.c.loss(q, d))
-    got = trainer.train_step(indices).loss  # one encode of docs + negatives, split, then the same loss
+    got = trainer.train_step(batch).loss  # one encode of docs + negatives, split, then the same loss
     assert n.embeddings.shape[0] == 2 * d.embeddings.shape[0] == 2 * len(indices)
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert abs(got - without) > 1e-3  # the negatives do change the loss

@@ -370,6 +370,12 @@ class RaggedBatch:
         return self._with({k: move(v) for k, v in self._sample.items()},
                           {n: r.map(move) for n, r in self._streams.items()})
 
+    def pin_memory(self) -> "RaggedBatch":
+        """A new batch with every tensor in page-locked memory (what a ``DataLoader`` with
+        ``pin_memory=True`` calls), so ``to(cuda, non_blocking=True)`` copies asynchronously."""
+        pin = torch.Tensor.pin_memory
+        return self._with({k: pin(v) for k, v in self._sample.items()}, {n: r.map(pin) for n, r in self._streams.items()})
+
     def select(self, indices: Sequence[int] | torch.Tensor) -> "RaggedBatch":
         """The samples ``indices`` (any order, repeats allowed) with exactly their tokens, grids,
         patches and per-item extras, in that order. Raises ``ValueError`` for an out-of-range index."""

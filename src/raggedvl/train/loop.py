@@ -40,6 +40,7 @@ from raggedvl.parallel import (
 from raggedvl.batch import RaggedBatch
 from raggedvl.evaluation.metrics import mean_pairwise_cosine
 from raggedvl.losses import loss_with_negatives
+from raggedvl.train.batches import StepIndices, step_batches
 from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from raggedvl.train.collapse import CollapseCheck, chance_loss
 from raggedvl.train.config import TRAIN_CONFIG_NAME, TrainConfig
@@ -104,6 +105,7 @@ class Trainer:
         self.stopped_by_collapse = False
         self.step = 0
         self.epoch = 0
+        self.sampler_position = (0, 0)  # (epoch, steps of it consumed) after the last trained batch
         self.skipped = 0  # examples dropped by on_bad_image="skip" on all ranks in this process's run
         # bf16 autocast: by default on CUDA; on CPU only when asked for explicitly (slow there).
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and info.device.type == "cuda")
@@ -132,7 +134,8 @@ class Trainer:
                     "step": self.step,
                     "epoch": self.epoch,
                     "world_size": self.info.world_size,
-                    "sampler": self.c.sampler.state_dict(),
+                    "sampler": {**self.c.sampler.state_dict(step=self.sampler_position[1]),
+                                "epoch": self.sampler_position[0]},
                     "scheduler": self.scheduler.state_dict(),
                     "config": self.cfg.to_dict(),
                 },
@@ -185,6 +188,7 @@ class Trainer:
         restore_rng_state(ckpt.rng[self.info.rank])
         self.step = ckpt.state["step"]
         self.epoch = ckpt.state["epoch"]
+        self.sampler_position = (ckpt.state["sampler"]["epoch"], ckpt.state["sampler"]["step"])
         self.log(f"resumed from {ckpt.path} at step {self.step}")
         return True
 
@@ -193,24 +197,30 @@ class Trainer:
         if self.info.is_main:
             tqdm.write(msg)
 
-    def _batches(self) -> Iterator[list[int]]:
-        """This rank's dataset indices per step, continuing across epochs (and after resume)."""
-        while True:
-            self.c.sampler.set_epoch(self.epoch)
-            for indices in self.c.sampler:
-                yield indices
-            self.epoch += 1
+    def batch_stream(self) -> Iterator[dict[str, Any]]:
+        """This rank's collated batches, one per step, continuing across epochs (and after
+        resume): ``cfg.data_workers`` processes collate ahead of the training
+        (``raggedvl.train.batches``). Sets ``sampler_position`` (what a checkpoint saves) and
+        ``epoch`` to those of the batch just handed out."""
+        indices = StepIndices(self.c.sampler, self.epoch)
+        stream = step_batches(self.c.train_set, self.c.collate, indices, workers=self.cfg.data_workers,
+                              pin_memory=self.info.device.type == "cuda")
+        for batch in stream:
+            self.sampler_position = indices.positions.popleft()
+            self.epoch = self.sampler_position[0]
+            yield batch
 
-    def train_step(self, indices: list[int]) -> StepResult:
+    def train_step(self, batch: dict[str, Any]) -> StepResult:
+        """One optimizer step on this rank's collated ``batch`` (``batch_stream``; the collator's
+        ``queries``, ``docs`` and ``skipped``)."""
         t0 = time.perf_counter()
-        batch = self.c.collate([self.c.train_set[i] for i in indices])
         for bad in batch.get("skipped", ()):  # on_bad_image="skip": dropped, never silently
             print(f"warning: rank {self.info.rank} skipped example {bad['id']!r}: {bad['reason']}", file=sys.stderr, flush=True)
-        queries = batch["queries"].to(self.info.device)
+        queries = batch["queries"].to(self.info.device, non_blocking=True)
         docs, n_docs = batch["docs"], batch["docs"].num_samples
         if batch.get("negatives") is not None:  # hard negatives: one document encode, positives first
             docs = RaggedBatch.concat([docs, batch["negatives"]])  # same length: split from one processor call
-        docs = docs.to(self.info.device)
+        docs = docs.to(self.info.device, non_blocking=True)
 
         def loss_fn(q, d):
             return loss_with_negatives(self.c.loss, q, d, n_docs)
@@ -239,7 +249,7 @@ class Trainer:
         # L_r = (W/N) sum of local terms, so the global loss is the mean of L_r over ranks.
         global_loss = all_reduce_mean(float(loss.detach()))
         n_skipped = len(batch.get("skipped", ()))
-        return StepResult(global_loss, len(indices) - n_skipped, t2 - t1, time.perf_counter() - t0, n_skipped,
+        return StepResult(global_loss, queries.num_samples, t2 - t1, time.perf_counter() - t0, n_skipped,
                           float(norm), batch_padding(queries, docs, packed=self.cfg.packing), doc_cosine)
 
     def _vision_balance(self) -> dict[str, Any]:
@@ -299,16 +309,16 @@ class Trainer:
                 f"global batch {cfg.global_batch_size}, {len(self.c.train_set)} training pairs"
             )
         progress = Progress(self.total_steps, self.step, every=cfg.progress_every, enabled=info.is_main)
-        batches = self._batches()
+        batches = self.batch_stream()
         loop_start, t_run = time.time(), time.perf_counter()
         samples_done = patches_done = 0
         first_step = True
         while self.step < self.total_steps:
             self.watchdog.enter(f"in step {self.step + 1}")
-            indices = next(batches)
+            batch = next(batches)
             for hook in self.step_hooks:
                 hook(info.rank, self.step)
-            r = self.train_step(indices)
+            r = self.train_step(batch)
             self.step += 1
             per_rank = all_gather_objects((r.n_local, r.encode_s, r.skipped, r.padding, peak_memory_mib(info.device)))
             samples_done += sum(p[0] for p in per_rank)

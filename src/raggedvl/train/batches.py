@@ -1,0 +1,65 @@
+"""The training loop's batch stream: this rank's sampler steps, collated by worker processes.
+
+:class:`StepIndices` is the ``DataLoader``'s batch sampler: the rank's index lists, epoch after
+epoch (``sampler.set_epoch``), and for every list it hands out, the sampler position after it
+(epoch, steps of that epoch consumed). The loader's ``workers`` processes run ``dataset[i]`` and
+the collator (image decode and resize, processor, ragged-batch validation) for the next batches
+while the model trains; batches come back in sampler order, so the trainer pops one position
+per batch it trains on and checkpoints THAT position, not the sampler's live one (which runs up
+to ``workers * 2`` batches ahead): resume stays exact. ``workers=0`` collates in the training
+process, one batch at a time, as before.
+
+Batches are the same whatever ``workers`` is: the collator draws no random numbers, and the
+loader gets its own seeded generator, so creating it takes nothing from the global torch RNG
+(``DataLoader`` otherwise draws its worker base seed from it, which would shift dropout and
+every later random draw of the run). With ``pin_memory`` (CUDA) every batch's tensors are
+page-locked (``RaggedBatch.pin_memory``), so ``.to(device, non_blocking=True)`` overlaps.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from collections import deque
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader
+
+
+class StepIndices:
+    """Batch sampler over ``sampler`` from ``epoch`` on, endless; ``positions`` holds
+    ``(epoch, steps of it consumed)`` after each index list handed out and not yet claimed."""
+
+    def __init__(self, sampler, epoch: int) -> None:
+        self.sampler = sampler
+        self.epoch = epoch
+        self.positions: deque[tuple[int, int]] = deque()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch = self.epoch
+        while True:
+            self.sampler.set_epoch(epoch)
+            for indices in self.sampler:
+                self.positions.append((epoch, self.sampler.state_dict()["step"]))
+                yield indices
+            epoch += 1
+
+
+def step_batches(dataset, collate: Callable[[list[dict[str, Any]]], dict[str, Any]], indices: StepIndices, *,
+                 workers: int, pin_memory: bool) -> Iterator[dict[str, Any]]:
+    """Endless iterator of collated batches in sampler order (module docstring); ``workers``
+    processes (fork) collate ahead of the training thread, 0 collates in it (also, with a
+    warning, in a daemonic process, which may not start children). Errors raised by
+    the collator reach the caller (from a worker: re-raised by the ``DataLoader``, same type,
+    the worker's traceback in the message)."""
+    if workers < 0:
+        raise ValueError(f"workers must be >= 0, got {workers}")
+    if workers and multiprocessing.current_process().daemon:  # e.g. a multiprocessing.Pool worker
+        print(f"raggedvl: this process is daemonic and cannot start the {workers} data worker(s); collating in the "
+              "training process (--data-workers 0)", file=sys.stderr, flush=True)
+        workers = 0
+    loader = DataLoader(dataset, batch_sampler=indices, collate_fn=collate, num_workers=workers,
+                        pin_memory=pin_memory, prefetch_factor=2 if workers else None,
+                        generator=torch.Generator().manual_seed(0))
+    return iter(loader)

@@ -157,12 +157,15 @@ def random_ranker_metrics(n_docs: int, qrels: Qrels | None = None, names: Sequen
     return {name: total / len(qrels) for name, total in totals.items()}
 
 
-def mean_pairwise_cosine(vectors: torch.Tensor) -> float:
+def mean_pairwise_cosine(vectors: torch.Tensor, *, as_tensor: bool = False) -> float | torch.Tensor:
     """Mean cosine similarity over distinct pairs of rows of ``vectors`` [n, D] (n >= 2; NaN
-    below). A value near 1 means the embeddings have collapsed onto one direction."""
+    below). A value near 1 means the embeddings have collapsed onto one direction.
+    ``as_tensor``: a 0-dim float64 tensor on ``vectors``' device instead of a float (no host sync)."""
     if vectors.shape[0] < 2:
-        return float("nan")
+        nan = float("nan")
+        return torch.tensor(nan, dtype=torch.float64, device=vectors.device) if as_tensor else nan
     v = torch.nn.functional.normalize(vectors.to(torch.float64), dim=-1, eps=1e-12)
     sim = v @ v.T
     n = v.shape[0]
-    return float((sim.sum() - sim.diagonal().sum()) / (n * (n - 1)))
+    mean = (sim.sum() - sim.diagonal().sum()) / (n * (n - 1))
+    return mean if as_tensor else float(mean)

@@ -2,7 +2,7 @@
 
 Callers outside the package import from here: process-group lifecycle (``init_distributed``,
 ``is_distributed``, ``get_rank``, ``get_world_size``, ``shutdown``), small collectives on Python
-values (``barrier``, ``all_reduce_max``, ``all_reduce_mean``, ``all_gather_objects``),
+values (``barrier``, ``all_reduce_max``, ``all_reduce_mean``, ``all_gather_floats``, ``all_gather_objects``),
 autograd-aware ragged all-gathers for cross-rank losses, the cross-rank shape check,
 DDP / FSDP2 wrapping and full state dicts, the single-process DataParallel and accelerate
 transports of ragged batches, and which samples of an accelerate batch are repeats
@@ -11,7 +11,7 @@ rebalancing of the vision tower (``VisionRebalancer``).
 """
 
 from raggedvl.parallel.agreement import DEBUG_ENV, exchange_shapes
-from raggedvl.parallel.collectives import all_gather_objects, all_reduce_max, all_reduce_mean, barrier
+from raggedvl.parallel.collectives import all_gather_floats, all_gather_objects, all_reduce_max, all_reduce_mean, barrier
 from raggedvl.parallel.dataparallel import RaggedDataParallel, ScatteredBatch, gather_outputs, scatter_batch
 from raggedvl.parallel.dispatch import RaggedDispatchSlicer, install_ragged_dispatch, prepare_ragged_data_loader
 from raggedvl.parallel.faults import StallWatchdog, report_failure
@@ -43,6 +43,7 @@ __all__ = [
     "VariableGather",
     "VisionPlan",
     "VisionRebalancer",
+    "all_gather_floats",
     "all_gather_objects",
     "all_gather_padded",
     "all_gather_variable",

@@ -1,4 +1,4 @@
-"""Small collectives on Python values: barrier, all-reduce max / mean, object gather.
+"""Small collectives on Python values: barrier, all-reduce max / mean, float and object gathers.
 
 Each is a no-op (returns its input, or ``[obj]``) without a process group, so the same code runs
 in one plain process and under torchrun. Every one is a collective when a group exists: all
@@ -39,6 +39,22 @@ def all_reduce_mean(value: float) -> float:
     if not is_distributed():
         return value
     return _all_reduce_scalar(value, dist.ReduceOp.SUM) / dist.get_world_size()
+
+
+def all_gather_floats(values: torch.Tensor) -> list[list[float]]:
+    """Every rank's ``values`` (a 1-D tensor of k numbers, the same k on every rank, on this
+    rank's device) as float64 lists indexed by rank: one float64 ``all_gather`` of k numbers
+    (none without a process group) and one device-to-host copy, the only host sync. Raises
+    ``ValueError`` for a tensor that is not 1-D."""
+    if values.dim() != 1:
+        raise ValueError(f"all_gather_floats takes a 1-D tensor of k numbers, got shape {list(values.shape)}")
+    values = values.detach().to(torch.float64)
+    if not is_distributed():
+        return [values.tolist()]
+    values = values.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+    out = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, values)
+    return torch.stack(out).tolist()
 
 
 def all_gather_objects(obj: Any) -> list[Any]:

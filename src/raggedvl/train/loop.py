@@ -26,8 +26,8 @@ from raggedvl.parallel import (
     DistInfo,
     StallWatchdog,
     VisionRebalancer,
+    all_gather_floats,
     all_gather_objects,
-    all_reduce_mean,
     barrier,
     full_state_dicts,
     init_distributed,
@@ -56,15 +56,26 @@ from raggedvl.train.tracking import Trackers, parse_report_to
 
 
 @dataclass
-class StepResult:
-    loss: float
-    n_local: int
-    encode_s: float
-    step_s: float
+class RankStep:
+    """One rank's share of a step, as gathered by every rank."""
+
+    n_local: int  # samples trained on (after on_bad_image="skip")
+    encode_s: float  # host seconds of the encode (GPU work still queued is not waited for)
     skipped: int  # examples the collator dropped under on_bad_image="skip"
-    grad_norm: float  # global L2 norm of the gradient before clipping
     padding: dict[str, int]  # batch_padding(...) of this rank's batch
+    peak_memory_mib: float  # progress.peak_memory_mib of this rank so far
+
+
+@dataclass
+class StepResult:
+    loss: float  # the global loss: mean over ranks of L_r (the same float on every rank)
+    grad_norm: float  # global L2 norm of the gradient before clipping
+    step_s: float  # this rank's wall seconds, the batch's host-to-device copy to the gathered statistics
+    ranks: list[RankStep]  # every rank's share, indexed by rank
     doc_cosine: float = float("nan")  # this rank's documents: mean pairwise cosine of mean-pooled embeddings
+
+
+_NAN = float("nan")
 
 
 class Trainer:
@@ -212,10 +223,13 @@ class Trainer:
 
     def train_step(self, batch: dict[str, Any]) -> StepResult:
         """One optimizer step on this rank's collated ``batch`` (``batch_stream``; the collator's
-        ``queries``, ``docs`` and ``skipped``)."""
+        ``queries``, ``docs`` and ``skipped``). Collective (every rank calls it): the model's and
+        the loss's, then one ``all_gather_floats`` of this rank's statistics (loss share, gradient
+        norm, counts, padding, memory): the step's only host sync besides the collectives."""
         t0 = time.perf_counter()
         for bad in batch.get("skipped", ()):  # on_bad_image="skip": dropped, never silently
             print(f"warning: rank {self.info.rank} skipped example {bad['id']!r}: {bad['reason']}", file=sys.stderr, flush=True)
+        padding = batch_padding(batch["queries"], batch["docs"], packed=self.cfg.packing)  # on the host copy
         queries = batch["queries"].to(self.info.device, non_blocking=True)
         docs, n_docs = batch["docs"], batch["docs"].num_samples
         if batch.get("negatives") is not None:  # hard negatives: one document encode, positives first
@@ -232,7 +246,7 @@ class Trainer:
             cached = grad_cache_step(self.model, queries, docs, loss_fn, budget=self.cfg.grad_cache_budget,
                                      autocast=self.autocast)
             loss, t2 = cached.loss, t1 + cached.encode_s
-            doc_cosine = float("nan")
+            doc_cosine = None
         else:
             with self.autocast:  # one forward call per backward, as DDP expects
                 q, d = self.model(queries=queries, docs=docs)
@@ -241,16 +255,23 @@ class Trainer:
             doc_cosine = _doc_cosine(d)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-        # the norm before clipping (0: measured, not clipped); FSDP2 returns a DTensor
+        # the norm before clipping (0: measured, not clipped); FSDP2 returns a DTensor. A tensor: read below
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
         self.scheduler.step()
-        # L_r = (W/N) sum of local terms, so the global loss is the mean of L_r over ranks.
-        global_loss = all_reduce_mean(float(loss.detach()))
         n_skipped = len(batch.get("skipped", ()))
-        return StepResult(global_loss, queries.num_samples, t2 - t1, time.perf_counter() - t0, n_skipped,
-                          float(norm), batch_padding(queries, docs, packed=self.cfg.packing), doc_cosine)
+        host = [queries.num_samples, t2 - t1, n_skipped, *(padding[k] for k in PADDING_KEYS), peak_memory_mib(self.info.device)]
+        device_values = [loss.detach(), norm.detach(), _NAN if doc_cosine is None else doc_cosine]
+        stats = torch.cat([torch.stack([torch.as_tensor(v, dtype=torch.float64, device=norm.device) for v in device_values]),
+                           torch.tensor(host, dtype=torch.float64).to(norm.device, non_blocking=True)])
+        gathered = all_gather_floats(stats)
+        ranks = [RankStep(int(g[3]), g[4], int(g[5]), {k: int(v) for k, v in zip(PADDING_KEYS, g[6:-1])}, g[-1])
+                 for g in gathered]
+        # L_r = (W/N) sum of local terms, so the global loss is the mean of L_r over ranks.
+        global_loss = sum(g[0] for g in gathered) / len(gathered)
+        mine = gathered[self.info.rank]
+        return StepResult(global_loss, mine[1], time.perf_counter() - t0, ranks, mine[2])
 
     def _vision_balance(self) -> dict[str, Any]:
         """With --rebalance-vision: the last document encode's tower max/mean rank load before
@@ -320,10 +341,9 @@ class Trainer:
                 hook(info.rank, self.step)
             r = self.train_step(batch)
             self.step += 1
-            per_rank = all_gather_objects((r.n_local, r.encode_s, r.skipped, r.padding, peak_memory_mib(info.device)))
-            samples_done += sum(p[0] for p in per_rank)
-            patches_done += sum(p[3]["pixel_rows"] for p in per_rank)
-            self.skipped += sum(p[2] for p in per_rank)
+            samples_done += sum(p.n_local for p in r.ranks)
+            patches_done += sum(p.padding["pixel_rows"] for p in r.ranks)
+            self.skipped += sum(p.skipped for p in r.ranks)
             elapsed = max(1e-9, time.perf_counter() - t_run)
             rate = samples_done / elapsed
             if info.is_main:
@@ -341,9 +361,9 @@ class Trainer:
                         "lr": lrs[0], "lr_groups": dict(zip(groups, lrs)), "grad_norm": r.grad_norm,
                         "global_batch_size": cfg.global_batch_size, "samples_per_s": rate,
                         "patches_per_s": patches_done / elapsed, "step_s": r.step_s,
-                        "rank_samples": [p[0] for p in per_rank], "rank_encode_s": [p[1] for p in per_rank],
-                        "peak_memory_mib": [round(p[4], 1) for p in per_rank],
-                        "padding": {k: sum(p[3][k] for p in per_rank) for k in PADDING_KEYS},
+                        "rank_samples": [p.n_local for p in r.ranks], "rank_encode_s": [p.encode_s for p in r.ranks],
+                        "peak_memory_mib": [round(p.peak_memory_mib, 1) for p in r.ranks],
+                        "padding": {k: sum(p.padding[k] for p in r.ranks) for k in PADDING_KEYS},
                         "skipped_examples": self.skipped, **self._vision_balance(),
                     }
                     log.write(record)
@@ -401,15 +421,16 @@ class Trainer:
         return []
 
 
-def _doc_cosine(docs) -> float:
-    """Mean pairwise cosine of this rank's documents' mean-pooled embeddings (NaN for one
-    document); ``docs`` is the model's document ``EmbeddingOutput``. No collective."""
+def _doc_cosine(docs) -> torch.Tensor:
+    """Mean pairwise cosine of this rank's documents' mean-pooled embeddings, a 0-dim float64
+    tensor on their device (NaN for one document; not read here: no host sync); ``docs`` is
+    the model's document ``EmbeddingOutput``. No collective."""
     with torch.no_grad():
         emb = docs.embeddings.detach()
         if docs.mask is not None:  # multi-vector: mean over each document's real tokens
             mask = docs.mask.unsqueeze(-1).to(emb.dtype)
             emb = (emb * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
-        return mean_pairwise_cosine(emb)
+        return mean_pairwise_cosine(emb, as_tensor=True)
 
 
 def train(cfg: TrainConfig, *, data: RunData | None = None, clock: StartupClock | None = None) -> dict[str, Any]:

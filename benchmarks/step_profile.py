@@ -11,7 +11,8 @@ sampler and the optimizer (``Trainer.__init__`` as a whole). Then ``--steps`` tr
 the first ``--warmup`` untimed, batches drawn from ``Trainer.batch_stream`` as the loop draws them
 (``--extra '--data-workers 0'`` collates on the training thread; the wait for a batch counts):
 wall seconds per step and a ``torch.profiler`` table of the top operators by self CPU time over
-the timed steps. One thread
+the timed steps; then one more step counting the reads of tensor values into Python (``HostReads``:
+each is a device sync on a GPU) by caller. One thread
 (``OMP_NUM_THREADS=1``) unless ``--threads``. Figures on a shared machine vary with its load:
 compare runs made back to back.
 """
@@ -105,7 +106,56 @@ def main(argv=None) -> int:
           f"(min {min(walls):.3f}), {cfg.global_batch_size * n / sum(walls):.2f} samples/s")
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
     print(table)
+    batch = next(batches)
+    with HostReads() as reads:
+        trainer.train_step(batch)
+    print(f"host reads of tensor values in one step (each a device sync on a GPU): {sum(reads.counts.values())}")
+    for where, n in reads.counts.most_common(args.top):
+        print(f"  {n:5d}  {where}")
     return 0
+
+
+class HostReads:
+    """Counts reads of tensor values into Python (``item``, ``tolist``, ``bool``/``float``/``int``
+    of a tensor, ``numpy``) while active, by the first caller outside torch (and the torch function
+    that read it, if any): on a GPU each read of a device tensor waits for the device's queue to
+    drain. CPU tensors are counted alike, so the count is the same on CPU and GPU for the same code
+    path; some are CPU-resident on a GPU too (AdamW's step counters, the batch's host copy, counts
+    lists), and those cost no sync there."""
+
+    METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
+
+    def __enter__(self):
+        import collections
+        import sys
+
+        import torch
+
+        self.counts = collections.Counter()
+        self.saved = {m: getattr(torch.Tensor, m) for m in self.METHODS}
+
+        def wrap(name, fn):
+            def counted(t, *a, **k):
+                f = inner = sys._getframe(1)
+                while f is not None and "/torch/" in f.f_code.co_filename:
+                    f = f.f_back
+                where = "?" if f is None else f"{f.f_globals.get('__name__', '?')}.{f.f_code.co_name}"
+                if inner is not f:  # read inside torch (e.g. the optimizer's step counters): name it
+                    where += f" via {inner.f_globals.get('__name__', '?')}.{inner.f_code.co_name}"
+                self.counts[f"{where} ({name})"] += 1
+                return fn(t, *a, **k)
+            return counted
+
+        for m, fn in self.saved.items():
+            setattr(torch.Tensor, m, wrap(m, fn))
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        for m, fn in self.saved.items():
+            setattr(torch.Tensor, m, fn)
+        return False
 
 
 if __name__ == "__main__":

@@ -37,6 +37,15 @@ def test_c02_select_multi_and_zero_image_samples():
     assert set(kwargs) == {"input_ids", "attention_mask", "mm_token_type_ids", "labels"}
 
 
+def test_a_sample_without_a_real_token_is_rejected_when_the_batch_is_built():
+    """On the host, once per batch: the loss and the pooling skip their own check of an empty
+    mask on an accelerator (it would be a device sync per step)."""
+    features = three_samples()
+    features["attention_mask"][1] = 0
+    with pytest.raises(ValueError, match=r"samples \[1\] have an all-zero attention_mask"):
+        RaggedBatch.from_features(features, token_ids=SMALL_IDS)
+
+
 def test_c09_truncation_through_placeholders_raises_naming_the_sample():
     feats = make_features([{"text": 3}, {"images": [G448], "text": 100}])
     assert feats["input_ids"].shape[1] > 200

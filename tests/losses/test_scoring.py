@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from raggedvl.losses import late_interaction_scores
+from raggedvl.losses import check_late_interaction_inputs, late_interaction_scores
 from tests.losses.reference import maxsim
 
 f64 = torch.float64
@@ -74,6 +74,7 @@ def test_document_without_valid_tokens_is_rejected_by_index():
     dm[2] = False
     with pytest.raises(ValueError, match=r"documents \[2\] have no valid token"):
         late_interaction_scores(q, qm, d, dm)
+    check_late_interaction_inputs(q, qm, d, dm, check_empty=False)  # what an accelerator's masks get: no read
 
 
 @pytest.mark.parametrize(

@@ -22,9 +22,10 @@ def owner_of(item: int, counts: Sequence[int]) -> int:
 
 
 def check_sample_tensors(layout: BatchLayout, sample: Mapping[str, torch.Tensor]) -> int:
-    """All per-sample tensors agree on B (at their sample dim) and L (their last dim).
+    """All per-sample tensors agree on B (at their sample dim) and L (their last dim), and every
+    sample has at least one real token in ``attention_mask`` (when given).
 
-    Returns B. Raises ``ValueError`` naming the disagreeing keys and shapes.
+    Returns B. Raises ``ValueError`` naming the disagreeing keys and shapes, or the empty samples.
     """
     if "input_ids" not in sample:
         raise ValueError(f"a {layout.name} batch needs input_ids [B, L]; got keys {sorted(sample)}")
@@ -38,6 +39,14 @@ def check_sample_tensors(layout: BatchLayout, sample: Mapping[str, torch.Tensor]
             raise ValueError(
                 f"{key} has shape {list(t.shape)} but input_ids is [{batch}, {length}]: {key} must have "
                 f"{batch} samples at dim {dim} and {length} tokens in its last dim"
+            )
+    mask = sample.get("attention_mask")
+    if mask is not None and length and batch:
+        empty = (mask == 0).all(dim=-1).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(
+                f"samples {empty[:8]} have an all-zero attention_mask (no real token); every sample needs at "
+                "least one (drop empty samples before batching)"
             )
     return batch
 

@@ -11,7 +11,8 @@ Padding: document pads are filled with -inf before the max, so a pad can never w
 would score 0 and beat a document whose real similarities are all negative). Query pads
 contribute nothing. A query with zero valid tokens scores exactly 0 against every document
 (an empty sum; its gradient is 0). A document with zero valid tokens has no defined score and
-is rejected with ``ValueError``.
+is rejected with ``ValueError`` (on CPU masks; on an accelerator the check would cost a device
+sync per call and is left to the batch, see :func:`check_late_interaction_inputs`).
 
 Memory: the similarities are computed block by block (at most ``block_elements`` entries of
 ``[Q_blk, Lq, C_blk, Ld]`` at a time) and only the max value and its index are kept, so the
@@ -111,10 +112,17 @@ class _MaxSim(torch.autograd.Function):
         return grad_q, None, grad_d, None, None
 
 
-def check_late_interaction_inputs(query_emb, query_mask, doc_emb, doc_mask, *, doc_name="documents") -> None:
+def check_late_interaction_inputs(query_emb, query_mask, doc_emb, doc_mask, *, doc_name="documents",
+                                  check_empty: bool | None = None) -> None:
     """Raise ``ValueError``/``TypeError`` unless the inputs of :func:`late_interaction_scores` are
     valid (3-D embeddings with equal D and dtype, bool masks ``[n, L]``, no empty document);
-    ``doc_name`` names the document rows in the messages (e.g. ``"hard negatives"``)."""
+    ``doc_name`` names the document rows in the messages (e.g. ``"hard negatives"``).
+
+    ``check_empty``: look for a document without a valid token, which reads the mask into
+    Python. Default (None): only when ``doc_mask`` is on the CPU, where that read is free; on an
+    accelerator it would wait for the device on every call, so it is the batch's job there:
+    ``RaggedBatch`` rejects a sample whose ``attention_mask`` has no real token when it is built
+    (on the host), and a retriever's document masks are those attention masks."""
     if query_emb.dim() != 3 or doc_emb.dim() != 3:
         raise ValueError(
             f"late interaction needs query_emb [n_q, Lq, D] and doc_emb [n_d, Ld, D]; got "
@@ -131,7 +139,9 @@ def check_late_interaction_inputs(query_emb, query_mask, doc_emb, doc_mask, *, d
             raise TypeError(f"{name} must be bool (True = real token), got {mask.dtype}")
         if tuple(mask.shape) != tuple(emb.shape[:2]):
             raise ValueError(f"{name} has shape {list(mask.shape)}, expected {list(emb.shape[:2])}")
-    empty = (~doc_mask.any(dim=1)).nonzero().flatten().tolist()
+    if check_empty is None:
+        check_empty = doc_mask.device.type == "cpu"
+    empty = (~doc_mask.any(dim=1)).nonzero().flatten().tolist() if check_empty else []
     if empty:
         raise ValueError(
             f"{doc_name} {empty[:8]} have no valid token in their mask; every document needs at "
@@ -158,8 +168,9 @@ def late_interaction_scores(
     to one of the tied tokens. Scores are float32 for float16/bfloat16 embeddings (the sums over
     query tokens and the gradients accumulate in float32), else in the embeddings' dtype.
 
-    Raises ``ValueError`` for mismatched shapes or a document with no valid token, ``TypeError``
-    for non-bool masks or mismatched dtypes.
+    Raises ``ValueError`` for mismatched shapes or a document with no valid token (checked on
+    CPU masks, see :func:`check_late_interaction_inputs`), ``TypeError`` for non-bool masks or
+    mismatched dtypes.
     """
     check_late_interaction_inputs(query_emb, query_mask, doc_emb, doc_mask)
     if block_elements < 1:

@@ -41,12 +41,13 @@ def pool_hidden(hidden_BLH: torch.Tensor, mask_BL: torch.Tensor, pooling: str) -
     """Pool ``[B, L, H]`` to ``[B, H]``: the last True position of each row, or the masked mean.
 
     Works for left and right padding. Raises ``ValueError`` naming the sample if a row's mask
-    is all False.
+    is all False (checked when the mask is on the CPU; on an accelerator the read would wait
+    for the device on every call, and ``RaggedBatch`` has rejected such a sample on the host).
     """
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     counts = mask_BL.sum(dim=1)
-    if bool((counts == 0).any()):
+    if mask_BL.device.type == "cpu" and bool((counts == 0).any()):
         empty = (counts == 0).nonzero().flatten().tolist()
         raise ValueError(f"samples {empty} have an all-zero attention_mask; every sample needs >= 1 token")
     if pooling == "mean":

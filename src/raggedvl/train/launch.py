@@ -6,7 +6,9 @@ From a plain shell, ``raggedvl train``:
    config, the output directory, the world size against the global batch, the model and the
    dataset names (``raggedvl.sources``: typos, unreachable or offline hub in seconds), the
    processor, the data's columns, splits and overlap, and every training image's header (the
-   size estimate the sampler needs anyway; a corrupt image is named by row, id and file);
+   size estimate the sampler needs anyway; a corrupt image is named by row, id and file); with
+   ``--resume``, that the checkpoint can continue with these settings and data
+   (``raggedvl.train.resume``);
 2. with one process on one node (``--nproc-per-node 1``, or one CUDA device), trains right
    there, reusing what step 1 built: no torchrun, no second process;
 3. otherwise replaces itself (``os.execv``) with torchrun's agent
@@ -242,13 +244,19 @@ def launch_train(args, argv: Sequence[str]) -> int:
     cmd = torchrun_command(args, strip_torchrun_arguments(argv))
     world, multi = check_world_fits(cfg, cmd)
     plain_output()
+    from raggedvl.train.resume import check_resume_data, check_resume_settings, resume_point
     from raggedvl.train.setup import check_model_checkpoint, check_output_dir, prepare_run_data
 
     check_output_dir(cfg)
+    resumed = resume_point(cfg) if cfg.resume else None
+    if resumed is not None:  # settings the checkpoint cannot continue with: one line, before any rank
+        check_resume_settings(cfg, world, *resumed)
     check_model_checkpoint(cfg)  # a broken colpali / transformers checkpoint: one line, before any rank
     clock.add({"imports": clock.since_start()})
     data = prepare_run_data(cfg)
     clock.add(data.phases_s)
+    if resumed is not None:
+        check_resume_data(cfg, data.costs, world, *resumed)
     if world == 1 and not multi:
         from raggedvl.train.loop import train
 

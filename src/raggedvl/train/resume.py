@@ -1,0 +1,109 @@
+"""What ``raggedvl train --resume`` needs to keep from the run it continues, checked in the
+launching process before any rank starts (a mismatch used to surface inside a rank, as the
+sampler's or ``load_state_dict``'s error, after the model was built).
+
+A checkpoint holds weights of one shape, a sampler position in one plan and an optimizer at one
+learning rate. Continuing it is exact only with the settings that produced them:
+
+- weights: ``model``, ``head``, ``dim``, ``pooling``, whether LoRA is on, ``lora_r``, ``lora_alpha``;
+- the sampler's plan: the training data (``dataset``, ``train_split``, ``eval_fraction``,
+  ``max_train_samples``, the columns, ``on_empty_query``, the image size limits), the global
+  batch, ``seed``, ``sampler``, ``max_patches_per_rank`` and the number of processes;
+- the learning rates: ``lr`` and ``head_lr`` (the scheduler's saved base rates would win over
+  new values silently).
+
+``max_steps`` / ``epochs`` may change (train longer or shorter: the schedule is recomputed for
+the new total at the resumed step), as may evaluation, logging and checkpoint settings.
+A saved config without a key (a run of an older raggedvl) counts as that key's default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from raggedvl.options import field_specs
+from raggedvl.train.checkpoint import MANIFEST, list_checkpoints
+from raggedvl.train.config import TrainConfig
+
+RESUME_KEYS = (
+    "model", "head", "dim", "pooling", "lora", "lora_r", "lora_alpha",
+    "dataset", "train_split", "eval_fraction", "max_train_samples", "query_column", "image_column", "on_empty_query",
+    "min_pixels", "max_pixels", "global_batch_size", "seed", "sampler", "max_patches_per_rank",
+    "lr", "head_lr",
+)
+
+
+def resume_point(cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None:
+    """(checkpoint folder, its ``trainer_state.json``) of the newest checkpoint under
+    ``<output_dir>/checkpoints`` whose manifest lists that file with the same SHA-256 (the
+    weights are not hashed here: the rank verifies them), or None without one. A torn newer
+    checkpoint is passed over, as ``--resume`` itself does."""
+    for path in list_checkpoints(Path(cfg.output_dir) / "checkpoints"):
+        try:
+            entry = json.loads((path / MANIFEST).read_text(encoding="utf-8"))["files"]["trainer_state.json"]
+            raw = (path / "trainer_state.json").read_bytes()
+        except (OSError, ValueError, KeyError):
+            continue
+        if hashlib.sha256(raw).hexdigest() == entry.get("sha256"):
+            return path, json.loads(raw)
+    return None
+
+
+def _effective(values: dict[str, Any]) -> dict[str, Any]:
+    """The resume keys as the run used them: defaults for missing keys, ``lora`` and
+    ``max_pixels`` resolved (none means full training / 100,352 pixels for the tiny preset)."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in values.items() if k in known}
+    try:
+        cfg = dataclasses.replace(TrainConfig(), **values)
+    except (TypeError, ValueError):  # a value this version refuses: compare what was saved
+        return {k: values.get(k) for k in RESUME_KEYS}
+    return {**{k: getattr(cfg, k) for k in RESUME_KEYS}, "lora": cfg.use_lora, "max_pixels": cfg.resolved_max_pixels}
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def check_resume_settings(cfg: TrainConfig, world_size: int, checkpoint: Path, state: dict[str, Any]) -> None:
+    """Raise ``ValueError`` (one line) naming every resume key (module docstring) and the process
+    count whose value differs from the checkpoint's run, old and new value, and the two fixes."""
+    then, now = _effective(state.get("config", {})), _effective(cfg.to_dict())
+    specs = field_specs(TrainConfig)
+    diffs = [f"{specs[k].flag} {_shown(then[k])} then, {_shown(now[k])} now" for k in RESUME_KEYS if then[k] != now[k]]
+    saved_world = state.get("world_size")
+    if saved_world is not None and saved_world != world_size:
+        diffs.append(f"{saved_world} processes then, {world_size} now (--nproc-per-node x --nnodes)")
+    if diffs:
+        raise ValueError(
+            f"--resume: {checkpoint} cannot continue with these settings: {'; '.join(diffs)}. "
+            "Pass the original values to continue it exactly, or start a fresh run in a new --output-dir"
+        )
+
+
+def check_resume_data(cfg: TrainConfig, costs, world_size: int, checkpoint: Path, state: dict[str, Any]) -> None:
+    """After the data is open: the sampler this run would build must accept the checkpoint's
+    sampler state (same pairs, image sizes and plan), else ``ValueError`` in one line; catches
+    data that changed under the same name (a rewritten parquet file). No collective."""
+    import torch
+
+    from raggedvl.parallel import DistInfo
+    from raggedvl.train.setup import make_sampler
+
+    info = DistInfo(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), backend="none")
+    try:
+        make_sampler(cfg, costs, info).load_state_dict(state["sampler"])
+    except (KeyError, ValueError) as exc:
+        detail = str(exc).removeprefix("sampler state does not match this sampler: ")
+        raise ValueError(
+            f"--resume: {checkpoint} was trained on other training data than {cfg.dataset!r} holds now ({detail}); "
+            "resume with the data the run started with, or start a fresh run in a new --output-dir"
+        ) from exc

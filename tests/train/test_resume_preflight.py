@@ -1,0 +1,97 @@
+"""`raggedvl train --resume` with settings or data its checkpoint cannot continue with fails in
+the launching process, in one line with exit code 2, naming each key's old and new value and
+the fix (a fresh --output-dir or the original values), before any rank starts.
+
+The checkpoint here is what the launcher reads of one: ``trainer_state.json`` (the run's config,
+world size and sampler state, the state a real sampler over the same data writes) listed with
+its SHA-256 in ``MANIFEST.json``."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from raggedvl.cli import main
+from raggedvl.parallel import DistInfo
+from raggedvl.train import launch
+from raggedvl.train.config import TrainConfig
+from raggedvl.train.setup import make_sampler, prepare_run_data
+from tests.train.test_preflight import _parquet
+
+pytestmark = pytest.mark.slow  # opens the data and builds the tiny processor (the size estimate)
+
+COMMON = ["--eval-before", "false", "--eval-after", "false", "--max-train-samples", "none", "--global-batch-size", "4"]
+
+
+def _config(run, data, cache) -> TrainConfig:
+    """The config of the run that wrote the checkpoint (the settings COMMON gives)."""
+    return TrainConfig(output_dir=str(run), dataset=str(data), data_cache=str(cache), eval_before=False,
+                       eval_after=False, max_train_samples=None, global_batch_size=4)
+
+
+class Started(Exception):
+    """The launcher got past every check and would start the ranks."""
+
+
+@pytest.fixture(autouse=True)
+def _never_start_ranks(monkeypatch):
+    def started(cmd, env_updates=None):
+        raise Started(cmd)
+
+    monkeypatch.setattr(launch, "exec_agent", started)
+
+
+def _write_checkpoint(run, cfg: TrainConfig, world_size: int, step: int = 2):
+    """A checkpoint folder as the launcher reads it (the weights are the rank's business)."""
+    info = DistInfo(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), backend="none")
+    sampler = make_sampler(cfg, prepare_run_data(cfg, warn=False).costs, info)
+    sampler.set_epoch(0)
+    next(iter(sampler))
+    folder = run / "checkpoints" / f"step-{step:06d}"
+    folder.mkdir(parents=True)
+    state = {"step": step, "epoch": 0, "world_size": world_size, "sampler": sampler.state_dict(), "scheduler": {},
+             "config": cfg.to_dict()}
+    raw = json.dumps(state).encode()
+    (folder / "trainer_state.json").write_bytes(raw)
+    (folder / "MANIFEST.json").write_text(json.dumps(
+        {"step": step, "files": {"trainer_state.json": {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}}}))
+    return folder
+
+
+def _resume(capsys, run, data, cache, *argv):
+    capsys.readouterr()
+    code = main(["train", "--output-dir", str(run), "--dataset", str(data), "--data-cache", str(cache), *COMMON,
+                 "--resume", *argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("raggedvl: error: --resume: "), err
+    return err
+
+
+def test_other_settings_are_refused_naming_old_and_new_values(capsys, tmp_path, small_data_cache):
+    data = _parquet(tmp_path / "pairs.parquet", n=8)
+    cfg = _config(tmp_path / "run", data, small_data_cache)
+    folder = _write_checkpoint(tmp_path / "run", cfg, world_size=2)
+    other = _parquet(tmp_path / "other.parquet", n=12)
+    err = _resume(capsys, tmp_path / "run", other, small_data_cache, "--nproc-per-node", "2", "--lr", "1e-3",
+                  "--dim", "64")
+    assert f"{folder} cannot continue with these settings" in err
+    assert f"--dataset {data!r} then, {other!r} now" in err
+    assert "--dim 128 then, 64 now" in err and "--lr 0.0002 then, 0.001 now" in err
+    assert "new --output-dir" in err and "original values" in err
+    err = _resume(capsys, tmp_path / "run", data, small_data_cache, "--nproc-per-node", "1")
+    assert "2 processes then, 1 now" in err and "--dataset" not in err
+    with pytest.raises(Started):  # the same settings: every check passes, the ranks would start
+        main(["train", "--output-dir", str(tmp_path / "run"), "--dataset", data, "--data-cache", str(small_data_cache),
+              *COMMON, "--resume", "--nproc-per-node", "2", "--max-steps", "20"])  # a longer run may continue
+
+
+def test_data_rewritten_under_the_same_name_is_refused(capsys, tmp_path, small_data_cache):
+    data = _parquet(tmp_path / "pairs.parquet", n=8)
+    cfg = _config(tmp_path / "run", data, small_data_cache)
+    _write_checkpoint(tmp_path / "run", cfg, world_size=2)
+    _parquet(tmp_path / "pairs.parquet", n=9)  # one more pair, same file name
+    err = _resume(capsys, tmp_path / "run", data, small_data_cache, "--nproc-per-node", "2")
+    assert f"was trained on other training data than {data!r} holds now" in err
+    assert "num_samples: saved 8, now 9" in err and "new --output-dir" in err

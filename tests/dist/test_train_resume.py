@@ -78,3 +78,5 @@ def test_kill_one_rank_then_resume_gives_the_same_losses(tmp_path, small_data_ca
     for step in range(1, 7):
         assert got[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), (step, got, reference)
     assert _logged(tmp_path / "resumed", "lr") == _logged(tmp_path / "full", "lr")  # the schedule resumes exactly
+    summary = (tmp_path / "resumed" / "summary.md").read_text()  # the loss windows span the whole run
+    assert "first 3 steps" in summary and "(logged steps 1-6 of metrics.jsonl; resumed at step 4)" in summary

@@ -122,3 +122,23 @@ def test_bars_are_labelled_the_legend_is_outside_and_the_lr_axis_is_scientific()
 @pytest.mark.parametrize("n", [1, 3])
 def test_tiny_runs_plot(tmp_path, n):
     assert plot_run(_records(n), {}, tmp_path / "r.png").stat().st_size > 0
+
+
+def test_a_resumed_runs_summary_covers_the_steps_before_the_resume(tmp_path):
+    """Steps 1-6 logged, a crash after step 6, resumed from the step-4 checkpoint to step 10: the
+    log keeps steps 1-4 (MetricsLog's resume), the loop logs a resume event and steps 5-10, and
+    the loss windows run over steps 1-10, the line saying which steps they cover."""
+    path = tmp_path / "metrics.jsonl"
+    first_run = [3.0, 2.9, 2.8, 2.7, 9.0, 9.0]  # steps 5-6 are redone after the resume
+    _log_with_training(path, first_run)
+    log = MetricsLog(path, resume_step=4)
+    log.write({"event": "resume", "step": 4})
+    resumed = [2.0, 1.9, 1.8, 1.7, 1.6, 1.5]
+    for step, loss in enumerate(resumed, 5):
+        log.write({"event": "train", "step": step, "loss": loss, "lr": 1e-4, "global_batch_size": 4})
+    out = write_summary(tmp_path, log.read(), None, None, {}, steps=10, global_batch_size=4, world_size=1,
+                        on_bad_image="error", skipped_examples=0, rejected_pairs=0, estimated_pairs=8)
+    losses = first_run[:4] + resumed
+    assert out["loss_first"] == pytest.approx(sum(losses[:5]) / 5) and out["loss_last"] == pytest.approx(sum(losses[-5:]) / 5)
+    assert ("training loss: first 5 steps 2.680 -> last 5 steps 1.700 (logged steps 1-10 of metrics.jsonl; "
+            "resumed at step 4)") in (tmp_path / "summary.md").read_text()

@@ -45,18 +45,31 @@ def load_model(path: Path, info) -> tuple[torch.nn.Module, Any, TrainConfig | No
     raggedvl checkpoint / run directory, or any retriever ``build_retriever`` loads."""
     from raggedvl.data import build_processor
     from raggedvl.models import build_retriever
-    from raggedvl.train.setup import build_cfg_processor, build_model
 
     if not _is_training_checkpoint(path):
         processor = build_processor(_processor_source(path))
         model = build_retriever(str(path), processor=processor)
         return model.to(info.device), processor, None, {"path": str(path)}
     ckpt = load_checkpoint_or_latest(path)
-    cfg = dataclasses.replace(TrainConfig.from_dict(dict(ckpt.state["config"])), resume=False)
+    model, processor, cfg = rebuild_retriever(ckpt.state["config"], ckpt.model)
+    return model.to(info.device), processor, cfg, {"path": str(ckpt.path), "step": ckpt.state["step"], "model": cfg.model,
+                                                   "head": cfg.head}
+
+
+def rebuild_retriever(config: dict[str, Any], weights: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, Any, TrainConfig]:
+    """(retriever on the CPU, processor, config) of a training run: built from the run's saved
+    ``config`` (``trainer_state.json``'s) as training built it, then loaded with ``weights`` (the
+    checkpoint's state dict). Works for checkpoints written before they held the retriever's
+    settings; the prompts are the model's defaults with the run's ``query_prefix`` /
+    ``padding_side``. Raises ``ValueError`` for an unknown config key, ``RuntimeError`` for weights
+    of another shape."""
+    from raggedvl.train.setup import build_cfg_processor, build_model
+
+    cfg = dataclasses.replace(TrainConfig.from_dict(dict(config)), resume=False)
     processor = build_cfg_processor(cfg)
-    model = build_model(cfg, processor).to(info.device)
-    load_full_state_dicts(model, None, ckpt.model, None)
-    return model, processor, cfg, {"path": str(ckpt.path), "step": ckpt.state["step"], "model": cfg.model, "head": cfg.head}
+    model = build_model(cfg, processor)
+    load_full_state_dicts(model, None, weights, None)
+    return model, processor, cfg
 
 
 def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: str | None = None, batch_size: int = 16,

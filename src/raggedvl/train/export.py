@@ -1,7 +1,9 @@
 """``raggedvl export SOURCE --format colpali|transformers --output DIR [--merge-lora]``.
 
 SOURCE: a run directory (its newest checkpoint that verifies), a checkpoint folder
-(``run/checkpoints/step-N``, verified against its SHA-256 manifest), or anything
+(``run/checkpoints/step-N``, verified against its SHA-256 manifest; one written before
+checkpoints held the retriever's settings is rebuilt from its run's config, as ``raggedvl eval``
+does), or anything
 ``build_retriever`` loads (a saved retriever, a colpali or transformers checkpoint, an adapter:
 export then converts between the layouts). The retriever and its processor are written by
 :mod:`raggedvl.models.interop.export`; beside them a model card (``README.md``) with the
@@ -19,7 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from raggedvl.train.checkpoint import MANIFEST, CheckpointError, find_checkpoint
+from safetensors.torch import load_file
+
+from raggedvl.train.checkpoint import MANIFEST, find_checkpoint
 from raggedvl.train.config import TRAIN_CONFIG_NAME
 
 CARD_KEYS = ("model", "head", "dim", "lora", "lora_r", "lora_alpha", "lora_dropout", "loss", "temperature",
@@ -39,11 +43,6 @@ def resolve_source(source: str) -> tuple[str, dict[str, Any] | None, Path | None
         checkpoint = find_checkpoint(path)  # verified (hashed), nothing loaded
         state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
         run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
-        if not (checkpoint / "raggedvl_retriever.json").is_file():
-            raise CheckpointError(
-                f"{checkpoint} was written before checkpoints held their retriever settings; load its weights "
-                "into build_retriever(<the run's --model>, ...) and call save_pretrained to export it"
-            )
         return str(checkpoint), state, run_dir
     return source, None, None
 
@@ -58,19 +57,27 @@ def export(source: str, fmt: str, output: str, *, merge_lora: bool = False) -> P
     from raggedvl.data import build_processor
     from raggedvl.models import build_retriever
     from raggedvl.models.interop.export import check_exportable, export_colpali, export_transformers
+    from raggedvl.models.retriever import is_saved_retriever, weights_file
+    from raggedvl.train.evaluate_checkpoint import rebuild_retriever
 
     out = Path(output)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty; export into a new folder")
     folder, state, run_dir = resolve_source(source)
-    model = build_retriever(folder)
+    older = []
+    if state is not None and not is_saved_retriever(folder):  # written before raggedvl export existed
+        model, processor, _ = rebuild_retriever(state["config"], load_file(str(weights_file(folder))))
+        older.append(f"{folder} predates saved retriever settings: rebuilt from its run's config (trainer_state.json) "
+                     "with the model's default prompts, as raggedvl eval scores it (raggedvl_prompts.json holds them; "
+                     "runs of raggedvl before it read colpali checkpoints put 'Query: ' before each query)")
+    else:
+        model, processor = build_retriever(folder), build_processor(folder)
     check_exportable(model.config, model.family.name, fmt)
-    processor = build_processor(folder)
     source_lora = model.config.lora is not None
     if fmt == "colpali":
-        notes = export_colpali(model, processor, out, merge_lora=merge_lora)
+        notes = older + export_colpali(model, processor, out, merge_lora=merge_lora)
     else:
-        notes = export_transformers(model, processor, out)
+        notes = older + export_transformers(model, processor, out)
     card = model_card(source=source, checkpoint=folder, fmt=fmt, state=state, run_dir=run_dir, version=__version__,
                       adapter=(out / "adapter_config.json").is_file(), base=model.config.base,
                       merged=source_lora and model.config.lora is None, prompts=model.config.prompts, notes=notes)

@@ -309,6 +309,8 @@ class Trainer:
         resumed = self.resume() if cfg.resume else False
         log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resumed else None) if info.is_main else None
         self.metrics_log = log
+        if info.is_main and resumed:
+            log.write({"event": "resume", "step": self.step})
         if info.is_main and not resumed:
             log.write({"event": "config", **cfg.to_dict(), "world_size": info.world_size})
             log.write({"event": "size_estimate", "pairs": len(self.c.costs.costs), "patches": int(self.c.costs.patches.sum()),

@@ -145,8 +145,10 @@ def write_summary(
     """Write ``run_dir/summary.md`` and ``run_dir/report.png``, print the summary and the run
     directory's files; rank 0 only, no collective.
 
-    ``records``: the run's ``metrics.jsonl`` records (training losses; the pre-training
-    evaluation when ``before`` is None, as after a resume). ``before`` / ``after``: evaluations
+    ``records``: the run's ``metrics.jsonl`` records, all of them: a resumed run's log keeps the
+    steps before its checkpoint, so the loss windows span the whole run (the line names the
+    logged steps and each ``resume`` event's step); the pre-training evaluation is taken from
+    them when ``before`` is None, as after a resume. ``before`` / ``after``: evaluations
     per split (``"train"``, ``"dev"``; a split without a benchmark is absent), each the evaluator's
     metrics plus ``"n"`` (documents ranked), or None when not run. ``random``: per split, a random
     ranker's expected metrics on that benchmark (``evaluator.random_baseline``).
@@ -167,8 +169,12 @@ def write_summary(
             rows[f"{split}: before training"] = before[split]
         if after and split in after:
             rows[f"{split}: after training"] = after[split]
-    losses = [r["loss"] for r in records if r.get("event") == "train"]
-    loss_line, first, last = loss_windows(losses)
+    train = [r for r in records if r.get("event") == "train"]
+    loss_line, first, last = loss_windows([r["loss"] for r in train])
+    if train:  # the windows cover the whole log, resumed runs included: say which steps it holds
+        resumes = [str(r["step"]) for r in records if r.get("event") == "resume"]
+        loss_line += (f" (logged steps {train[0]['step']}-{train[-1]['step']} of metrics.jsonl"
+                      + (f"; resumed at step {', '.join(resumes)}" if resumes else "") + ")")
     table = format_metrics_table(rows) if rows else "no evaluation (--eval-before false, --eval-after false)"
     plot = plot_run(records, {k: v for k, v in rows.items() if "dev" in k or "train" in k}, run_dir / "report.png")
     lines = [

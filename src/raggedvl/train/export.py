@@ -71,8 +71,9 @@ def export(source: str, fmt: str, output: str, *, merge_lora: bool = False) -> P
                      "with the model's default prompts, as raggedvl eval scores it (raggedvl_prompts.json holds them; "
                      "runs of raggedvl before it read colpali checkpoints put 'Query: ' before each query)")
     else:
-        model, processor = build_retriever(folder), build_processor(folder)
+        model, processor = build_retriever(folder), None
     check_exportable(model.config, model.family.name, fmt)
+    processor = processor or build_processor(folder)
     source_lora = model.config.lora is not None
     if fmt == "colpali":
         notes = older + export_colpali(model, processor, out, merge_lora=merge_lora)

@@ -45,7 +45,8 @@ def _never_start_ranks(monkeypatch):
 def _write_checkpoint(run, cfg: TrainConfig, world_size: int, step: int = 2):
     """A checkpoint folder as the launcher reads it (the weights are the rank's business)."""
     info = DistInfo(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), backend="none")
-    sampler = make_sampler(cfg, prepare_run_data(cfg, warn=False).costs, info)
+    data = prepare_run_data(cfg, warn=False)
+    sampler = make_sampler(cfg, data.costs, info, data.train_set.part_sizes)
     sampler.set_epoch(0)
     next(iter(sampler))
     folder = run / "checkpoints" / f"step-{step:06d}"

@@ -256,7 +256,7 @@ def launch_train(args, argv: Sequence[str]) -> int:
     data = prepare_run_data(cfg)
     clock.add(data.phases_s)
     if resumed is not None:
-        check_resume_data(cfg, data.costs, world, *resumed)
+        check_resume_data(cfg, data, world, *resumed)
     if world == 1 and not multi:
         from raggedvl.train.loop import train
 

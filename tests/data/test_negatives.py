@@ -142,3 +142,12 @@ def test_concatenated_datasets_keep_negatives_rows_and_distinct_ids(tmp_path):
     one = load_retrieval_dataset(negatives_parquet(tmp_path / "c.parquet", n=2, single=True), negatives_column="negs")
     with pytest.raises(ValueError, match="a has 2 hard negatives per row but c has 1"):
         concat_datasets([a, one], ["a", "c"])
+
+
+def test_a_benchmark_of_training_pairs_holds_documents_without_negatives(tmp_path):
+    from raggedvl.evaluation.benchmark import RetrievalBenchmark
+
+    ds = load_retrieval_dataset(negatives_parquet(tmp_path / "k2.parquet", n=4), negatives_column="negs")
+    bench = RetrievalBenchmark.from_pairs(ds)
+    assert bench.documents.negatives_per_row == 0 and "negatives" not in bench.documents[0]
+    assert len(ds.select([1, 2])[1]["negatives"]) == 2  # a plain selection keeps them

@@ -169,6 +169,19 @@ class _RowLists(Sequence):
         return values
 
 
+class _Picked(Sequence):
+    """Lazy view of ``values`` at ``positions`` (nothing is read until indexed)."""
+
+    def __init__(self, values: Sequence[Any], positions: list[int]) -> None:
+        self.values, self.positions = values, positions
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.values[self.positions[index]]
+
+
 class _WithNegatives(Sequence):
     """Per row, ``[image, *negatives]``: what a size estimate of the whole row reads."""
 
@@ -361,16 +374,18 @@ class RetrievalDataset(Sequence):
         """Each row's query (None for a corpus-only row kept by ``on_empty_query="keep"``)."""
         return [r.get("query") for r in self.records]
 
-    def select(self, positions: Sequence[int]) -> "RetrievalDataset":
-        """A new dataset of the rows at ``positions`` (in that order), sharing the image sources."""
+    def select(self, positions: Sequence[int], *, negatives: bool = True) -> "RetrievalDataset":
+        """A new dataset of the rows at ``positions`` (in that order), sharing the image sources;
+        ``negatives=False`` leaves out the hard negatives (a corpus of documents needs none)."""
         positions = [int(p) for p in positions]
         sizes = None if self._sizes is None else [self._sizes[p] for p in positions]
         sources = [self.image_sources[p] for p in positions]
-        negatives = None if self.negative_sources is None else [self.negative_sources[p] for p in positions]
+        keep = negatives and self.negative_sources is not None
         out = type(self)([self.records[p] for p in positions], sources, self.split, sizes=sizes,
                          on_bad_image=self.on_bad_image, max_source_pixels=self.max_source_pixels,
-                         where=self.where, on_empty_query=self.on_empty_query, negative_sources=negatives,
-                         negatives_per_row=self.negatives_per_row)
+                         where=self.where, on_empty_query=self.on_empty_query,
+                         negative_sources=_Picked(self.negative_sources, positions) if keep else None,
+                         negatives_per_row=self.negatives_per_row if keep else 0)
         return out
 
     def image_digests(self) -> list[str]:

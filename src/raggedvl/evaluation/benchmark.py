@@ -99,7 +99,7 @@ class RetrievalBenchmark:
             qrels[query_index[query]][position[doc_of_row[row]]] = 1
         dropped = {"duplicate_images": len(pairs) - len(doc_rows), "corpus_only_rows": corpus_only,
                    "duplicate_queries": len(pairs) - corpus_only - len(queries)}
-        return cls(name, pairs.split, pairs.select(doc_rows), query_ids, queries, qrels, dropped)
+        return cls(name, pairs.split, pairs.select(doc_rows, negatives=False), query_ids, queries, qrels, dropped)
 
 
 def distinct_images(rows: RetrievalDataset) -> list[int]:

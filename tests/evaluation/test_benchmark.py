@@ -48,7 +48,7 @@ def perfect_scores(bench: RetrievalBenchmark) -> torch.Tensor:
 def test_pairs_dedupe_pages_keep_query_less_rows_and_score_a_perfect_ranker_one(tmp_path):
     # page A answers two queries; "q3" appears on two rows with different pages; None rows are distractors
     rows = [("q1", png(10)), ("q2", png(10)), ("q3", png(20)), ("q3", png(30)), (None, png(40)), (None, png(50)), ("q4", png(60))]
-    bench = load_benchmark(write_pairs(tmp_path / "test.parquet", rows), split="train")
+    bench = load_benchmark(write_pairs(tmp_path / "test.parquet", rows), split="test")
     assert len(bench.documents) == 6  # A, B, C, D, E, F: the repeated page is one document
     assert bench.queries == ["q1", "q2", "q3", "q4"]
     assert bench.qrels == [{0: 1}, {0: 1}, {1: 1, 2: 1}, {5: 1}]

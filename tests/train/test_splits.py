@@ -49,6 +49,21 @@ def test_one_file_is_a_training_set_only(tmp_path):
     assert load_splits(cfg(path, eval_before=False, eval_after=False))[1] is None
 
 
+def test_a_file_named_by_its_split_is_that_split(tmp_path):
+    """``dev.parquet`` given alone is the dev split (its name, by datasets' keywords), as it is
+    inside a folder; a name without a split keyword stays a training set only."""
+    dev = write_pairs(tmp_path / "my-dev-pairs.parquet", pairs("dev", 6))
+    test = write_pairs(tmp_path / "test_00.parquet", pairs("test", 5, offset=50))
+    assert load_retrieval_dataset(dev, "dev").queries() == [f"dev query {i}" for i in range(6)]
+    assert len(load_retrieval_dataset(dev, "validation")) == 6
+    assert len(load_retrieval_dataset(test, "test")) == 5
+    with pytest.raises(ValueError, match=r"no split 'train'; its splits: \['validation'\]"):
+        load_retrieval_dataset(dev, "train")
+    train = write_pairs(tmp_path / "pairs.parquet", pairs("p", 8, offset=80))
+    _, bench = load_splits(cfg(train, eval_dataset=str(dev), eval_split="dev"))
+    assert len(bench.queries) == 6 and all(q.startswith("dev") for q in bench.queries)
+
+
 def test_hash_split_keeps_copies_of_one_image_together(tmp_path):
     rows = pairs("p", 30) + [(f"copy {i}", png(i, (30 + i, 20))) for i in range(30)]
     ds = load_retrieval_dataset(write_pairs(tmp_path / "x.parquet", rows), "train")

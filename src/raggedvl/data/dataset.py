@@ -36,7 +36,7 @@ from typing import Any
 
 from PIL import Image
 
-from raggedvl.data.scan import check_columns, pick_split
+from raggedvl.data.scan import check_columns, file_split, pick_split
 from raggedvl.images import BadImageError, BadImagePolicy, check_bad_image_policy, load_image, read_size
 
 
@@ -447,7 +447,7 @@ def _load_hf_split(name_or_path: str | os.PathLike, split: str, **load_kwargs):
     if path.is_file():
         if path.suffix != ".parquet":
             raise ValueError(f"{path}: a single file must be .parquet (or pass a folder ``datasets`` can read)")
-        splits = datasets.load_dataset("parquet", data_files=str(path), **load_kwargs)
+        splits = datasets.load_dataset("parquet", data_files={file_split(path): str(path)}, **load_kwargs)
         return splits[pick_split(list(splits), split, str(path))], path.parent
     if path.is_dir():
         try:
@@ -478,7 +478,8 @@ def load_retrieval_dataset(
     ``name_or_path`` may be:
     - ``"rdocs"``: the embedded dataset (full build, cached; see ``build_rdocs`` for subsets),
       or a directory holding an rdocs ``manifest.jsonl``;
-    - a local ``.parquet`` file: one split, "train" (a file carries no split name);
+    - a local ``.parquet`` file: one split, named by the file's name as ``datasets`` names a folder's files
+      (``dev.parquet`` is "validation"; a name without a split keyword, ``pairs.parquet``, is "train");
     - a local folder ``datasets`` can read (parquet files, or an image folder with a
       ``metadata.jsonl``/``metadata.csv``): its splits are inferred by ``datasets`` from the file
       names (``train*``, ``dev*``/``validation*``, ``test*``, the hub's ``data/<split>-*.parquet``);

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -52,11 +53,26 @@ def pick_split(available: Sequence[str], split: str, where: str) -> str:
                 return found[0]
     raise ValueError(
         f"{where} has no split {split!r}; its splits: {sorted(available)}. Local files are split by name "
-        "(train*, dev*/validation*, test*, or the hub layout data/<split>-*.parquet); a file without a split "
-        "name is a training set only. raggedvl eval / encode: pass --split with one of the splits above; "
+        "(train*, dev*/validation*, test*, or the hub layout data/<split>-*.parquet); a file whose name holds "
+        "no split keyword is a training set only. raggedvl eval / encode: pass --split with one of the splits above; "
         "raggedvl train: evaluate with --eval-dataset PATH (--eval-split NAME) or hold out a hash split with "
         "--eval-fraction F"
     )
+
+
+def file_split(path: str | os.PathLike) -> str:
+    """The split a single data file's NAME gives it, by ``datasets``' own keywords
+    (``datasets.data_files.SPLIT_KEYWORDS``: a keyword at the start of the name or between
+    non-word characters): ``dev.parquet`` and ``my-validation-pairs.parquet`` are "validation",
+    ``test_00.parquet`` is "test", and a name without a keyword (``pairs.parquet``) is "train",
+    as ``datasets`` splits the files of a folder."""
+    from datasets.data_files import NON_WORDS_CHARS, SPLIT_KEYWORDS
+
+    name = Path(path).name.lower()
+    for split, keywords in SPLIT_KEYWORDS.items():
+        if any(re.search(f"(^|[{NON_WORDS_CHARS}]){keyword}[{NON_WORDS_CHARS}]", name) for keyword in keywords):
+            return str(split)
+    return "train"
 
 
 @dataclass(frozen=True)
@@ -86,8 +102,8 @@ class ParquetSplit:
 
 
 def parquet_split(name_or_path: str | os.PathLike, split: str) -> ParquetSplit | None:
-    """The split ``split`` of a local ``.parquet`` file (its one split, "train"; ``split`` aliases
-    as in ``pick_split``) or of a folder of parquet files; None for
+    """The split ``split`` of a local ``.parquet`` file (its one split, named by
+    :func:`file_split`; ``split`` aliases as in ``pick_split``) or of a folder of parquet files; None for
     anything else (an rdocs manifest, an image folder, a folder with a dataset card, a hub id),
     which only the full loader reads. Raises ``ValueError`` naming the splits present when the
     split is missing."""
@@ -95,7 +111,7 @@ def parquet_split(name_or_path: str | os.PathLike, split: str) -> ParquetSplit |
 
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".parquet":
-        files, base, splits = [path], path.parent, {"train": [path]}
+        files, base, splits = [path], path.parent, {file_split(path): [path]}
     elif path.is_dir() and not (path / "manifest.jsonl").exists() and not (path / "README.md").exists():
         from datasets.data_files import DataFilesDict, get_data_patterns
 

@@ -11,9 +11,11 @@ down-weighted large one is only partly seen in an epoch). The order is a pure fu
 resumed sampler (epoch, step) replays exactly the draws of an uninterrupted run.
 
 Expected share of dataset d in any window of n draws: ``weights[d] * n``, with binomial spread
-``sqrt(n * w_d * (1 - w_d))``. A row occurs twice in one global batch only when its dataset has
-fewer rows than it has draws in that batch, or the batch spans the end of one permutation round
-and the start of the next.
+``sqrt(n * w_d * (1 - w_d))``. Given the global batch size G, no row occurs twice in one global
+batch (draws ``[i*G, (i+1)*G)``: where a batch spans the end of one permutation round, the rows it
+already holds move to the end of the next round) unless its dataset has fewer rows than its draws
+in that batch; the epoch's last batch, enlarged by a remainder of fewer than W draws, may repeat
+one of the remainder's rows.
 
 Shapes: D datasets; ``sizes`` [D] ints; ``weights`` [D] floats >= 0 (normalised to sum 1);
 an order is [N] int64 global indices.
@@ -67,20 +69,38 @@ class Mixture:
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), 2])))
         return rng.choice(len(self.sizes), size=self.num_samples, p=np.asarray(self.weights))
 
-    def order(self, seed: int, epoch: int) -> np.ndarray:
-        """[N] int64 global sample indices of the epoch's draws (module docstring)."""
+    def order(self, seed: int, epoch: int, batch_size: int | None = None) -> np.ndarray:
+        """[N] int64 global sample indices of the epoch's draws (module docstring); with
+        ``batch_size`` G, a row repeats inside a window of G draws only when unavoidable."""
         labels = self.labels(seed, epoch)
         order = np.empty(len(labels), dtype=np.int64)
         for d, (size, offset) in enumerate(zip(self.sizes, self.offsets())):
             slots = np.flatnonzero(labels == d)
-            rounds, rows = 0, []
-            while sum(len(r) for r in rows) < len(slots):
-                rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), 3, d, rounds])))
-                rows.append(rng.permutation(size))
-                rounds += 1
             if len(slots):
-                order[slots] = np.concatenate(rows)[: len(slots)] + offset
+                windows = slots // batch_size if batch_size else np.zeros(len(slots), dtype=np.int64)
+                order[slots] = self._rows(seed, epoch, d, size, windows) + offset
         return order
+
+    @staticmethod
+    def _rows(seed: int, epoch: int, d: int, size: int, windows: np.ndarray) -> np.ndarray:
+        """Dataset d's rows for its draws, whose global batches are ``windows``: seeded
+        permutation rounds; a new round puts the rows the current batch already holds last."""
+        out = np.empty(len(windows), dtype=np.int64)
+        perm, at, rounds, held, current = np.empty(0, dtype=np.int64), 0, 0, set(), -1
+        for j, window in enumerate(windows.tolist()):
+            if window != current:
+                current, held = window, set()
+            if at == len(perm):
+                rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), 3, d, rounds])))
+                perm = rng.permutation(size)
+                if held and len(held) < size:
+                    late = np.isin(perm, list(held))
+                    perm = np.concatenate([perm[~late], perm[late]])
+                at, rounds = 0, rounds + 1
+            out[j] = perm[at]
+            held.add(int(perm[at]))
+            at += 1
+        return out
 
     def state(self) -> dict[str, Any]:
         """JSON-serialisable description (part of a sampler's resume fingerprint)."""

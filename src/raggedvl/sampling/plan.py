@@ -57,7 +57,7 @@ def global_batches(
     """The epoch's global batches (arrays of sample indices), before partitioning."""
     n, g = len(costs), global_batch_size
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), 1])))
-    order = epoch_permutation(n, seed, epoch) if mixture is None else mixture.order(seed, epoch)
+    order = epoch_permutation(n, seed, epoch) if mixture is None else mixture.order(seed, epoch, g)
     full = (n // g) * g
     body, rest = order[:full], order[full:]
     if homogeneous and full:

@@ -151,3 +151,12 @@ def test_a_benchmark_of_training_pairs_holds_documents_without_negatives(tmp_pat
     bench = RetrievalBenchmark.from_pairs(ds)
     assert bench.documents.negatives_per_row == 0 and "negatives" not in bench.documents[0]
     assert len(ds.select([1, 2])[1]["negatives"]) == 2  # a plain selection keeps them
+
+
+def test_the_hf_wire_collator_refuses_negatives_it_would_drop(tiny_processor):
+    from raggedvl.hf import RetrievalWireCollator
+
+    im = Image.open(io.BytesIO(png(1)))
+    with pytest.raises(ValueError, match="holds 2 hard negatives, which RaggedTrainer does not score"):
+        RetrievalWireCollator(RetrievalCollator(tiny_processor))([{"id": "a", "query": "q", "image": im, "negatives": [im]},
+                                                                 {"id": "b", "query": "r", "image": im, "negatives": [im]}])

@@ -31,7 +31,9 @@ class RetrievalWireCollator:
     ``ids`` (strings) are not passed on: accelerate cannot broadcast them and the Trainer does
     not use them. Examples the wrapped collator skipped (``skipped``: bad images under
     ``on_bad_image="skip"``) are logged as a warning and kept in ``self.skipped``. Raises
-    ``TypeError`` when ``queries`` / ``docs`` are missing or not ragged batches.
+    ``TypeError`` when ``queries`` / ``docs`` are missing or not ragged batches, and
+    ``ValueError`` when the batch holds hard negatives (``RaggedTrainer`` does not score them:
+    they would be dropped; ``raggedvl train --negatives-column`` trains with them).
     """
 
     def __init__(self, collate: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
@@ -44,6 +46,11 @@ class RetrievalWireCollator:
             self.skipped.extend(out["skipped"])
             logger.warning("skipped %d example(s) of this batch (%d so far): %s", len(out["skipped"]),
                            len(self.skipped), out["skipped"])
+        if out.get("negatives") is not None:
+            raise ValueError(
+                f"this batch holds {out['negatives'].num_samples} hard negatives, which RaggedTrainer does not score "
+                "(they would be dropped); remove the 'negatives' of the examples, or train with raggedvl train "
+                "--negatives-column")
         for key in ("queries", "docs"):
             if not isinstance(out.get(key), RaggedBatch):
                 raise TypeError(

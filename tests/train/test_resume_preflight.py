@@ -96,3 +96,18 @@ def test_data_rewritten_under_the_same_name_is_refused(capsys, tmp_path, small_d
     err = _resume(capsys, tmp_path / "run", data, small_data_cache, "--nproc-per-node", "2")
     assert f"was trained on other training data than {data!r} holds now" in err
     assert "num_samples: saved 8, now 9" in err and "new --output-dir" in err
+
+
+def test_a_rank_started_by_torchrun_itself_gives_the_same_message(tmp_path, small_data_cache):
+    """`torchrun -m raggedvl.cli train --resume` skips the launcher: Trainer.resume applies the
+    same check to a real checkpoint, before loading it."""
+    from raggedvl.train.loop import train
+    from tests.conftest import SMALL_DEV_PAIRS, SMALL_TRAIN_PAIRS
+
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache), max_steps=1,
+                      max_train_samples=SMALL_TRAIN_PAIRS, max_eval_samples=SMALL_DEV_PAIRS, global_batch_size=4,
+                      eval_before=False, eval_after=False)
+    train(cfg)
+    with pytest.raises(ValueError, match=r"step-000001 cannot continue with these settings: --lr 0\.0002 then, "
+                                         r"0\.001 now\. Pass the original values"):
+        train(TrainConfig(**{**cfg.to_dict(), "resume": True, "lr": 1e-3, "max_steps": 2}))

@@ -48,6 +48,7 @@ from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
 from raggedvl.parallel.faults import FAULT_ENV, inject_fault
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.train.report import MetricsLog, write_summary
+from raggedvl.train.resume import check_resume_settings
 from raggedvl.rng import capture_rng_state, restore_rng_state
 from raggedvl.train.progress import PADDING_KEYS, Progress, batch_padding, peak_memory_mib
 from raggedvl.train.setup import RunData, build_components, check_output_dir, make_scheduler
@@ -188,11 +189,8 @@ class Trainer:
                 raise CheckpointError(f"--resume: no valid checkpoint in {self.ckpt_dir}: " + "; ".join(problems))
             self.log(f"--resume: no checkpoint in {self.ckpt_dir}; starting from scratch")
             return False
-        if ckpt.state["world_size"] != self.info.world_size:
-            raise CheckpointError(
-                f"{ckpt.path} was written by {ckpt.state['world_size']} ranks, this run has {self.info.world_size}; "
-                "exact resume needs the same world size (the sampler's partition depends on it)"
-            )
+        # the launcher's pre-flight check, again for ranks that torchrun started directly (same verdict on every rank)
+        check_resume_settings(self.cfg, self.info.world_size, ckpt.path, ckpt.state)
         load_full_state_dicts(self.model, self.optimizer, ckpt.model, ckpt.optimizer)
         self.scheduler.load_state_dict(ckpt.state["scheduler"])
         self.c.sampler.load_state_dict(ckpt.state["sampler"])

@@ -1,6 +1,7 @@
 """What ``raggedvl train --resume`` needs to keep from the run it continues, checked in the
 launching process before any rank starts (a mismatch used to surface inside a rank, as the
-sampler's or ``load_state_dict``'s error, after the model was built).
+sampler's or ``load_state_dict``'s error, after the model was built), and again by
+``Trainer.resume`` for ranks that torchrun started directly.
 
 A checkpoint holds weights of one shape, a sampler position in one plan and an optimizer at one
 learning rate. Continuing it is exact only with the settings that produced them:
@@ -32,7 +33,8 @@ from raggedvl.train.config import TrainConfig
 
 RESUME_KEYS = (
     "model", "head", "dim", "pooling", "lora", "lora_r", "lora_alpha",
-    "dataset", "dataset_weights", "negatives_column", "train_split", "eval_fraction", "max_train_samples", "query_column", "image_column", "on_empty_query",
+    "dataset", "dataset_weights", "negatives_column", "train_split", "eval_fraction", "max_train_samples",
+    "query_column", "image_column", "on_empty_query",
     "min_pixels", "max_pixels", "global_batch_size", "seed", "sampler", "max_patches_per_rank",
     "lr", "head_lr",
 )

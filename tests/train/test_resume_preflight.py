@@ -70,7 +70,7 @@ def _resume(capsys, run, data, cache, *argv):
     return err
 
 
-def test_other_settings_are_refused_naming_old_and_new_values(capsys, tmp_path, small_data_cache):
+def test_other_settings_are_refused_naming_old_and_new_values(capsys, monkeypatch, tmp_path, small_data_cache):
     data = _parquet(tmp_path / "pairs.parquet", n=8)
     cfg = _config(tmp_path / "run", data, small_data_cache)
     folder = _write_checkpoint(tmp_path / "run", cfg, world_size=2)
@@ -86,6 +86,10 @@ def test_other_settings_are_refused_naming_old_and_new_values(capsys, tmp_path, 
     with pytest.raises(Started):  # the same settings: every check passes, the ranks would start
         main(["train", "--output-dir", str(tmp_path / "run"), "--dataset", data, "--data-cache", str(small_data_cache),
               *COMMON, "--resume", "--nproc-per-node", "2", "--max-steps", "20"])  # a longer run may continue
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Started):  # the same file by a relative spelling is the same data
+        main(["train", "--output-dir", "run", "--dataset", "pairs.parquet", "--data-cache", str(small_data_cache),
+              *COMMON, "--resume", "--nproc-per-node", "2"])
 
 
 def test_data_rewritten_under_the_same_name_is_refused(capsys, tmp_path, small_data_cache):

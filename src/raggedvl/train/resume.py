@@ -16,7 +16,9 @@ learning rate. Continuing it is exact only with the settings that produced them:
 
 ``max_steps`` / ``epochs`` may change (train longer or shorter: the schedule is recomputed for
 the new total at the resumed step), as may evaluation, logging and checkpoint settings.
-A saved config without a key (a run of an older raggedvl) counts as that key's default.
+A saved config without a key (a run of an older raggedvl) counts as that key's default. A
+local model or dataset path is compared resolved (a relative and an absolute spelling of one
+file are the same data).
 """
 
 from __future__ import annotations
@@ -68,6 +70,16 @@ def _effective(values: dict[str, Any]) -> dict[str, Any]:
     return {**{k: getattr(cfg, k) for k in RESUME_KEYS}, "lora": cfg.use_lora, "max_pixels": cfg.resolved_max_pixels}
 
 
+def _local_spelling(value: Any) -> Any:
+    """A local path that exists, as its absolute resolved path (so ``data/x.parquet`` and
+    ``/abs/data/x.parquet`` are the same source); lists item by item; anything else as given."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_local_spelling(v) for v in value)
+    if isinstance(value, str) and value and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().resolve())
+    return value
+
+
 def _shown(value: Any) -> str:
     if value is None:
         return "none"
@@ -81,7 +93,8 @@ def check_resume_settings(cfg: TrainConfig, world_size: int, checkpoint: Path, s
     count whose value differs from the checkpoint's run, old and new value, and the two fixes."""
     then, now = _effective(state.get("config", {})), _effective(cfg.to_dict())
     specs = field_specs(TrainConfig)
-    diffs = [f"{specs[k].flag} {_shown(then[k])} then, {_shown(now[k])} now" for k in RESUME_KEYS if then[k] != now[k]]
+    diffs = [f"{specs[k].flag} {_shown(then[k])} then, {_shown(now[k])} now" for k in RESUME_KEYS
+             if _local_spelling(then[k]) != _local_spelling(now[k])]
     saved_world = state.get("world_size")
     if saved_world is not None and saved_world != world_size:
         diffs.append(f"{saved_world} processes then, {world_size} now (--nproc-per-node x --nnodes)")

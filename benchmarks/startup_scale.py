@@ -1,0 +1,159 @@
+"""Start-up of ``raggedvl train`` on a 100,000-row parquet dataset of page images (issue 16 item 3):
+the launcher's data check (columns, queries, every image header: ``raggedvl.data.scan``), the
+dataset open (``datasets.load_dataset`` of the parquet file), the size estimate and the
+sampler's plan of the first epoch, cold (no size cache, no ``datasets`` cache) and warm.
+
+    python benchmarks/startup_scale.py                       # build (once) and measure, 100,000 rows
+    python benchmarks/startup_scale.py --rows 25000 --dir /tmp/x
+
+The dataset is built from the vendored R manuals: every rdocs pair (``raggedvl.data.rdocs``:
+full pages, section crops, two-page spreads) is rendered at 4 reduced resolutions (30-45 % of
+its rdocs dpi, greyscale PNG), and row i holds variant i mod V, so identical images are V rows
+apart; each row has a query, the image (``datasets``' Image feature: PNG bytes) and an id.
+Row groups of 1,000 rows. It goes under ``--dir`` (default ``$TMPDIR/raggedvl-startup-<rows>``),
+with ``datasets``' cache beside it (``HF_DATASETS_CACHE``), never in the repository.
+
+Each phase runs in a fresh process (``--phase``): ``cold`` first removes the size cache and
+the ``datasets`` cache, ``warm`` runs right after with both in place. The job is the CLI's
+``raggedvl train --dataset FILE --max-train-samples none --eval-before false --eval-after
+false`` on 2 ranks, up to the sampler's plan (rank 0's view; the model is not built). Peak RSS:
+the measuring process (``ru_maxrss``) and, separately, the largest header-reading worker
+(``RUSAGE_CHILDREN``). The load average is printed with each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROW_GROUP = 1000
+SCALES = (0.30, 0.35, 0.40, 0.45)  # of each rdocs pair's dpi
+
+
+def build(path: Path, rows: int) -> None:
+    """Write the ``rows``-row parquet file (module docstring)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raggedvl.data.rdocs import all_pairs, open_manuals, png_bytes, render_pair
+    from dataclasses import replace
+
+    manuals = open_manuals()
+    plans = list(all_pairs())
+    variants = []  # (query, png bytes)
+    t0 = time.perf_counter()
+    for scale in SCALES:
+        for plan in plans:
+            low = replace(plan, dpi=max(18, round(plan.dpi * scale)))
+            variants.append((plan.query, png_bytes(render_pair(manuals[plan.pdf], low))))
+    print(f"rendered {len(variants)} page variants in {time.perf_counter() - t0:.1f} s, "
+          f"{sum(len(b) for _, b in variants) / len(variants) / 1024:.1f} KiB each on average", flush=True)
+    features = datasets.Features({"query": datasets.Value("string"), "image": datasets.Image(),
+                                  "id": datasets.Value("string")})
+    schema = features.arrow_schema
+    tmp = path.with_suffix(".tmp")
+    with pq.ParquetWriter(str(tmp), schema) as writer:
+        for start in range(0, rows, ROW_GROUP):
+            chosen = [variants[i % len(variants)] for i in range(start, min(rows, start + ROW_GROUP))]
+            batch = {"query": [f"{q} (copy {(start + j) // len(variants)})" for j, (q, _) in enumerate(chosen)],
+                     "image": [{"bytes": b, "path": None} for _, b in chosen],
+                     "id": [f"row-{start + j}" for j in range(len(chosen))]}
+            writer.write_table(pa.Table.from_pydict(batch, schema=schema))
+    tmp.replace(path)
+
+
+def measure(data: Path, workers: int | None) -> dict:
+    """One start-up in this process: the launcher's check, then what a rank does before its
+    first step, minus the model."""
+    t0 = time.perf_counter()
+    from raggedvl.train.config import TrainConfig
+    from raggedvl.train.launch import check_data, check_names
+
+    cfg = TrainConfig(dataset=str(data), max_train_samples=None, eval_before=False, eval_after=False,
+                      global_batch_size=32)
+    if workers is not None:
+        from raggedvl.data import scan
+
+        scan.PARALLEL_ROWS = 0 if workers > 1 else 10**12  # noqa: benchmark switch
+    t1 = time.perf_counter()
+    check_names(cfg)
+    check_data(cfg)
+    t2 = time.perf_counter()
+    from raggedvl.parallel import DistInfo
+    from raggedvl.train.setup import make_sampler, prepare_run_data
+
+    t3 = time.perf_counter()
+    run = prepare_run_data(cfg)
+    t4 = time.perf_counter()
+    import torch
+
+    sampler = make_sampler(cfg, run.costs, DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"),
+                                                    backend="none"))
+    steps = len(sampler)  # plans the whole epoch
+    t5 = time.perf_counter()
+    return {
+        "rows": len(run.train_set), "steps": steps,
+        "launcher_imports_s": t1 - t0, "launcher_check_s": t2 - t1, "rank_imports_s": t3 - t2,
+        "open_data_s": run.phases_s["data"], "cost_scan_s": run.phases_s["cost_scan"], "sampler_plan_s": t5 - t4,
+        "total_s": t5 - t0,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "worker_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--workers", type=int, default=None, help="header-reading processes (default: one per CPU)")
+    parser.add_argument("--phase", choices=("cold", "warm"), default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    root = args.dir or Path(tempfile.gettempdir()) / f"raggedvl-startup-{args.rows}"
+    data = root / "data" / "pages.parquet"
+    os.environ["HF_DATASETS_CACHE"] = str(root / "hf-datasets")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if args.phase is not None:
+        print(json.dumps(measure(data, args.workers)))
+        return
+    if not data.exists():
+        data.parent.mkdir(parents=True, exist_ok=True)
+        build(data, args.rows)
+    size_mib = data.stat().st_size / 2**20
+    print(f"{data}: {args.rows} rows, {size_mib:.0f} MiB", flush=True)
+    results = {}
+    for phase in ("cold", "warm"):
+        if phase == "cold":
+            shutil.rmtree(data.parent / ".raggedvl", ignore_errors=True)
+            shutil.rmtree(root / "hf-datasets", ignore_errors=True)
+        load = os.getloadavg()
+        cmd = [sys.executable, __file__, "--rows", str(args.rows), "--dir", str(root), "--phase", phase]
+        if args.workers is not None:
+            cmd += ["--workers", str(args.workers)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                             env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
+        if out.returncode != 0:
+            raise SystemExit(f"{phase} run failed:\n{out.stderr[-3000:]}")
+        results[phase] = json.loads(out.stdout.strip().splitlines()[-1])
+        results[phase]["load"] = f"{load[0]:.1f}"
+    du = subprocess.run(["du", "-sm", str(root)], capture_output=True, text=True).stdout.split()[0]
+    keys = ["launcher_imports_s", "launcher_check_s", "rank_imports_s", "open_data_s", "cost_scan_s",
+            "sampler_plan_s", "total_s", "peak_rss_mib", "worker_peak_rss_mib", "load"]
+    print(f"\nrows {results['cold']['rows']}, {results['cold']['steps']} steps of 32 on 2 ranks; parquet {size_mib:.0f} MiB, "
+          f"on disk with the datasets cache {du} MiB; workers {args.workers or 'one per CPU'} of {os.cpu_count()} CPUs")
+    print("| phase | " + " | ".join(keys) + " |")
+    print("|---|" + "---|" * len(keys))
+    for phase, r in results.items():
+        print(f"| {phase} | " + " | ".join(f"{r[k]:.1f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()

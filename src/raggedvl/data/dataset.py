@@ -310,8 +310,10 @@ class RetrievalDataset(Sequence):
                 dataset = dataset.cast_column(negatives_column, datasets.Image(decode=False))
             elif isinstance(getattr(feature, "feature", None), datasets.Image):  # a list of images
                 dataset = dataset.cast_column(negatives_column, datasets.List(datasets.Image(decode=False)))
-        queries = dataset[query_column]
-        ids = [str(v) for v in dataset[id_column]] if id_column else [f"{split}-{i}" for i in range(len(queries))]
+        # whole columns as lists: indexing datasets' lazy Column row by row costs a view per row
+        queries = dataset.select_columns([query_column])[:][query_column]
+        ids = ([str(v) for v in dataset.select_columns([id_column])[:][id_column]] if id_column
+               else [f"{split}-{i}" for i in range(len(queries))])
         keep, skipped = kept_rows(queries, ids, where, on_empty_query, limit)
         records = [{"query": queries[i], "id": ids[i], "row": i} for i in keep]
         negatives, k = None, 0

@@ -17,8 +17,10 @@ Each phase runs in a fresh process (``--phase``): ``cold`` first removes the siz
 the ``datasets`` cache, ``warm`` runs right after with both in place. The job is the CLI's
 ``raggedvl train --dataset FILE --max-train-samples none --eval-before false --eval-after
 false`` on 2 ranks, up to the sampler's plan (rank 0's view; the model is not built). Peak RSS:
-the measuring process (``ru_maxrss``) and, separately, the largest header-reading worker
-(``RUSAGE_CHILDREN``). The load average is printed with each run.
+the measuring process (``ru_maxrss``; its anonymous and file-backed parts sampled, see
+``MemorySampler``) and, separately, the largest header-reading worker (``RUSAGE_CHILDREN``).
+CPU seconds (all processes) beside the wall times: under load, wall time is CPU time stretched
+by contention. The load average is printed with each run.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -71,9 +74,38 @@ def build(path: Path, rows: int) -> None:
     tmp.replace(path)
 
 
+class MemorySampler(threading.Thread):
+    """Peak anonymous and file-backed resident memory of this process (``/proc/self/status``
+    RssAnon, RssFile), sampled every ``interval_s``: pages of memory-mapped Arrow files count
+    in RSS (and in ``ru_maxrss``) while they are touched, but the kernel reclaims them at will;
+    RssAnon is the memory the process itself holds."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.interval_s, self.peak = interval_s, {"RssAnon": 0, "RssFile": 0}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            with open("/proc/self/status", encoding="ascii") as f:
+                for line in f:
+                    key = line.split(":", 1)[0]
+                    if key in self.peak:
+                        self.peak[key] = max(self.peak[key], int(line.split()[1]) // 1024)
+            self.stop.wait(self.interval_s)
+
+
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its waited-for children so far."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def measure(data: Path, workers: int | None) -> dict:
     """One start-up in this process: the launcher's check, then what a rank does before its
     first step, minus the model."""
+    memory = MemorySampler()
+    memory.start()
     t0 = time.perf_counter()
     from raggedvl.train.config import TrainConfig
     from raggedvl.train.launch import check_data, check_names
@@ -83,29 +115,32 @@ def measure(data: Path, workers: int | None) -> dict:
     if workers is not None:
         from raggedvl.data import scan
 
-        scan.PARALLEL_ROWS = 0 if workers > 1 else 10**12  # noqa: benchmark switch
-    t1 = time.perf_counter()
+        scan.PARALLEL_ROWS = 0 if workers > 1 else 10**12  # the benchmark forces serial or parallel reads
+    t1, c1 = time.perf_counter(), _cpu_s()
     check_names(cfg)
     check_data(cfg)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), _cpu_s()
     from raggedvl.parallel import DistInfo
     from raggedvl.train.setup import make_sampler, prepare_run_data
 
-    t3 = time.perf_counter()
+    t3, c3 = time.perf_counter(), _cpu_s()
     run = prepare_run_data(cfg)
-    t4 = time.perf_counter()
+    t4, c4 = time.perf_counter(), _cpu_s()
     import torch
 
     sampler = make_sampler(cfg, run.costs, DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"),
                                                     backend="none"))
     steps = len(sampler)  # plans the whole epoch
-    t5 = time.perf_counter()
+    t5, c5 = time.perf_counter(), _cpu_s()
+    memory.stop.set()
+    memory.join()
     return {
         "rows": len(run.train_set), "steps": steps,
         "launcher_imports_s": t1 - t0, "launcher_check_s": t2 - t1, "rank_imports_s": t3 - t2,
         "open_data_s": run.phases_s["data"], "cost_scan_s": run.phases_s["cost_scan"], "sampler_plan_s": t5 - t4,
-        "total_s": t5 - t0,
+        "total_s": t5 - t0, "check_cpu_s": c2 - c1, "data_cpu_s": c4 - c3, "plan_cpu_s": c5 - c4, "total_cpu_s": c5,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_anon_mib": memory.peak["RssAnon"], "peak_file_mib": memory.peak["RssFile"],
         "worker_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
     }
 
@@ -146,7 +181,8 @@ def main() -> None:
         results[phase]["load"] = f"{load[0]:.1f}"
     du = subprocess.run(["du", "-sm", str(root)], capture_output=True, text=True).stdout.split()[0]
     keys = ["launcher_imports_s", "launcher_check_s", "rank_imports_s", "open_data_s", "cost_scan_s",
-            "sampler_plan_s", "total_s", "peak_rss_mib", "worker_peak_rss_mib", "load"]
+            "sampler_plan_s", "total_s", "check_cpu_s", "data_cpu_s", "plan_cpu_s", "total_cpu_s",
+            "peak_rss_mib", "peak_anon_mib", "peak_file_mib", "worker_peak_rss_mib", "load"]
     print(f"\nrows {results['cold']['rows']}, {results['cold']['steps']} steps of 32 on 2 ranks; parquet {size_mib:.0f} MiB, "
           f"on disk with the datasets cache {du} MiB; workers {args.workers or 'one per CPU'} of {os.cpu_count()} CPUs")
     print("| phase | " + " | ".join(keys) + " |")

@@ -28,6 +28,10 @@ class _Chain(Sequence):
     def __len__(self) -> int:
         return self.starts[-1]
 
+    def __iter__(self):
+        for part in self.parts:
+            yield from part
+
     def __getitem__(self, index: int) -> Any:
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} outside [0, {len(self)})")

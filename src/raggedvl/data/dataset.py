@@ -101,7 +101,10 @@ class _SizesOrSources(Sequence):
 
 class _ImageColumn(Sequence):
     """Lazy view of one image column of a ``datasets.Dataset`` (rows read on access, so image
-    bytes are never all held in memory); string paths are resolved against ``base_dir``."""
+    bytes are never all held in memory); string paths are resolved against ``base_dir``.
+    Iteration (a size estimate's scan) reads ``ITER_ROWS`` rows per call, not one."""
+
+    ITER_ROWS = 256
 
     def __init__(self, dataset, column: str, rows: list[int], base_dir: str | os.PathLike | None) -> None:
         self.dataset = dataset.select_columns([column])  # row reads touch only this column
@@ -111,7 +114,13 @@ class _ImageColumn(Sequence):
         return len(self.rows)
 
     def __getitem__(self, index: int) -> Any:
-        value = self.dataset[self.rows[index]][self.column]
+        return self._resolved(self.dataset[self.rows[index]][self.column])
+
+    def __iter__(self):
+        for start in range(0, len(self.rows), self.ITER_ROWS):
+            yield from map(self._resolved, self.dataset[self.rows[start:start + self.ITER_ROWS]][self.column])
+
+    def _resolved(self, value: Any) -> Any:
         if isinstance(value, str) and self.base_dir is not None:
             return str(Path(self.base_dir) / value)
         return value
@@ -162,7 +171,12 @@ class _RowLists(Sequence):
         return len(self.column)
 
     def __getitem__(self, index: int) -> list[Any]:
-        value = self.column[index]
+        return self._listed(self.column[index])
+
+    def __iter__(self):
+        return map(self._listed, iter(self.column))
+
+    def _listed(self, value: Any) -> list[Any]:
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         if self.base_dir is not None:
             values = [str(Path(self.base_dir) / v) if isinstance(v, str) else v for v in values]
@@ -193,6 +207,9 @@ class _WithNegatives(Sequence):
 
     def __getitem__(self, index: int) -> list[Any]:
         return [self.images[index], *self.negatives[index]]
+
+    def __iter__(self):
+        return ([image, *negatives] for image, negatives in zip(self.images, self.negatives))
 
 
 class RetrievalDataset(Sequence):

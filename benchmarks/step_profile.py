@@ -96,14 +96,18 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     walls = []
+    cpu0 = time.process_time()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps - args.warmup):
             s = time.perf_counter()
             trainer.train_step(next(batches))  # the wait for the batch counts
             walls.append(time.perf_counter() - s)
+    cpu = time.process_time() - cpu0
     n = len(walls)
     print(f"\n{n} timed steps, global batch {cfg.global_batch_size}: {sum(walls) / n:.3f} s/step "
-          f"(min {min(walls):.3f}), {cfg.global_batch_size * n / sum(walls):.2f} samples/s")
+          f"(min {min(walls):.3f}), {cfg.global_batch_size * n / sum(walls):.2f} samples/s, "
+          f"training process CPU {cpu / n:.3f} s/step (profiler included; worker processes not counted), "
+          f"load average {os.getloadavg()[0]:.1f}")
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top)
     print(table)
     batch = next(batches)

@@ -60,3 +60,18 @@ def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path, capsys):
     assert main(["train", "--output-dir", str(tmp_path)]) == 2
     assert "pass --resume to continue" in capsys.readouterr().err
     assert main(["train", "--output-dir", str(tmp_path), "--global-batch-size", "1"]) == 2  # checked before torchrun
+
+
+def test_plain_output_switches_progress_bars_off_without_importing_datasets():
+    """`datasets` costs seconds to import and the default data never needs it: the launcher only
+    sets the variables both libraries read when they are imported."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from raggedvl.train.launch import plain_output; plain_output(); "
+            "print('datasets' in sys.modules); import datasets; print(datasets.is_progress_bar_enabled())")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_DISABLE_PROGRESS_BARS")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False"]  # not imported by plain_output; off once imported

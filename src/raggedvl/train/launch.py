@@ -157,16 +157,16 @@ def check_world_fits(cfg, cmd: Sequence[str]) -> tuple[int, bool]:
 
 def plain_output() -> None:
     """When stderr is not a terminal (a log file, a pipe): no carriage-return progress bars from
-    ``datasets`` and the hub, in this process and the ranks it starts."""
+    ``datasets`` and the hub, in this process and the ranks it starts. Both libraries read the
+    environment variables when first imported; one already imported is told directly. Neither is
+    imported here (``datasets`` alone takes seconds, and the default data never needs it)."""
     if sys.stderr.isatty():
         return
     for name in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
         os.environ.setdefault(name, "1")
-    import datasets
-    import huggingface_hub.utils
-
-    datasets.disable_progress_bars()
-    huggingface_hub.utils.disable_progress_bars()
+    for module in ("datasets", "huggingface_hub.utils"):
+        if module in sys.modules:
+            sys.modules[module].disable_progress_bars()
 
 
 def check_names(cfg) -> None:

@@ -209,15 +209,19 @@ class Trainer:
     def batch_stream(self) -> Iterator[dict[str, Any]]:
         """This rank's collated batches, one per step, continuing across epochs (and after
         resume): ``cfg.data_workers`` processes collate ahead of the training
-        (``raggedvl.train.batches``). Sets ``sampler_position`` (what a checkpoint saves) and
-        ``epoch`` to those of the batch just handed out."""
+        (``raggedvl.train.batches``), from this call on. Sets ``sampler_position`` (what a
+        checkpoint saves) and ``epoch`` to those of the batch just handed out."""
         indices = StepIndices(self.c.sampler, self.epoch)
         stream = step_batches(self.c.train_set, self.c.collate, indices, workers=self.cfg.data_workers,
-                              pin_memory=self.info.device.type == "cuda")
-        for batch in stream:
-            self.sampler_position = indices.positions.popleft()
-            self.epoch = self.sampler_position[0]
-            yield batch
+                              pin_memory=self.info.device.type == "cuda")  # the workers start collating now
+
+        def claimed() -> Iterator[dict[str, Any]]:
+            for batch in stream:
+                self.sampler_position = indices.positions.popleft()
+                self.epoch = self.sampler_position[0]
+                yield batch
+
+        return claimed()
 
     def train_step(self, batch: dict[str, Any]) -> StepResult:
         """One optimizer step on this rank's collated ``batch`` (``batch_stream``; the collator's
@@ -314,6 +318,7 @@ class Trainer:
             log.write({"event": "size_estimate", "pairs": len(self.c.costs.costs), "patches": int(self.c.costs.patches.sum()),
                        "rejected": [bad["name"] for bad in self.c.costs.skipped]})
         self.trackers = Trackers(parse_report_to(cfg.report_to), self.run_dir, cfg.to_dict(), resume=resumed) if info.is_main else None
+        batches = self.batch_stream()  # the data workers collate the first batches during what follows
         before = None
         self.watchdog.enter("in evaluation before training", watch=False)
         if cfg.eval_before and not resumed:
@@ -330,7 +335,6 @@ class Trainer:
                 f"global batch {cfg.global_batch_size}, {len(self.c.train_set)} training pairs"
             )
         progress = Progress(self.total_steps, self.step, every=cfg.progress_every, enabled=info.is_main)
-        batches = self.batch_stream()
         loop_start, t_run = time.time(), time.perf_counter()
         samples_done = patches_done = 0
         first_step = True

@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 COMMON = [
     "--max-steps", "6", "--checkpoint-every", "2", "--max-train-samples", "16", "--max-eval-samples", "8",
     "--global-batch-size", "4", "--eval-before", "false", "--eval-after", "false", "--log-every", "1",
+    "--data-workers", "1",  # a worker collates ahead: the checkpoint must hold the trained batch's position
 ]
 
 

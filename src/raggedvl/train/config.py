@@ -97,9 +97,10 @@ class TrainConfig:
     padding_side: Literal["left", "right"] | None = option(
         None, "where the collator pads queries and documents (none: the model's prompts; colpali-engine pads on the "
               "left); saved with the trained model")
-    data_workers: int = option(
-        1, "worker processes that read and collate the next batches while the model trains (0: collate in the "
-           "training process); batches are pinned for the GPU copy on CUDA", at_least=0)
+    data_workers: int | None = option(
+        None, "worker processes that read and collate the next batches while the model trains (0: collate in the "
+              "training process; none: 1 on CUDA, 0 on CPU, where a worker competes with the training for the "
+              "cores); batches are pinned for the GPU copy on CUDA", at_least=0)
     on_bad_image: Literal["error", "skip"] = option(
         "error", "an unreadable image stops the run (error) or is skipped and counted in the summary (skip)")
     # objective

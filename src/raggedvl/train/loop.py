@@ -208,12 +208,14 @@ class Trainer:
 
     def batch_stream(self) -> Iterator[dict[str, Any]]:
         """This rank's collated batches, one per step, continuing across epochs (and after
-        resume): ``cfg.data_workers`` processes collate ahead of the training
+        resume): ``cfg.data_workers`` processes (default 1 on CUDA, 0 on CPU) collate ahead of the training
         (``raggedvl.train.batches``), from this call on. Sets ``sampler_position`` (what a
         checkpoint saves) and ``epoch`` to those of the batch just handed out."""
+        cuda = self.info.device.type == "cuda"
+        workers = self.cfg.data_workers if self.cfg.data_workers is not None else int(cuda)
         indices = StepIndices(self.c.sampler, self.epoch)
-        stream = step_batches(self.c.train_set, self.c.collate, indices, workers=self.cfg.data_workers,
-                              pin_memory=self.info.device.type == "cuda")  # the workers start collating now
+        stream = step_batches(self.c.train_set, self.c.collate, indices, workers=workers,
+                              pin_memory=cuda)  # the workers start collating now
 
         def claimed() -> Iterator[dict[str, Any]]:
             for batch in stream:

@@ -24,8 +24,7 @@ Public API (imported lazily, so ``import raggedvl`` stays cheap):
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from raggedvl.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -65,14 +64,4 @@ _EXPORTS = {
     "EmbeddingIndex": "raggedvl.evaluation.index",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'raggedvl' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

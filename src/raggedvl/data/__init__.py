@@ -6,8 +6,7 @@ and ``raggedvl.data.dataset`` load without transformers or torch."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from raggedvl.lazy import lazy_exports
 
 _EXPORTS = {
     "BadImageError": "raggedvl.images",
@@ -34,14 +33,4 @@ _EXPORTS = {
     "verify_manuals": "raggedvl.data.rdocs",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'raggedvl.data' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

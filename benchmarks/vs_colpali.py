@@ -84,6 +84,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-eval", dest="eval", action="store_false")
     p.add_argument("--sides", nargs="+", choices=["colpali", "raggedvl"], default=["colpali", "raggedvl"])
     p.add_argument("--raggedvl-args", default="", help="extra `raggedvl train` flags, one shell-quoted string")
+    p.add_argument("--raggedvl-args-b", default="--packing true",
+                   help="extra `raggedvl train` flags for workload (b) only, after --raggedvl-args (default: "
+                        "%(default)s, the padding-free path BENCHMARKS.md section 11 recommends for heavy-tailed "
+                        "mixes; '' runs raggedvl's default padded path)")
     p.add_argument("--sim-worlds", type=int, nargs="+", default=[2, 8, 64], help="W values of workload (c)")
     p.add_argument("--sim-steps", type=int, default=200)
     p.add_argument("--cost-pairs", type=int, default=None, help="time only the first N pairs of (b) for (c) (default all)")
@@ -127,6 +131,12 @@ def configurations(args) -> list[RunSettings]:
     return out
 
 
+def raggedvl_extra(args, s: RunSettings) -> list[str]:
+    """The extra ``raggedvl train`` flags of configuration ``s``: ``--raggedvl-args``, then, for
+    workload (b), ``--raggedvl-args-b``."""
+    return shlex.split(args.raggedvl_args) + (shlex.split(args.raggedvl_args_b) if s.workload == "heavy" else [])
+
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -152,7 +162,7 @@ def run_one(side: str, s: RunSettings, data_dir: Path, run_dir: Path, args) -> d
         cmd = colpali_side.command(s, str(spec_path))
     else:
         s = dataclasses.replace(s, model=args.raggedvl_model)
-        cmd = raggedvl_side.command(s, dataset=train, output_dir=str(run_dir / "run"), extra=shlex.split(args.raggedvl_args))
+        cmd = raggedvl_side.command(s, dataset=train, output_dir=str(run_dir / "run"), extra=raggedvl_extra(args, s))
     outcome = run_monitored(cmd, env=child_env(), log_path=str(run_dir / "log.txt"), timeout_s=args.run_timeout, cwd=str(run_dir))
     rec = {"side": side, "settings": s.to_dict(), "cmd": cmd, "returncode": outcome.returncode, "wall_s": outcome.wall_s,
            "run_dir": str(run_dir), "memory": outcome.memory.to_dict(), "load_after": os.getloadavg()}
@@ -176,7 +186,7 @@ def run_one(side: str, s: RunSettings, data_dir: Path, run_dir: Path, args) -> d
     rec.update({f"loss_{k}": float(v) for k, v in rec["loss"].items() if k in ("first5", "last10", "min", "at_chance")})
     rec["s_per_step"] = s.global_batch / rec["samples_per_s"] if rec["samples_per_s"] else float("nan")
     rec["outside_s"] = rec["wall_s"] - rec["loop_s"]
-    padding = parsed.get("padding") or raggedvl_side.token_padding(s, train)
+    padding = parsed.get("padding") or raggedvl_side.token_padding(s, train, extra=raggedvl_extra(args, s))
     rec["padding"] = padding
     pct = summary.padding_pct(padding)
     rec.update({"pixel_pad_pct": pct["pixel_rows"], "doc_pad_pct": pct["doc_tokens"], "query_pad_pct": pct["query_tokens"]})
@@ -217,7 +227,7 @@ def check(args) -> int:
     configs = configurations(args)
     print(f"check: {len(configs)} trained configuration(s): " + "; ".join(s.label for s in configs))
     for s in configs:
-        argv = raggedvl_side.train_argv(s, dataset="train.parquet", output_dir="runs/x", extra=shlex.split(args.raggedvl_args))
+        argv = raggedvl_side.train_argv(s, dataset="train.parquet", output_dir="runs/x", extra=raggedvl_extra(args, s))
         cfg = raggedvl_side.validate_argv(argv)
         if (cfg.global_batch_size, cfg.max_steps, cfg.max_pixels) != (s.global_batch, s.steps, s.max_pixels):
             raise ValueError(f"raggedvl config {cfg} does not carry the settings {s}")
@@ -242,7 +252,7 @@ def check(args) -> int:
                             head_lr=args.head_lr, warmup_steps=args.warmup, weight_decay=args.weight_decay,
                             max_grad_norm=args.max_grad_norm, temperature=args.temperature,
                             max_pixels=WORKLOADS[name].max_pixels, seed=args.seed)
-            pct = summary.padding_pct(raggedvl_side.token_padding(s, str(data / "train.parquet")))
+            pct = summary.padding_pct(raggedvl_side.token_padding(s, str(data / "train.parquet"), extra=raggedvl_extra(args, s)))
             print(f"check: raggedvl padding replay on {name}: doc tokens {pct['doc_tokens']:.1f} %, "
                   f"query tokens {pct['query_tokens']:.1f} %, pixel rows {pct['pixel_rows']:.1f} %")
     if not model_ok:
@@ -276,6 +286,7 @@ def header(args) -> list[str]:
         "packages: " + ", ".join(versions),
         f"checkpoint: {args.model}",
         f"command: {' '.join(shlex.quote(a) for a in sys.argv)}",
+        f"raggedvl's extra flags: (a) {args.raggedvl_args!r}, (b) {(args.raggedvl_args + ' ' + args.raggedvl_args_b).strip()!r}",
     ]
 
 
@@ -349,7 +360,7 @@ def main(argv=None) -> int:
     if args.report:
         Path(args.report).write_text(report + "\n")
     all_runs = [r for sides in results.values() for runs in sides.values() for r in runs]
-    Path(args.json or work / f"results-{stamp}.json").write_text(json.dumps({"header": lines[:5], "runs": all_runs, **extra}, default=str) + "\n")
+    Path(args.json or work / f"results-{stamp}.json").write_text(json.dumps({"header": lines[:6], "runs": all_runs, **extra}, default=str) + "\n")
     losses = {f"{r['side']} {RunSettings(**r['settings']).label} repeat {r['repeat'] + 1}": [st["loss"] for st in r.get("steps", [])]
               for r in all_runs}
     losses_path = Path(args.losses_json or work / f"losses-{stamp}.json")

@@ -69,13 +69,14 @@ def _model_prompts(model_source: str, processor):
     return build_retriever(model_source, processor=processor, seed=0).config.prompts
 
 
-def token_padding(s: RunSettings, dataset: str) -> dict[str, int]:
+def token_padding(s: RunSettings, dataset: str, extra: list[str] = ()) -> dict[str, int]:
     """Real vs padded document and query tokens of every rank's batch over the run's steps,
     replayed from raggedvl's own cost estimate and sampler (``raggedvl.train.setup``'s
     ``estimate_train_costs`` and ``make_sampler`` with this run's config) and the model's prompts; pixel rows are never padded (flat ``pixel_values``).
 
     Doc length = template tokens + visual tokens of the image's grid (processor resize rule);
-    query length = tokens of the query template. Each rank pads its batch to its longest row."""
+    query length = tokens of the query template. Each rank pads its batch to its longest row;
+    with ``--packing true`` among ``extra`` it packs every sequence into one row (no slot padded)."""
     import torch
 
     from raggedvl.data import build_processor, load_retrieval_dataset
@@ -83,7 +84,7 @@ def token_padding(s: RunSettings, dataset: str) -> dict[str, int]:
     from raggedvl.parallel.runtime import DistInfo
     from raggedvl.train.setup import estimate_train_costs, make_sampler
 
-    cfg = validate_argv(train_argv(s, dataset=dataset, output_dir="/nonexistent", extra=[]))
+    cfg = validate_argv(train_argv(s, dataset=dataset, output_dir="/nonexistent", extra=list(extra)))
     processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels)
     prompts = _model_prompts(cfg.model, processor)
     train = load_retrieval_dataset(dataset, split=cfg.train_split)
@@ -107,7 +108,7 @@ def token_padding(s: RunSettings, dataset: str) -> dict[str, int]:
                 for lengths, key in ((doc_len, "doc"), (query_len, "query")):
                     ls = [lengths[i] for i in indices]
                     totals[f"{key}_tokens"] += sum(ls)
-                    totals[f"{key}_slots"] += max(ls) * len(ls)
+                    totals[f"{key}_slots"] += sum(ls) if cfg.packing else max(ls) * len(ls)
                 rows = sum(patches[i] for i in indices)
                 totals["pixel_rows"] += rows
                 totals["pixel_slots"] += rows

@@ -36,6 +36,10 @@ def test_check_validates_every_configuration_and_builds_both_workloads(check_run
         assert f"check: {label}: raggedvl train flags valid" in out
     assert "check: built workload uniform (10 + 2 pairs)" in out and "check: built workload heavy (10 + 2 pairs)" in out
     assert "heavy (train, 10 pairs, max_pixels 1,003,520)" in out
+    # raggedvl runs (b) padding-free by default (--raggedvl-args-b '--packing true'), (a) padded
+    assert "check: raggedvl padding replay on heavy: doc tokens 0.0 %, query tokens 0.0 %" in out
+    uniform = out.split("check: raggedvl padding replay on uniform: ")[1].split("\n")[0]
+    assert "query tokens 0.0 %" not in uniform
     # the simulation table has one row per simulated world size
     for w, g in ((2, 16), (8, 64), (64, 512)):
         assert f"| {w} | {g} | 20 |" in out

@@ -160,3 +160,52 @@ def test_transformers_spellings_name_raggedvls_flag_and_key(tmp_path, capsys):
     path.write_text("num_train_epochs: 2\n")
     assert main(["train", "--config", str(path)]) == 2
     assert "did you mean 'epochs'? (num_train_epochs is transformers' name)" in capsys.readouterr().err
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_no_flag_may_be_abbreviated(capsys):
+    """``--max-train 4`` once meant ``--max-train-samples 4``: a shortened flag would silently
+    change meaning the day a longer flag shares its start."""
+    assert not build_parser().allow_abbrev
+    assert all(not sub.allow_abbrev for sub in _subparsers().values())
+    for argv, full in ((["train", "--max-train", "4"], "--max-train-samples"),
+                       (["eval", "runs/a", "--batch", "4"], "--batch-size"),
+                       (["encode", "runs/a", "--dataset", "d", "--output", "o", "--on-bad", "skip"], "--on-bad-image")):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"unrecognized arguments: {argv[-2]} {argv[-1]}; did you mean '{full}'?" in err and err.count("\n") == 1
+    assert _config("--lr", "1e-4", "--head", "bi_encoder", "--loss", "infonce").lr == 1e-4  # exact names still match
+
+
+def test_config_file_errors_are_one_line(tmp_path, capsys):
+    (tmp_path / "recipe.yaml").write_text("lr: 1e-4\n")
+    (tmp_path / "broken.yaml").write_text("lr: 1e-4\nseed: [1, 2\nhead: late_interaction\n")
+    cases = [(tmp_path / "recipe.yml", f"config file '{tmp_path / 'recipe.yml'}': no such file; "
+                                       f"did you mean '{tmp_path / 'recipe.yaml'}'?"),
+             (tmp_path / "nowhere" / "a.yaml", f"no such file (no folder '{tmp_path / 'nowhere'}' either)"),
+             (tmp_path / "broken.yaml", f"config file '{tmp_path / 'broken.yaml'}' is not valid YAML at line 3, column 5: "),
+             (tmp_path, "cannot be read")]
+    for path, expected in cases:
+        assert main(["train", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("raggedvl: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+        assert expected in err, err
+
+
+def test_eval_columns_have_their_own_keys_defaulting_to_the_training_ones(tmp_path):
+    cfg = _config("--query-column", "question", "--id-column", "doc_id")
+    assert cfg.eval_columns == {"query_column": "question", "image_column": "image", "id_column": "doc_id"}
+    cfg = _config("--query-column", "question", "--eval-query-column", "q", "--eval-image-column", "page")
+    assert cfg.eval_columns == {"query_column": "q", "image_column": "page", "id_column": None}
+    path = tmp_path / "c.yaml"
+    path.write_text("eval_id_column: pid\nimage_column: img\n")
+    assert TrainConfig.from_yaml(path).eval_columns == {"query_column": "query", "image_column": "img", "id_column": "pid"}
+    eval_parser = _subparsers()["eval"]
+    args = eval_parser.parse_args(["runs/a", "--query-column", "question", "--image-column", "page"])
+    assert (args.query_column, args.image_column, args.id_column) == ("question", "page", None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
 
@@ -26,16 +27,46 @@ def _start_ranks(args, argv: Sequence[str], command: str) -> None:
     exec_agent(torchrun_command(args, strip_torchrun_arguments(argv), command=command))
 
 
+def _check_inputs(args, *, model: str, what: str, columns: dict[str, str | None] | None = None) -> None:
+    """Before torch is imported, in the launching process (ranks skip it: their launcher did it):
+    what the checkpoint argument ``model`` and ``--dataset`` name (:func:`raggedvl.sources.resolve_source`:
+    a mistyped path gets "did you mean", an offline or unreachable hub fails in seconds), and, given
+    ``columns``, that a local parquet ``--dataset`` (not a BEIR folder) holds them. Raises ``ValueError``."""
+    from raggedvl.sources import resolve_source
+    from raggedvl.train.launch import under_torchrun
+
+    if under_torchrun():
+        return
+    resolve_source(model, repo_type="model", presets=("tiny",), what=what, kind="folder")
+    dataset = getattr(args, "dataset", None)
+    if dataset is None:
+        return
+    resolve_source(dataset, repo_type="dataset", presets=("rdocs",), what="--dataset")
+    folder = Path(dataset).expanduser()
+    beir = folder.is_dir() and any(p.name.startswith(("corpus", "qrels")) for p in folder.iterdir())
+    if columns is not None and not beir:
+        from raggedvl.data.scan import check_columns, parquet_split
+
+        table = parquet_split(dataset, args.split or "test")
+        if table is not None:
+            check_columns(table.columns, table.where, **columns)
+
+
 def _eval(args, argv: Sequence[str]) -> int:
+    columns = {"query_column": args.query_column, "image_column": args.image_column, "id_column": args.id_column}
+    _check_inputs(args, model=args.checkpoint, what="checkpoint",
+                  columns={"query_column": "query", "image_column": "image", "id_column": None,
+                           **{k: v for k, v in columns.items() if v is not None}})
     _start_ranks(args, argv, "eval")
     from raggedvl.train.evaluate_checkpoint import evaluate_checkpoint
 
     evaluate_checkpoint(args.checkpoint, dataset=args.dataset, split=args.split, batch_size=args.batch_size,
-                        max_samples=args.max_samples, output=args.output, on_bad_image=args.on_bad_image)
+                        max_samples=args.max_samples, output=args.output, on_bad_image=args.on_bad_image, **columns)
     return 0
 
 
 def _encode(args, argv: Sequence[str]) -> int:
+    _check_inputs(args, model=args.checkpoint, what="checkpoint")
     _start_ranks(args, argv, "encode")
     from raggedvl.train.index_commands import encode_corpus
 
@@ -45,6 +76,7 @@ def _encode(args, argv: Sequence[str]) -> int:
 
 
 def _search(args) -> int:
+    _check_inputs(args, model=args.checkpoint, what="checkpoint")
     from raggedvl.train.index_commands import print_results, search_index
 
     if args.k < 1 or args.chunk_size < 1:
@@ -55,6 +87,7 @@ def _search(args) -> int:
 
 
 def _export(args) -> int:
+    _check_inputs(args, model=args.source, what="source")
     from raggedvl.train.export import export
 
     export(args.source, args.format, args.output, merge_lora=args.merge_lora)
@@ -95,7 +128,13 @@ Every command has its own help: raggedvl train --help lists each config key with
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports errors in one line and suggests the closest flag for an unknown one."""
+    """argparse that reports errors in one line and suggests the closest flag for an unknown one,
+    and takes no abbreviations (``--max-train`` is not ``--max-train-samples``: a shortened flag
+    would silently change meaning when a longer flag is added). Subparsers are of this class too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -155,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="results file (default: RUN/eval/DATASET-SPLIT.json, or ./DATASET-SPLIT.eval.json)")
     p_eval.add_argument("--on-bad-image", choices=["error", "skip"], default="error",
                         help="an unreadable document image stops (error) or is never retrieved and counted (skip)")
+    for name, what, default in (("query", "the query text", "query"), ("image", "the document image", "image"),
+                                ("id", "each row's id", "none: '<split>-<row>'")):
+        p_eval.add_argument(f"--{name}-column", default=None, metavar="COLUMN",
+                            help=f"column of the --dataset pairs holding {what} (default: {default}; without "
+                                 "--dataset, the run's evaluation columns; a BEIR layout names its own)")
     p_eval.add_argument("--nproc-per-node", default=None, metavar="N", help=nproc_help)
 
     p_encode = sub.add_parser("encode", help="embed a corpus's document images into an index folder (safetensors shards + ids)")

@@ -228,9 +228,27 @@ _YamlLoader.add_implicit_resolver(
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML mapping from ``path`` (``ValueError`` when the file holds something else)."""
-    with open(path, encoding="utf-8") as f:
-        values = yaml.load(f, Loader=_YamlLoader) or {}
+    """A YAML mapping from ``path``. Raises ``ValueError`` (one line) for a file that is missing
+    (with the closest name in its folder) or unreadable, for a YAML syntax error (with its line
+    and column, 1-based) and for a file that holds something other than a mapping."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.load(f, Loader=_YamlLoader) or {}
+    except FileNotFoundError:
+        folder = Path(path).parent
+        if not folder.is_dir():
+            raise ValueError(f"config file {str(path)!r}: no such file (no folder {str(folder)!r} either)") from None
+        close = difflib.get_close_matches(Path(path).name, sorted(p.name for p in folder.iterdir()), n=1, cutoff=0.6)
+        hint = f"; did you mean {str(folder / close[0])!r}?" if close else ""
+        raise ValueError(f"config file {str(path)!r}: no such file{hint}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"config file {str(path)!r} cannot be read: {exc}") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        context = f" ({exc.context})" if exc.context else ""
+        raise ValueError(f"config file {str(path)!r} is not valid YAML{where}: {exc.problem}{context}; "
+                         "fix the YAML there") from None
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a mapping of config keys, got {type(values).__name__}")
     return values

@@ -1,14 +1,16 @@
 """What a model or dataset name points at (a preset, a local path or a hub id), checked in seconds.
 
 ``raggedvl train`` calls :func:`resolve_source` for ``--model`` and ``--dataset`` before any
-rank starts, so that a typo or an unreachable hub is one line, not minutes of retries inside
-torchrun:
+rank starts, and ``raggedvl eval`` / ``encode`` / ``search`` / ``export`` for their checkpoint
+and ``--dataset`` before torch is imported, so that a typo or an unreachable hub is one line,
+not minutes of retries inside torchrun or the hub client:
 
 | name | result |
 |---|---|
 | a preset (``tiny``, ``rdocs``) | itself |
 | an existing file or folder | itself |
 | a path that does not exist (``./x``, ``/x``, ``a/b/c``, ``x.parquet``, or a parent folder that exists) | ``ValueError`` naming the closest entry of the folder it would be in, or a preset |
+| ``a/b`` where ``a`` is close to a local folder holding ``b`` (``rnus/a`` beside ``runs/a``) | ``ValueError``: "did you mean 'runs/a'?" |
 | a bare name close to a preset (``tyny``) | ``ValueError``: "did you mean 'tiny'?" |
 | a hub id, offline (``HF_HUB_OFFLINE=1``, or ``HF_DATASETS_OFFLINE=1`` for datasets) | itself when the hub cache holds it, else ``ValueError`` naming the cache and the fixes |
 | a hub id, online | one metadata request (``timeout_s``, default 10 s): itself when found; ``ValueError`` for a repository that does not exist or is gated; when the hub cannot be reached, itself if cached (and ``HF_HUB_OFFLINE=1`` is set for this process and the ranks it starts, so that no library retries), else ``ValueError`` |
@@ -39,7 +41,7 @@ def _closest(name: str, candidates: list[str]) -> str | None:
     return close[0] if close else None
 
 
-def _missing_path(name: str, presets: tuple[str, ...], what: str) -> ValueError:
+def _missing_path(name: str, presets: tuple[str, ...], what: str, kind: str) -> ValueError:
     path = Path(name).expanduser()
     parent = path.parent if str(path.parent) else Path(".")
     hint = ""
@@ -58,7 +60,7 @@ def _missing_path(name: str, presets: tuple[str, ...], what: str) -> ValueError:
     close = _closest(name, list(presets))
     if close and not hint.startswith("; did"):
         hint += f"; did you mean the preset {close!r}?"
-    return ValueError(f"{what} {name!r}: no such file or folder{hint}")
+    return ValueError(f"{what} {name!r}: no such {kind}{hint}")
 
 
 def _looks_like_path(name: str) -> bool:
@@ -67,17 +69,23 @@ def _looks_like_path(name: str) -> bool:
 
 
 def resolve_source(name: str, *, repo_type: RepoType, presets: tuple[str, ...] = (), what: str | None = None,
-                   timeout_s: float = 10.0) -> str:
+                   timeout_s: float = 10.0, kind: str = "file or folder") -> str:
     """``name`` when it is a preset, an existing path or a reachable (or cached) hub id; raises
-    ``ValueError`` (one line, naming the name, the cause and the fix) otherwise. Module table."""
+    ``ValueError`` (one line, naming the name, the cause and the fix) otherwise. Module table.
+    ``what``: how messages name the argument (default ``--model`` / ``--dataset``); ``kind``: what
+    a local path must be ("no such folder" for a checkpoint)."""
     what = what or ("--model" if repo_type == "model" else "--dataset")
     if name in presets or Path(name).expanduser().exists():
         return name
     if _looks_like_path(name):
-        raise _missing_path(name, presets, what)
+        raise _missing_path(name, presets, what, kind)
     first = name.split("/", 1)[0]
     if "/" in name and Path(first).is_dir():  # "runs/defualt" next to a runs/ folder: a path typo
-        raise _missing_path(name, presets, what)
+        raise _missing_path(name, presets, what, kind)
+    if "/" in name:  # "rnus/a" where runs/a exists: a path typo, not a hub id
+        folder, rest = _closest(first, [p.name for p in Path(".").iterdir() if p.is_dir()]), name.split("/", 1)[1]
+        if folder is not None and Path(folder, rest).exists():
+            raise ValueError(f"{what} {name!r}: no such {kind}; did you mean {f'{folder}/{rest}'!r}?")
     if "/" not in name:
         close = _closest(name, list(presets)) or _closest(name, [p.name for p in Path(".").iterdir()])
         if close is not None:

@@ -80,14 +80,14 @@ def test_image_folder(tmp_path):
 
 
 def test_bad_rows_are_named_or_counted(tmp_path):
-    with pytest.raises(ValueError, match=r"no column 'question'.*query_column="):
-        load_retrieval_dataset(_write_parquet(tmp_path / "a.parquet", _rows(2)), "train", query_column="question")
+    with pytest.raises(ValueError, match=r"no column 'qeury'.*did you mean 'query'\? pass --query-column \(key query_column\)"):
+        load_retrieval_dataset(_write_parquet(tmp_path / "a.parquet", _rows(2)), "train", query_column="qeury")
 
     empty = _rows(3)
     empty[1]["query"] = "   "
     empty[2]["query"] = None  # ViDoRe-style corpus row without a query
     empty_path = _write_parquet(tmp_path / "b.parquet", empty)
-    with pytest.raises(ValueError, match=r"row 1 \(id 'train-1'\) has an empty.*on_empty_query='skip'"):
+    with pytest.raises(ValueError, match=r"row 1 \(id 'train-1'\) has an empty.*pass --on-empty-query skip \(key on_empty_query"):
         load_retrieval_dataset(empty_path, "train")
     kept = load_retrieval_dataset(empty_path, "train", on_empty_query="skip", id_column="doc_id")
     assert kept.ids() == ["d0"] and [r["id"] for r in kept.skipped_rows] == ["d1", "d2"]

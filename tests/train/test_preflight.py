@@ -162,7 +162,7 @@ def test_missing_columns_name_the_flags_that_fix_them(capsys, tmp_path):
     path = _parquet(tmp_path / "pairs.parquet", names=("question", "page", "doc_id"))
     err = one_line_error(capsys, ["--dataset", path, "--eval-fraction", "0.25"], tmp_path)
     assert f"{path} split 'train' has no column 'query'" in err
-    assert "(columns: ['question', 'page', 'doc_id']); pass query_column= (raggedvl train --query-column)" in err
+    assert "(columns: ['question', 'page', 'doc_id']); pass --query-column (key query_column) naming the right one" in err
     err = one_line_error(capsys, ["--dataset", path, "--eval-fraction", "0.25", "--query-column", "question"], tmp_path)
     assert "has no column 'image'" in err and "--image-column" in err
     cfg = TrainConfig(dataset=path, query_column="question", image_column="page", id_column="doc_id",

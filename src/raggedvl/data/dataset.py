@@ -66,8 +66,8 @@ def _bad_query_rows(queries: list[Any], ids: list[str], where: str, policy: str)
             if policy != "skip":
                 raise ValueError(
                     f"{where}: row {row} (id {ident!r}) has an empty or non-string query {query!r}; "
-                    "remove the row, fill in its query, or pass on_empty_query='skip' (drop the row; "
-                    "raggedvl train --on-empty-query skip) or 'keep' (a corpus-only document, for evaluation)"
+                    "remove the row, fill in its query, or pass --on-empty-query skip (key on_empty_query: "
+                    "the row is left out and counted)"
                 )
             bad.append({"row": row, "id": ident, "reason": f"empty or non-string query {query!r}"})
     return bad
@@ -303,6 +303,7 @@ class RetrievalDataset(Sequence):
         base_dir: str | os.PathLike | None = None,
         on_empty_query: str = "error",
         sizes: Sequence[tuple[int, int] | None] | None = None,
+        option_prefix: str = "",
         **kwargs,
     ) -> "RetrievalDataset":
         """Wrap a ``datasets.Dataset`` with a query column and an image column (the datasets
@@ -310,6 +311,8 @@ class RetrievalDataset(Sequence):
         hard-negatives column (one image or a list of images per row, the same count in each).
         ``sizes``: each row's image (width, height) when known (``raggedvl.data.scan``'s cache;
         None: read the header when needed), so that a size estimate reads no image.
+        ``option_prefix``: how a missing column's message names the option that fixes it
+        (``raggedvl.data.scan.check_columns``; ``"eval_"``: ``--eval-query-column``).
 
         Images are read undecoded (``Image(decode=False)``), row by row on access, and decoded
         by this package's hardened loader. Ids come from ``id_column`` or are ``"<split>-<row>"``.
@@ -318,7 +321,7 @@ class RetrievalDataset(Sequence):
 
         where = kwargs.pop("where", None) or f"dataset split {split!r}"
         check_columns(dataset.column_names, where, query_column=query_column, image_column=image_column,
-                      id_column=id_column, negatives_column=negatives_column)
+                      id_column=id_column, negatives_column=negatives_column, option_prefix=option_prefix)
         if isinstance(dataset.features[image_column], datasets.Image):
             dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
         if negatives_column is not None:
@@ -496,6 +499,7 @@ def load_retrieval_dataset(
     on_bad_image: BadImagePolicy = "error",
     on_empty_query: str = "error",
     cache_dir: str | os.PathLike | None = None,
+    option_prefix: str = "",
     **load_kwargs,
 ) -> RetrievalDataset:
     """Load a split of a retrieval dataset with ``query`` and ``image`` columns.
@@ -513,7 +517,8 @@ def load_retrieval_dataset(
     ``raggedvl.data.scan.SPLIT_ALIASES``) find each other. A missing split is a ``ValueError`` listing those present.
     ``limit`` keeps a stable hash sample of that many rows. ``negatives_column`` names a column
     of hard negatives (one image or a list of images per row; not for rdocs manifests, which have
-    none). Extra ``load_kwargs`` go to ``datasets.load_dataset``.
+    none). ``option_prefix``: see ``RetrievalDataset.from_hf``. Extra ``load_kwargs`` go to
+    ``datasets.load_dataset``.
     """
     if on_empty_query not in EMPTY_QUERY_POLICIES:
         raise ValueError(f"on_empty_query must be one of {EMPTY_QUERY_POLICIES}, got {on_empty_query!r}")
@@ -534,7 +539,7 @@ def load_retrieval_dataset(
     return RetrievalDataset.from_hf(
         hf, split, query_column=query_column, image_column=image_column, id_column=id_column,
         negatives_column=negatives_column, limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}",
-        sizes=_cached_sizes(name_or_path, split, image_column, len(hf)), **common,
+        sizes=_cached_sizes(name_or_path, split, image_column, len(hf)), option_prefix=option_prefix, **common,
     )
 
 

@@ -17,6 +17,7 @@ applied, ``-1`` for an unreadable row; N counts the split's rows over all its fi
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -132,20 +133,23 @@ def parquet_split(name_or_path: str | os.PathLike, split: str) -> ParquetSplit |
 
 
 def check_columns(columns: Sequence[str], where: str, *, query_column: str, image_column: str,
-                  id_column: str | None, negatives_column: str | None = None) -> None:
-    """Raises ``ValueError`` naming the missing column, the columns present and the option (and
-    ``raggedvl train`` flag) that names the right one."""
+                  id_column: str | None, negatives_column: str | None = None, option_prefix: str = "") -> None:
+    """Raises ``ValueError`` naming the missing column, the columns present, the closest of them
+    ("did you mean", ``difflib``) and the option that names the right one: the key
+    ``<option_prefix>query_column`` and its flag (``--query-column``; ``option_prefix="eval_"``
+    for ``raggedvl train``'s evaluation set: ``--eval-query-column``)."""
     columns = list(columns)
-    for label, column in (("query_column", query_column), ("image_column", image_column)):
-        if column not in columns:
-            raise ValueError(f"{where} has no column {column!r} (columns: {columns}); pass {label}= "
-                             f"(raggedvl train --{label.replace('_', '-')}) naming the right one")
-    if id_column is not None and id_column not in columns:
-        raise ValueError(f"{where} has no id column {id_column!r} (columns: {columns}); pass id_column= "
-                         "(--id-column) naming the right one, or none")
-    if negatives_column is not None and negatives_column not in columns:
-        raise ValueError(f"{where} has no hard-negatives column {negatives_column!r} (columns: {columns}); pass "
-                         "negatives_column= (--negatives-column) naming the right one, or none")
+    checks = [("query_column", query_column, "column", ""), ("image_column", image_column, "column", ""),
+              ("id_column", id_column, "id column", "" if option_prefix else ", or none"),  # eval: none is id_column's
+              ("negatives_column", negatives_column, "hard-negatives column", ", or none")]
+    for key, column, noun, or_none in checks:
+        if column is None or column in columns:
+            continue
+        option = key if key == "negatives_column" else option_prefix + key  # negatives: training only
+        close = difflib.get_close_matches(column, columns, n=1, cutoff=0.6)
+        raise ValueError(f"{where} has no {noun} {column!r} (columns: {columns}); "
+                         + (f"did you mean {close[0]!r}? " if close else "")
+                         + f"pass --{option.replace('_', '-')} (key {option}) naming the right one{or_none}")
 
 
 def read_column(split: ParquetSplit, column: str) -> list[Any]:

@@ -212,11 +212,13 @@ def load_beir(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_im
 
 def load_benchmark(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_image: str = "error",
                    query_column: str = "query", image_column: str = "image", id_column: str | None = None,
-                   limit: int | None = None, cache_dir: str | os.PathLike | None = None, **load_kwargs) -> RetrievalBenchmark:
+                   limit: int | None = None, cache_dir: str | os.PathLike | None = None, option_prefix: str = "",
+                   **load_kwargs) -> RetrievalBenchmark:
     """A benchmark from a BEIR-layout folder or hub dataset (configs ``corpus``/``queries``/``qrels``)
     or from (query, image) pairs (any source :func:`raggedvl.data.load_retrieval_dataset` reads;
     query-less rows kept as corpus-only documents). ``limit``: pairs, a stable sample of that
-    many rows; BEIR, that many queries over the whole corpus."""
+    many rows; BEIR, that many queries over the whole corpus. ``option_prefix``: how a missing
+    column's message names its option (``"eval_"``: ``--eval-query-column``)."""
     path = Path(name_or_path)
     if is_beir_layout(path):
         return load_beir(path, split, on_bad_image=on_bad_image, **load_kwargs).sample_queries(limit)
@@ -231,5 +233,5 @@ def load_benchmark(name_or_path: str | os.PathLike, split: str = "test", *, on_b
             return load_beir(name_or_path, split, on_bad_image=on_bad_image, **load_kwargs).sample_queries(limit)
     pairs = load_retrieval_dataset(name_or_path, split, on_bad_image=on_bad_image, on_empty_query="keep", limit=limit,
                                    query_column=query_column, image_column=image_column, id_column=id_column,
-                                   cache_dir=cache_dir, **load_kwargs)
+                                   cache_dir=cache_dir, option_prefix=option_prefix, **load_kwargs)
     return RetrievalBenchmark.from_pairs(pairs, name=str(name_or_path))

@@ -68,10 +68,17 @@ class TrainConfig:
     eval_fraction: float | None = option(
         None, "hold out this share of the training split for evaluation, by a hash of each image's bytes "
               "(none: evaluate on eval_split)", above=0)
-    query_column: str = option("query", "column of the training (and evaluation) pairs holding the query text")
-    image_column: str = option("image", "column holding the document image (datasets Image feature, or file paths)")
-    id_column: str | None = option(None, "column holding each row's id, used in messages and reports "
-                                         "(none: '<split>-<row>')")
+    query_column: str = option("query", "column of the training pairs holding the query text")
+    image_column: str = option("image", "column of the training pairs holding the document image (datasets Image "
+                                        "feature, or file paths)")
+    id_column: str | None = option(None, "column of the training pairs holding each row's id, used in messages and "
+                                         "reports (none: '<split>-<row>')")
+    eval_query_column: str | None = option(
+        None, "column of the evaluation pairs (eval_dataset, or dataset's eval_split) holding the query text "
+              "(none: query_column)")
+    eval_image_column: str | None = option(
+        None, "column of the evaluation pairs holding the document image (none: image_column)")
+    eval_id_column: str | None = option(None, "column of the evaluation pairs holding each row's id (none: id_column)")
     negatives_column: str | None = option(
         None, "column holding each row's hard negatives: one image, or a list of images with the same length in "
               "every row; each is encoded as a document and is a candidate for every query of the global batch "
@@ -196,6 +203,14 @@ class TrainConfig:
     def datasets(self) -> list[str]:
         """The training datasets, in order (one for a plain ``dataset``)."""
         return list(self.dataset) if isinstance(self.dataset, list) else [self.dataset]
+
+    @property
+    def eval_columns(self) -> dict[str, str | None]:
+        """The evaluation pairs' ``query_column`` / ``image_column`` / ``id_column`` (each
+        ``eval_*`` key, else the training one's), as keyword arguments of ``load_benchmark``."""
+        keys = ("query_column", "image_column", "id_column")
+        own = {key: getattr(self, "eval_" + key) for key in keys}
+        return {key: getattr(self, key) if own[key] is None else own[key] for key in keys}
 
     @property
     def resolved_max_pixels(self) -> int | None:

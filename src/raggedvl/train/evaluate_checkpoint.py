@@ -74,7 +74,8 @@ def rebuild_retriever(config: dict[str, Any], weights: dict[str, torch.Tensor]) 
 
 def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: str | None = None, batch_size: int = 16,
                         max_samples: int | None = None, output: str | Path | None = None,
-                        on_bad_image: str = "error") -> dict[str, Any]:
+                        on_bad_image: str = "error", query_column: str | None = None, image_column: str | None = None,
+                        id_column: str | None = None) -> dict[str, Any]:
     """Evaluate a checkpoint on a benchmark and write a results JSON.
 
     ``path``: a raggedvl checkpoint or run directory (newest checkpoint that verifies), or any
@@ -83,12 +84,16 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
     evaluation split (with the run's overlap check). ``split`` default: the run's eval split, else
     "test". Runs on one process or under torchrun (queries and documents sharded over ranks).
     Rank 0 prints a table and writes ``output`` (default ``<run>/eval/<dataset>-<split>.json``
-    for a run, else ``./<dataset>-<split>.eval.json``). Returns the results dict."""
+    for a run, else ``./<dataset>-<split>.eval.json``). ``query_column`` / ``image_column`` /
+    ``id_column``: the pairs' columns (None: with ``dataset``, ``query`` / ``image`` / row ids;
+    without, the run's ``eval_*_column``). Returns the results dict; raises ``ValueError`` for a
+    missing column (naming ``--query-column``...), split or benchmark."""
     from raggedvl.evaluation.benchmark import load_benchmark
     from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
     from raggedvl.train.setup import load_splits
 
     path = Path(path)
+    columns = {"query_column": query_column, "image_column": image_column, "id_column": id_column}
     info = init_distributed()
     try:
         model, processor, cfg, described = load_model(path, info)
@@ -96,12 +101,14 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             if cfg is None:
                 raise ValueError(f"{path} is not a raggedvl run: name the benchmark with --dataset PATH_OR_ID")
             cfg = dataclasses.replace(cfg, eval_split=split or cfg.eval_split,
-                                      max_eval_samples=max_samples if max_samples is not None else cfg.max_eval_samples)
-            _, bench = load_splits(cfg, warn=info.is_main)
+                                      max_eval_samples=max_samples if max_samples is not None else cfg.max_eval_samples,
+                                      **{f"eval_{k}": v for k, v in columns.items() if v is not None})
+            _, bench = load_splits(cfg, warn=info.is_main, eval_option_prefix="")
             name, split = cfg.eval_dataset or cfg.datasets[0], cfg.eval_split
         else:
             split = split or "test"
-            bench = load_benchmark(dataset, split, limit=max_samples, on_bad_image=on_bad_image)
+            bench = load_benchmark(dataset, split, limit=max_samples, on_bad_image=on_bad_image,
+                                   **{k: v for k, v in columns.items() if v is not None})
             name = dataset
         max_length = cfg.max_length if cfg is not None else None
         collate = RetrievalCollator(processor, max_length=max_length, on_bad_image=on_bad_image, prompts=model.config.prompts,

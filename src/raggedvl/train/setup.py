@@ -66,7 +66,8 @@ def _evaluates(cfg: TrainConfig) -> bool:
     return cfg.eval_before or cfg.eval_after or cfg.save_best is not None
 
 
-def load_splits(cfg: TrainConfig, *, warn: bool = True) -> tuple[RetrievalDataset, RetrievalBenchmark | None]:
+def load_splits(cfg: TrainConfig, *, warn: bool = True,
+                eval_option_prefix: str = "eval_") -> tuple[RetrievalDataset, RetrievalBenchmark | None]:
     """The training pairs and the evaluation benchmark (None when the run does not evaluate).
 
     Several datasets (``cfg.datasets``) are each loaded (``max_train_samples`` per dataset) and
@@ -74,7 +75,9 @@ def load_splits(cfg: TrainConfig, *, warn: bool = True) -> tuple[RetrievalDatase
     them by ``dataset_weights``). Evaluation data, in order of precedence: ``eval_fraction`` (a
     content-hash split of each training split, held-out rows together), ``eval_dataset`` (its
     ``eval_split``), else the first dataset's own ``eval_split``; a dataset without that split is
-    a ``ValueError`` naming the two options.
+    a ``ValueError`` naming the two options. The evaluation pairs are read with ``cfg.eval_columns``;
+    a missing column's message names ``--<eval_option_prefix>query-column`` (``raggedvl eval``,
+    whose flags are ``--query-column``..., passes "").
     Evaluation documents or queries that also occur in the training pairs (by content, see
     ``raggedvl.data.splits``) are refused (``ValueError``) unless ``allow_eval_overlap``, then
     reported as a warning; either way before any training or collective."""
@@ -102,7 +105,8 @@ def load_splits(cfg: TrainConfig, *, warn: bool = True) -> tuple[RetrievalDatase
     elif not _evaluates(cfg):
         bench = None
     else:
-        bench = load_benchmark(cfg.eval_dataset or sources[0], cfg.eval_split, limit=cfg.max_eval_samples, **common)
+        bench = load_benchmark(cfg.eval_dataset or sources[0], cfg.eval_split, limit=cfg.max_eval_samples,
+                               on_bad_image=cfg.on_bad_image, option_prefix=eval_option_prefix, **cfg.eval_columns)
     if bench is not None:
         check_overlap(cfg, train, bench, warn=warn)
     return train, bench

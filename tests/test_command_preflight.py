@@ -1,0 +1,67 @@
+"""``raggedvl eval`` / ``encode`` / ``search`` / ``export`` check what their checkpoint and
+``--dataset`` name, and the columns of a local parquet benchmark, before torch is imported:
+each mistake is one line, exit code 2, in seconds (issue 16 item 1), never minutes of hub
+retries; ``raggedvl train``'s evaluation set has its own column keys."""
+
+import subprocess
+import sys
+
+import pytest
+
+from raggedvl.train.config import TrainConfig
+from raggedvl.train.setup import load_splits
+
+from .train.test_preflight import _parquet
+
+def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    renamed = _parquet(tmp_path / "test.parquet", names=("question", "page", "doc_id"))
+    cases = [
+        (["eval", "/x/y"], "checkpoint '/x/y': no such folder (no folder '/x' either)"),
+        (["eval", "rnus/a"], "checkpoint 'rnus/a': no such folder; did you mean 'runs/a'?"),
+        (["eval", "runs/b"], "checkpoint 'runs/b': no such folder (the folder 'runs' exists)"),
+        (["export", "runs/aa", "--format", "colpali", "--output", "out"], "source 'runs/aa': no such folder; did you mean 'runs/a'?"),
+        (["encode", "runs/a", "--dataset", "tset.parquet", "--output", "index"],
+         "--dataset 'tset.parquet': no such file or folder; did you mean 'test.parquet'?"),
+        (["search", "tyny", "--index", "index", "--query", "q"], "did you mean 'tiny'?"),
+        (["eval", "org/model"], "checkpoint 'org/model': the hub is off (HF_HUB_OFFLINE)"),
+        (["eval", "runs/a", "--dataset", "org/bench"], "--dataset 'org/bench': the hub is off (HF_HUB_OFFLINE)"),
+        (["eval", "runs/a", "--dataset", renamed],
+         f"{renamed} split 'test' has no column 'query' (columns: ['question', 'page', 'doc_id']); "
+         "pass --query-column (key query_column) naming the right one"),
+        (["eval", "runs/a", "--dataset", renamed, "--query-column", "question", "--image-column", "pgae"],
+         "has no column 'pgae' (columns: ['question', 'page', 'doc_id']); did you mean 'page'? pass --image-column"),
+        (["eval", "runs/a", "--dataset", renamed, "--query-column", "question", "--image-column", "page",
+          "--id-column", "doc-id"], "has no id column 'doc-id'"),
+    ]
+    code = ("import sys, time; from raggedvl.cli import main\n"
+            f"for argv in {[argv for argv, _ in cases]!r}:\n"
+            "    start = time.perf_counter(); rc = main(argv)\n"
+            "    print(rc, 'torch' in sys.modules, time.perf_counter() - start < 10, flush=True)\n"
+            "    print('---', file=sys.stderr, flush=True)\n")
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": ":".join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert out.stdout.split("\n")[:-1] == ["2 False True"] * len(cases), out.stdout + out.stderr
+    errors = out.stderr.split("---\n")[:-1]
+    assert len(errors) == len(cases), out.stderr
+    for err, (_, expected) in zip(errors, cases):
+        assert err.count("\n") == 1 and err.startswith("raggedvl: error: "), err
+        assert expected in err, err
+
+def test_the_training_evaluation_set_has_its_own_columns(tmp_path):
+    """``--eval-dataset`` with other column names than the training set: the message names
+    ``--eval-query-column`` (not the training set's flag), and ``eval_*_column`` reads it."""
+    train = _parquet(tmp_path / "train.parquet")
+    dev = _parquet(tmp_path / "dev.parquet", names=("question", "page", "docid"))
+    common = {"dataset": train, "eval_dataset": dev, "max_train_samples": None, "max_eval_samples": None,
+              "allow_eval_overlap": True}  # the same pairs: this test is about columns
+    with pytest.raises(ValueError, match=r"dev.parquet split 'dev' has no column 'query' .*pass --eval-query-column "
+                                         r"\(key eval_query_column\)"):
+        load_splits(TrainConfig(**common))
+    with pytest.raises(ValueError, match=r"has no id column 'doc_id' .*did you mean 'docid'\? pass --eval-id-column"):
+        load_splits(TrainConfig(id_column="doc_id", eval_query_column="question", eval_image_column="page", **common))
+    cfg = TrainConfig(id_column="doc_id", eval_query_column="question", eval_image_column="page", eval_id_column="docid",
+                      **common)
+    train_set, bench = load_splits(cfg, warn=False)
+    assert train_set.ids() == [f"doc-{i}" for i in range(8)]
+    assert bench.query_ids == [f"doc-{i}" for i in range(8)] and bench.queries[3] == "question 3"

@@ -2,14 +2,17 @@
 "did you mean", torchrun's gpu/auto, --version (issue 13 item 7, issue 16 item 4)."""
 
 import argparse
+import ast
 import dataclasses
 import os
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 import torch
 
+import raggedvl
 from raggedvl import __version__
 from raggedvl.cli import build_parser, main
 from raggedvl.options import field_specs
@@ -209,3 +212,44 @@ def test_eval_columns_have_their_own_keys_defaulting_to_the_training_ones(tmp_pa
     eval_parser = _subparsers()["eval"]
     args = eval_parser.parse_args(["runs/a", "--query-column", "question", "--image-column", "page"])
     assert (args.query_column, args.image_column, args.id_column) == ("question", "page", None)
+
+
+def _message_strings():
+    """(file, line, text) of every string literal under src/raggedvl that is not a docstring:
+    the messages, help texts and examples a user reads."""
+    root = Path(raggedvl.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                yield path.relative_to(root), node.lineno, node.value
+
+
+def test_every_flag_a_message_names_exists_with_that_value():
+    """A message that tells the user to pass ``--flag value`` names a flag of some raggedvl command,
+    and a value among its choices (an error once suggested a value the CLI refused)."""
+    parser = build_parser()
+    actions: dict[str, list[argparse.Action]] = {}
+    for p in (parser, *_subparsers().values()):
+        for action in p._actions:
+            for flag in action.option_strings:
+                actions.setdefault(flag, []).append(action)
+    outside = {"--no-", "--standalone"}  # the negation prefix; torchrun's own flag, which raggedvl passes to it
+    found, wrong = 0, []
+    for path, line, text in _message_strings():
+        for match in re.finditer(r"(?<![\w-])(--[a-z][a-z0-9-]*)(?:[ =]([\w.@-]+))?", text):
+            flag, value = match.groups()
+            found += 1
+            if flag in outside:
+                continue
+            if flag not in actions:
+                wrong.append(f"{path}:{line}: {flag} is no flag of raggedvl")
+                continue
+            choices = [a.choices for a in actions[flag] if a.choices]
+            if value and choices and not any(value in map(str, c) for c in choices):
+                wrong.append(f"{path}:{line}: {flag} {value}: not one of {choices[0]}")
+    assert found > 50  # the scan sees the messages
+    assert not wrong, wrong

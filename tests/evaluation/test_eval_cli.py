@@ -119,3 +119,30 @@ def test_eval_flags_collapsed_documents_with_the_run_summary_criterion(setup, tm
         assert (warning in printed) if warning else "WARNING" not in printed
         if want:
             assert results["doc_mean_cosine"] > 0.9999 and results["collapsed"]
+
+
+def test_eval_reads_pairs_under_other_column_names(setup, tmp_path):
+    """``raggedvl eval --query-column/--image-column/--id-column``: the same pairs under other
+    column names score exactly as under the default names."""
+    import datasets
+
+    root, _, _ = setup
+    rows = {"query": [f"page about topic {i}" for i in range(5)],
+            "image": [{"bytes": noise_png(40 + i, (56 + 28 * (i % 3), 56)), "path": None} for i in range(5)],
+            "doc_id": [f"page-{i}" for i in range(5)]}
+    results = {}
+    for names in (("query", "image", "doc_id"), ("question", "page", "pid")):
+        renamed = datasets.Dataset.from_dict(dict(zip(names, rows.values())),
+                                             features=datasets.Features({names[0]: datasets.Value("string"),
+                                                                         names[1]: datasets.Image(),
+                                                                         names[2]: datasets.Value("string")}))
+        path = tmp_path / names[0] / "test.parquet"
+        path.parent.mkdir()
+        renamed.to_parquet(str(path))
+        out = tmp_path / f"{names[0]}.json"
+        flags = ["--query-column", names[0], "--image-column", names[1], "--id-column", names[2]]
+        assert main(["eval", str(root / "model"), "--dataset", str(path), "--output", str(out), *flags]) == 0
+        results[names[0]] = json.loads(out.read_text())
+    default, renamed = results["query"], results["question"]
+    assert renamed["counts"]["queries"] == default["counts"]["queries"] == 5
+    assert renamed["metrics"] == default["metrics"] and renamed["mean_rank"] == default["mean_rank"]

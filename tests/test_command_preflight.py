@@ -55,6 +55,13 @@ def test_the_training_evaluation_set_has_its_own_columns(tmp_path):
     dev = _parquet(tmp_path / "dev.parquet", names=("question", "page", "docid"))
     common = {"dataset": train, "eval_dataset": dev, "max_train_samples": None, "max_eval_samples": None,
               "allow_eval_overlap": True}  # the same pairs: this test is about columns
+    code = ("import sys; from raggedvl.cli import main; "
+            f"rc = main(['train', '--dataset', {train!r}, '--eval-dataset', {dev!r}, '--eval-query-column', 'question', "
+            f"'--output-dir', {str(tmp_path / 'run')!r}]); print(rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr  # the launcher's check, before torch
+    assert out.stderr.count("\n") == 1 and "dev.parquet split 'dev' has no column 'image' (columns: ['question', 'page', " \
+        "'docid']); did you mean 'page'? pass --eval-image-column (key eval_image_column)" in out.stderr, out.stderr
     with pytest.raises(ValueError, match=r"dev.parquet split 'dev' has no column 'query' .*pass --eval-query-column "
                                          r"\(key eval_query_column\)"):
         load_splits(TrainConfig(**common))

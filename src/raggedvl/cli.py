@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Sequence
 
 
@@ -42,12 +41,10 @@ def _check_inputs(args, *, model: str, what: str, columns: dict[str, str | None]
     if dataset is None:
         return
     resolve_source(dataset, repo_type="dataset", presets=("rdocs",), what="--dataset")
-    folder = Path(dataset).expanduser()
-    beir = folder.is_dir() and any(p.name.startswith(("corpus", "qrels")) for p in folder.iterdir())
-    if columns is not None and not beir:
+    if columns is not None:
         from raggedvl.data.scan import check_columns, parquet_split
 
-        table = parquet_split(dataset, args.split or "test")
+        table = parquet_split(dataset, args.split or "test")  # None for a BEIR layout, a hub id...
         if table is not None:
             check_columns(table.columns, table.where, **columns)
 

@@ -106,14 +106,15 @@ def parquet_split(name_or_path: str | os.PathLike, split: str) -> ParquetSplit |
     """The split ``split`` of a local ``.parquet`` file (its one split, named by
     :func:`file_split`; ``split`` aliases as in ``pick_split``) or of a folder of parquet files; None for
     anything else (an rdocs manifest, an image folder, a folder with a dataset card, a hub id),
-    which only the full loader reads. Raises ``ValueError`` naming the splits present when the
+    which only the full loader reads, and a BEIR layout (:func:`is_beir_layout`). Raises ``ValueError`` naming the splits present when the
     split is missing."""
     import pyarrow.parquet as pq
 
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".parquet":
         files, base, splits = [path], path.parent, {file_split(path): [path]}
-    elif path.is_dir() and not (path / "manifest.jsonl").exists() and not (path / "README.md").exists():
+    elif (path.is_dir() and not (path / "manifest.jsonl").exists() and not (path / "README.md").exists()
+          and not is_beir_layout(path)):
         from datasets.data_files import DataFilesDict, get_data_patterns
 
         try:
@@ -130,6 +131,19 @@ def parquet_split(name_or_path: str | os.PathLike, split: str) -> ParquetSplit |
     metadata = [pq.ParquetFile(f).metadata for f in files]
     return ParquetSplit(tuple(files), base, tuple(metadata[0].schema.to_arrow_schema().names),
                         tuple(m.num_rows for m in metadata), f"{name_or_path} split {split!r}")
+
+
+def beir_part(root: Path, stem: str) -> Path | None:
+    """The first entry of folder ``root`` named ``stem*`` that is a folder or a ``.parquet`` file
+    (a BEIR layout's ``corpus`` / ``queries`` / ``qrels`` part), else None."""
+    hits = sorted(p for p in root.iterdir() if p.name.startswith(stem) and (p.is_dir() or p.suffix == ".parquet"))
+    return hits[0] if hits else None
+
+
+def is_beir_layout(name_or_path: str | os.PathLike) -> bool:
+    """True for a local folder holding ``corpus*``, ``queries*`` and ``qrels*`` parts."""
+    root = Path(name_or_path).expanduser()
+    return root.is_dir() and all(beir_part(root, stem) is not None for stem in ("corpus", "queries", "qrels"))
 
 
 def check_columns(columns: Sequence[str], where: str, *, query_column: str, image_column: str,

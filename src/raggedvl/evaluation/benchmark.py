@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from raggedvl.data.dataset import RetrievalDataset, load_retrieval_dataset, pick_split
+from raggedvl.data.scan import beir_part, is_beir_layout
 
 
 @dataclass
@@ -123,11 +124,6 @@ def load_corpus(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_
     return rows.select(sorted(set(distinct_images(rows))))
 
 
-def _find(root: Path, stem: str) -> Path | None:
-    hits = sorted(p for p in root.iterdir() if p.name.startswith(stem) and (p.is_dir() or p.suffix == ".parquet"))
-    return hits[0] if hits else None
-
-
 def _column(columns: Sequence[str], wanted: Sequence[str], table: str) -> str:
     for name in wanted:
         if name in columns:
@@ -135,18 +131,12 @@ def _column(columns: Sequence[str], wanted: Sequence[str], table: str) -> str:
     raise ValueError(f"the {table} table has none of the columns {list(wanted)} (columns: {list(columns)})")
 
 
-def is_beir_layout(name_or_path: str | os.PathLike) -> bool:
-    """True for a local folder holding ``corpus*``, ``queries*`` and ``qrels*`` parts."""
-    root = Path(name_or_path)
-    return root.is_dir() and all(_find(root, stem) is not None for stem in ("corpus", "queries", "qrels"))
-
-
 def _load_table(name_or_path: str | os.PathLike, part: str, split: str, **load_kwargs):
     import datasets
 
     root = Path(name_or_path)
     if root.is_dir():
-        found = _find(root, part)
+        found = beir_part(root, part)
         if found is None:
             raise ValueError(f"{root}: no {part}* file or folder (a BEIR layout needs corpus*, queries* and qrels*)")
         files = [str(found)] if found.is_file() else sorted(str(p) for p in found.rglob("*.parquet"))

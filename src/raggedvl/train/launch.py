@@ -191,10 +191,17 @@ def check_data(cfg) -> None:
     (a missing column, with the columns present and the flag; an empty query, with its row and
     id) or ``BadImageError`` (the first unreadable image among the rows the run trains on,
     with its row, id and file and ``--on-bad-image skip``; with ``--eval-fraction``, left to
-    ``prepare_run_data``)."""
+    ``prepare_run_data``); and the columns of an ``--eval-dataset`` held in local parquet files
+    (``cfg.eval_columns``)."""
     for name in cfg.datasets:
         if name != "rdocs":
             _check_parquet_data(cfg, name)
+    if cfg.eval_dataset is not None and (cfg.eval_before or cfg.eval_after or cfg.save_best is not None):
+        from raggedvl.data.scan import check_columns, parquet_split
+
+        table = parquet_split(cfg.eval_dataset, cfg.eval_split)  # None for a BEIR layout, a hub id...
+        if table is not None:  # its own columns: a missing one names --eval-query-column...
+            check_columns(table.columns, table.where, **cfg.eval_columns, option_prefix="eval_")
 
 
 def _check_parquet_data(cfg, name: str) -> None:

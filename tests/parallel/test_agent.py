@@ -2,7 +2,11 @@
 torchrun's own ``ProcessFailure``, and which single line the agent prints for a failed job.
 (End to end through ``raggedvl train``: tests/dist/test_fault_matrix.py.)"""
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -62,3 +66,20 @@ def test_a_killed_rank_without_a_record_comes_first(tmp_path, monkeypatch):
         + f"{peer.error_file})"
     silent = ProcessFailure(local_rank=0, pid=100, exitcode=3, error_file=str(tmp_path / "none.json"))
     assert first_failure({0: silent}) == ("rank 0 exited with code 3 without a report", 1)
+
+
+def test_the_agent_runs_as_a_module_without_runpy_warning():
+    """``python -m raggedvl.parallel.agent`` imports the package raggedvl.parallel first; if that
+    imported the agent module (faults.py once did, at module level), runpy warns "found in
+    sys.modules ... prior to execution" on every ``raggedvl train``. As an error here."""
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "raggedvl.parallel.agent", "--help"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--nproc-per-node" in out.stdout
+    assert "RuntimeWarning" not in out.stderr and "sys.modules" not in out.stderr
+    imported = subprocess.run([sys.executable, "-c", "import sys, raggedvl.parallel; "
+                               "print('raggedvl.parallel.agent' in sys.modules)"],
+                              capture_output=True, text=True, env=env, timeout=300)
+    assert imported.stdout.strip() == "False", imported.stderr[-2000:]

@@ -33,7 +33,6 @@ import threading
 import time
 import traceback
 
-from raggedvl.parallel.agent import REPORT_ATTRIBUTE, quiet_ranks
 from raggedvl.parallel.failures import abort, clear_note, peer_notes, post_note
 
 FAULT_KINDS = ("raise", "kill", "hang")
@@ -59,6 +58,10 @@ def report_failure(rank: int, where: str, exc: BaseException) -> str:
     :func:`raggedvl.parallel.failures.abort`); the caller re-raises. Peers' notes, oldest
     first, follow this rank's line. Store operations only, no collective; never raises.
     """
+    # imported here, not at module level: raggedvl.parallel imports this module, and the agent runs as
+    # ``python -m raggedvl.parallel.agent`` (runpy warns when the package already imported it)
+    from raggedvl.parallel.agent import REPORT_ATTRIBUTE, quiet_ranks
+
     own = f"rank {rank} failed {where}: {_first_line(exc)}"
     post_note(rank, own)
     now = time.time()

@@ -7,9 +7,13 @@ not on the world size; ``sampler="equal"`` gives each of the two ranks 8 samples
 colpali-engine's per-device batches do). With two ranks the documents are all-gathered with
 gradient inside the late-interaction loss, each rank scores its own 8 queries against the 16
 documents, and DDP averages the gradients; with one rank everything is local. The losses are
-compared step by step: a defect of the cross-rank loss (a gradient scaled by W, positives
-shifted, a missing term) shows within a few steps, while float32 rounding (padding to each rank's
-longest row, the all-reduce order) stays far below the tolerance. The recipe is issue 18's
+compared step by step: a defect of the cross-rank loss (positives shifted, a missing term, a
+gradient that does not cross ranks) changes the step-1 loss or the first updates, and with them
+the losses of steps 2-5 far beyond 1e-6 (each step moves the loss by 1e-2 to 1e-1). Float32
+rounding (padding to each rank's longest row, the all-reduce order) starts near 1e-8 relative and
+is amplified by every update of this sharp recipe (temperature 0.02, Adam): measured 1e-7 at step
+5 and 1e-5 to 2e-4 by steps 13-18 depending on the CPU's kernels. So the first EXACT_STEPS steps
+are held to 1e-6 and the rest to 2e-3, both far below what a defect moves. The recipe is issue 18's
 (lr 5e-4 for backbone and head, 3 warm-up steps, clipping 1.0, temperature 0.02), at small
 pages (max_pixels 25,088) so the 2 x 20 steps take seconds.
 """
@@ -29,6 +33,7 @@ pytestmark = pytest.mark.dist
 CHECKPOINT = Path(__file__).resolve().parents[1] / "fixtures" / "colqwen2-tiny" / "colqwen2_full"
 STEPS = 20
 GLOBAL_BATCH = 16
+EXACT_STEPS = 5  # steps before float32 rounding has been amplified past 1e-6 (module docstring)
 
 
 def _losses(rank: int, world_size: int, data: str, out: str) -> list[float]:
@@ -62,4 +67,5 @@ def test_one_process_of_16_equals_two_processes_of_8(tmp_path):
     # the run moves away from its starting loss, so agreement is not agreement of constants
     assert max(one) - min(one) > 1e-2, one
     for step, (a, b) in enumerate(zip(one, two[0]), start=1):
-        assert b == pytest.approx(a, rel=2e-5, abs=2e-5), (step, one, two[0])
+        rel = 1e-6 if step <= EXACT_STEPS else 2e-3
+        assert b == pytest.approx(a, rel=rel, abs=rel), (step, one, two[0])

@@ -130,11 +130,25 @@ def _negative_counts(dataset, column: str, rows: list[int], ids: list[str], wher
     """k, the number of hard negatives in every row of ``column`` (one image, or a list of
     images), read from the Arrow column's list lengths (no image bytes are copied). Raises
     ``ValueError`` naming the first row that has none, holds no image, or differs from row 0."""
-    import pyarrow as pa
     import pyarrow.compute as pc
 
     chunked = dataset.data.table.column(column) if hasattr(dataset.data, "table") else dataset.data.column(column)
     kind = chunked.type
+    if check_negatives_type(kind, column, where):
+        lengths = pc.list_value_length(chunked).to_numpy(zero_copy_only=False)
+    else:
+        lengths = chunked.is_valid().to_numpy(zero_copy_only=False).astype(int)
+    nulls = chunked.is_null().to_numpy(zero_copy_only=False)
+    counts = [0 if nulls[r] or lengths[r] != lengths[r] else int(lengths[r]) for r in range(len(lengths))]  # null: NaN
+    return negative_count(counts, rows, ids, column, where)
+
+
+def check_negatives_type(kind, column: str, where: str) -> bool:
+    """Whether the Arrow type ``kind`` of a hard-negatives column is a list (else one image per
+    row). Raises ``ValueError`` when its values are not images (paths, bytes or the datasets
+    Image struct). Reads the schema only: the launcher calls it before torch."""
+    import pyarrow as pa
+
     is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
     item = kind.value_type if is_list else kind
     image_like = (pa.types.is_string(item) or pa.types.is_large_string(item) or pa.types.is_binary(item)
@@ -142,22 +156,25 @@ def _negative_counts(dataset, column: str, rows: list[int], ids: list[str], wher
     if not image_like:
         raise ValueError(f"{where}: hard-negatives column {column!r} holds {item} values, not images; give each row "
                          "one image or a list of images (the datasets Image feature, file paths or encoded bytes)")
-    if is_list:
-        lengths = pc.list_value_length(chunked).to_numpy(zero_copy_only=False)
-    else:
-        lengths = chunked.is_valid().to_numpy(zero_copy_only=False).astype(int)
-    counts = [0 if lengths[r] != lengths[r] else int(lengths[r]) for r in rows]  # a null list: NaN
-    nulls = chunked.is_null().to_numpy(zero_copy_only=False)
-    for position, (row, count) in enumerate(zip(rows, counts)):
-        if count == 0 or nulls[row]:
+    return is_list
+
+
+def negative_count(counts: Sequence[int], rows: list[int], ids: list[str], column: str, where: str) -> int:
+    """k, the hard negatives of every row in ``rows`` (``counts``: per table row, 0 for none or
+    null; ``ids``: of ``rows``, in order). Raises ``ValueError`` naming the first of ``rows`` that
+    has none or whose count differs from the first's."""
+    first = counts[rows[0]] if rows else 0
+    for position, row in enumerate(rows):
+        count = counts[row]
+        if count == 0:
             raise ValueError(f"{where}: row {row} (id {ids[position]!r}) has no hard negative in column {column!r}; "
                              "give every row at least one image there, or leave out --negatives-column")
-        if count != counts[0]:
+        if count != first:
             raise ValueError(
                 f"{where}: row {row} (id {ids[position]!r}) has {count} hard negatives in column {column!r}, row "
-                f"{rows[0]} has {counts[0]}; the losses score the same number per query: give every row {counts[0]} "
+                f"{rows[0]} has {first}; the losses score the same number per query: give every row {first} "
                 "(repeat or drop negatives)")
-    return counts[0] if counts else 0
+    return first
 
 
 class _RowLists(Sequence):

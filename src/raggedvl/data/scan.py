@@ -7,12 +7,18 @@ folder's splits inferred by ``datasets``' own file-name rules, so rows come in t
 ``datasets.load_dataset`` gives them). ``image_sizes`` reads each row's image header (PIL, lazy
 open: no pixel decoded) in worker processes over the files' row groups, and caches the result
 in ``<data folder>/.raggedvl/sizes-<key>.npz``, the key a hash of each file's resolved path,
-byte size and modification time and of the image column, so a changed file is scanned again
+byte size and modification time, of the column and of ``SCAN_VERSION``, so a changed file is scanned again
 (falls back to ``<cache root>/sizes/`` where the data folder is read-only). Rows whose header
 cannot be read keep their reason, so a corrupt image is reported again from the cache.
 
 Shapes and units: sizes are ``[N, 2]`` int64 (width, height) in pixels, EXIF orientation
-applied, ``-1`` for an unreadable row; N counts the split's rows over all its files.
+applied, ``-1`` for an unreadable row; N counts the split's rows over all its files. A column of
+several images per row (hard negatives: ``image_sizes(..., item="hard negative")``, each cell
+one image or a list) gives ``[N, K, 2]``, K the longest row, ``-1`` past a row's own images,
+and ``counts`` [N], each row's number of images (0 for a null cell).
+
+The cache is written only by the process that scans (``raggedvl train``'s launcher), through a
+temporary file and ``os.replace``, so a rank reading it never sees a partial file.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-SCAN_VERSION = 1
+SCAN_VERSION = 2  # in the cache key: 2 added list columns (hard negatives)
 _LABEL = "\x00"  # stands for the row's label in a stored reason; replaced when reported
 PARALLEL_ROWS = 2048  # fewer rows are read in this process (worker start-up would dominate)
 
@@ -176,11 +182,14 @@ def read_column(split: ParquetSplit, column: str) -> list[Any]:
 
 @dataclass
 class ImageSizes:
-    """``sizes`` [N, 2] int64 (width, height), -1 where the header could not be read;
-    ``errors``: row -> reason (the message with the row's label left out)."""
+    """``sizes`` [N, 2] int64 (width, height), -1 where the header could not be read (a list
+    column: [N, K, 2]); ``errors``: row -> reason (the message with the row's label left out;
+    a list column: its first unreadable image's); ``counts``: a list column's images per row
+    [N] int64 (None for an image column)."""
 
     sizes: np.ndarray
     errors: dict[int, str]
+    counts: np.ndarray | None = None
 
     def size(self, row: int) -> tuple[int, int] | None:
         width, height = (int(v) for v in self.sizes[row])
@@ -201,67 +210,96 @@ def _image_source(value: Any, base_dir: Path) -> Any:
     return value
 
 
-def _scan_part(task: tuple[str, int, str, str]) -> tuple[list[tuple[int, int]], dict[int, str]]:
-    """Sizes of one row group (runs in a worker process)."""
-    import pyarrow.parquet as pq
-
+def _read_one(value: Any, base_dir: Path, name: str) -> tuple[tuple[int, int], str | None]:
+    """(size, None) of one image value, or ((-1, -1), reason) when its header cannot be read."""
     from raggedvl.images import BadImageError, read_size
 
-    file, group, column, base_dir = task
+    source = _image_source(value, base_dir)
+    try:
+        if source is None:
+            raise BadImageError(f"{name} has no image (the value is null); fill it in or remove the row")
+        return read_size(source, name=name), None
+    except (BadImageError, TypeError) as exc:
+        return (-1, -1), str(exc) if str(exc).startswith(_LABEL) else f"{name}: {exc}"
+
+
+def _scan_part(task: tuple[str, int, str, str, str | None]) -> tuple[list[Any], dict[int, str]]:
+    """Sizes of one row group (runs in a worker process): per row a (width, height), or with
+    ``item`` (a list column) the list of its images' sizes."""
+    import pyarrow.parquet as pq
+
+    file, group, column, base_dir, item = task
     values = pq.ParquetFile(file).read_row_group(group, columns=[column]).column(column).to_pylist()
     sizes, errors = [], {}
     for i, value in enumerate(values):
-        source = _image_source(value, Path(base_dir))
-        try:
-            if source is None:
-                raise BadImageError(f"{_LABEL} has no image (the value is null); fill it in or remove the row")
-            sizes.append(read_size(source, name=_LABEL))
-        except (BadImageError, TypeError) as exc:
-            sizes.append((-1, -1))
-            errors[i] = str(exc) if str(exc).startswith(_LABEL) else f"{_LABEL}: {exc}"
+        if item is None:
+            size, reason = _read_one(value, Path(base_dir), _LABEL)
+        else:  # one image or a list of them; a null cell holds none (the caller checks the counts)
+            cell = [] if value is None else value if isinstance(value, list) else [value]
+            read = [_read_one(v, Path(base_dir), f"{_LABEL}, {item} {j}") for j, v in enumerate(cell)]
+            size = [r[0] for r in read]
+            reason = next((r[1] for r in read if r[1] is not None), None)
+        sizes.append(size)
+        if reason is not None:
+            errors[i] = reason
     return sizes, errors
 
 
-def _fingerprint(split: ParquetSplit, column: str) -> str:
-    parts = [SCAN_VERSION, column]
+def _fingerprint(split: ParquetSplit, column: str, item: str | None = None) -> str:
+    parts = [SCAN_VERSION, column, item]
     for f in split.files:
         stat = f.stat()
         parts.append([str(f.resolve()), stat.st_size, stat.st_mtime_ns])
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
-def _cache_paths(split: ParquetSplit, column: str) -> list[Path]:
+def _cache_paths(split: ParquetSplit, column: str, item: str | None = None) -> list[Path]:
     """Where the sizes of ``split`` are cached: beside the data first, then the cache root."""
     from raggedvl.data.cache import cache_root
 
-    name = f"sizes-{_fingerprint(split, column)}.npz"
+    name = f"sizes-{_fingerprint(split, column, item)}.npz"
     return [split.files[0].parent / ".raggedvl" / name, cache_root() / "sizes" / name]
 
 
-def cached_image_sizes(split: ParquetSplit, column: str) -> ImageSizes | None:
-    """The cached sizes of ``split``'s ``column``, or None when no valid cache entry exists."""
-    for path in _cache_paths(split, column):
+def cached_image_sizes(split: ParquetSplit, column: str, *, item: str | None = None) -> ImageSizes | None:
+    """The cached sizes of ``split``'s ``column`` (``item``: as for :func:`image_sizes`), or None
+    when no valid cache entry exists. Only reads."""
+    for path in _cache_paths(split, column, item):
         try:
             with np.load(path) as data:
                 sizes = data["sizes"]
                 errors = {int(k): v for k, v in json.loads(str(data["errors"])).items()}
+                counts = data["counts"] if "counts" in data.files else None
         except (OSError, KeyError, ValueError):
             continue
-        if sizes.shape == (split.num_rows, 2):
-            return ImageSizes(sizes, errors)
+        if item is None:
+            valid = sizes.shape == (split.num_rows, 2)
+        else:
+            valid = (sizes.ndim == 3 and sizes.shape[0] == split.num_rows and sizes.shape[2] == 2
+                     and counts is not None and counts.shape == (split.num_rows,))
+        if valid:
+            return ImageSizes(sizes, errors, counts)
     return None
 
 
-def _store(split: ParquetSplit, column: str, result: ImageSizes) -> None:
-    for path in _cache_paths(split, column):
+def _store(split: ParquetSplit, column: str, result: ImageSizes, item: str | None = None) -> None:
+    """Write the cache entry atomically: a temporary file, then ``os.replace``."""
+    for path in _cache_paths(split, column, item):
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            arrays = {"sizes": result.sizes, "errors": np.array(json.dumps({str(k): v for k, v in result.errors.items()}))}
+            if result.counts is not None:
+                arrays["counts"] = result.counts
             with open(tmp, "wb") as f:
-                np.savez(f, sizes=result.sizes, errors=np.array(json.dumps({str(k): v for k, v in result.errors.items()})))
+                np.savez(f, **arrays)
             os.replace(tmp, path)
             return
         except OSError:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # e.g. its folder cannot exist
+                pass
             continue
 
 
@@ -269,17 +307,21 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def image_sizes(split: ParquetSplit, column: str, *, workers: int | None = None) -> ImageSizes:
+def image_sizes(split: ParquetSplit, column: str, *, workers: int | None = None,
+                item: str | None = None) -> ImageSizes:
     """Every row's image size from its header (module docstring), from the cache when it holds
     this split's files unchanged, else read (``workers`` processes, default one per CPU; one
     row group at a time, so memory holds a few row groups' bytes, not the dataset's) and
-    cached. Raises nothing for unreadable images: they are in ``ImageSizes.errors``."""
+    cached (written here only, atomically). ``item`` (e.g. ``"hard negative"``): the column
+    holds one image or a list of images per row, each named ``"<row>, <item> <j>"`` in
+    messages (``j`` from 0); sizes [N, K, 2] and ``counts``. Raises nothing for unreadable
+    images: they are in ``ImageSizes.errors``."""
     import pyarrow.parquet as pq
 
-    cached = cached_image_sizes(split, column)
+    cached = cached_image_sizes(split, column, item=item)
     if cached is not None:
         return cached
-    tasks = [(str(f), g, column, str(split.base_dir)) for f in split.files
+    tasks = [(str(f), g, column, str(split.base_dir), item) for f in split.files
              for g in range(pq.ParquetFile(f).metadata.num_row_groups)]
     workers = min(workers or _cpus(), len(tasks))
     if workers > 1 and split.num_rows >= PARALLEL_ROWS:
@@ -292,6 +334,14 @@ def image_sizes(split: ParquetSplit, column: str, *, workers: int | None = None)
         errors.update({offset + i: reason for i, reason in part_errors.items()})
         sizes.extend(part_sizes)
         offset += len(part_sizes)
-    result = ImageSizes(np.asarray(sizes, dtype=np.int64).reshape(-1, 2), errors)
-    _store(split, column, result)
+    if item is None:
+        result = ImageSizes(np.asarray(sizes, dtype=np.int64).reshape(-1, 2), errors)
+    else:
+        counts = np.asarray([len(row) for row in sizes], dtype=np.int64)
+        grid = np.full((len(sizes), int(counts.max(initial=0)), 2), -1, dtype=np.int64)
+        for row, row_sizes in enumerate(sizes):
+            if row_sizes:
+                grid[row, :len(row_sizes)] = row_sizes
+        result = ImageSizes(grid, errors, counts)
+    _store(split, column, result, item)
     return result

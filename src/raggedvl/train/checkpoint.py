@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 
 from raggedvl.models.retriever import WEIGHTS_NAME, weights_file
 from raggedvl.models.weights import save_tensors
+from raggedvl.train.rundir import checkpoint_folders
 
 FILES = (WEIGHTS_NAME, "optimizer.pt", "rng.pt", "trainer_state.json")
 MANIFEST = "MANIFEST.json"
@@ -135,12 +136,9 @@ def save_checkpoint(
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
-    """Checkpoint folders under ``root``, newest step first (temporary folders excluded)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and "." not in p.name]
-    return sorted(dirs, key=lambda p: int(p.name.split("-")[1]), reverse=True)
+    """Checkpoint folders under ``root``, newest step first (temporary folders excluded;
+    :func:`raggedvl.train.rundir.checkpoint_folders`, which needs no torch)."""
+    return checkpoint_folders(root)
 
 
 def verify_checkpoint(path: str | Path) -> None:

@@ -220,6 +220,11 @@ class TrainConfig:
         return self.max_pixels
 
     @property
+    def evaluates(self) -> bool:
+        """Whether the run reads an evaluation set: ``eval_before``, ``eval_after`` or ``save_best``."""
+        return self.eval_before or self.eval_after or self.save_best is not None
+
+    @property
     def use_lora(self) -> bool:
         return self.lora if self.lora is not None else self.model != "tiny"
 

@@ -2,21 +2,27 @@
 
 From a plain shell, ``raggedvl train``:
 
-1. checks everything that does not need a rank, each failure one line and exit code 2: the
-   config, the output directory, the world size against the global batch, the model and the
-   dataset names (``raggedvl.sources``: typos, unreachable or offline hub in seconds), the
-   processor, the data's columns, splits and overlap, and every training image's header (the
-   size estimate the sampler needs anyway; a corrupt image is named by row, id and file); with
-   ``--resume``, that the checkpoint can continue with these settings and data
-   (``raggedvl.train.resume``);
-2. with one process on one node (``--nproc-per-node 1``, or one CUDA device), trains right
-   there, reusing what step 1 built: no torchrun, no second process;
-3. otherwise replaces itself (``os.execv``) with torchrun's agent
-   (``python -m raggedvl.parallel.agent``, torchrun's options), so nothing of the launcher stays
-   resident while the ranks run, and a failing rank is reported once, in one line.
+1. checks, before importing torch or transformers, each failure one line and exit code 2: the
+   config, the model and dataset names (``raggedvl.sources``: typos, unreachable or offline
+   hub in seconds), the output directory (``raggedvl.train.rundir``), and for data in local
+   parquet files (``raggedvl.data.scan``) the columns, splits, queries, hard-negative counts
+   and every training image's header, documents and hard negatives (a corrupt image is named
+   by row, id and file), then the world size against the global batch;
+2. with several processes, when step 1 checked everything (:func:`needs_torch`: no
+   ``--resume``, no local ``--model`` folder, data in local parquet files or the rdocs preset),
+   replaces itself at once (``os.execve``) with torchrun's agent
+   (``python -m raggedvl.parallel.agent``, torchrun's options): the ranks prepare the data
+   themselves, as they always do (the image sizes from step 1's cache);
+3. otherwise imports torch and checks what needs it: the processor, the data the launcher
+   could not scan (hub datasets, BEIR folders), overlap, with ``--resume`` that the checkpoint
+   can continue with these settings and data (``raggedvl.train.resume``), a local checkpoint's
+   files; then with one process on one node (``--nproc-per-node 1``, or one CUDA device) trains
+   right there, reusing what it built (no torchrun, no second process), else execs the agent
+   as in 2, so nothing of the launcher stays resident while the ranks run, and a failing rank
+   is reported once, in one line.
 
 ``--nproc-per-node`` defaults to the number of CUDA devices, or 2 processes on a CPU-only
-machine; ``--standalone`` is used unless ``--nnodes``/``--rdzv-*`` say otherwise. Inside
+machine (:func:`default_nproc`: no torch import without a GPU driver); ``--standalone`` is used unless ``--nnodes``/``--rdzv-*`` say otherwise. Inside
 torchrun (``TORCHELASTIC_RUN_ID`` or ``LOCAL_RANK`` set) ``raggedvl train`` runs one rank.
 Multi-node jobs use torchrun's own rendezvous: run the same command on every node with
 ``--nnodes N --node-rank I --rdzv-endpoint HOST:PORT`` (or ``--master-addr``/``--master-port``).
@@ -56,7 +62,16 @@ def add_torchrun_arguments(parser) -> None:
         group.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar=metavar, help=text)
 
 
+GPU_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidia0", "/dev/kfd")
+"""Files present where an NVIDIA (CUDA) or AMD (ROCm) GPU driver is loaded."""
+
+
 def default_nproc() -> int:
+    """The default ``--nproc-per-node``: the number of CUDA devices, else 2. Without a GPU
+    driver (none of ``GPU_DRIVER_FILES``) that is 2 at once, without importing torch (seconds);
+    with one, torch counts the devices."""
+    if not any(os.path.exists(f) for f in GPU_DRIVER_FILES):
+        return 2
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
@@ -183,48 +198,96 @@ def check_names(cfg) -> None:
             resolve_source(name, repo_type="dataset", presets=("rdocs",), what=flag)
 
 
-def check_data(cfg) -> None:
+def check_data(cfg) -> list[str]:
     """The launcher's data checks before torch is imported, for each training set held in local
     parquet files (``raggedvl.data.scan``; other sources are checked by ``prepare_run_data``):
-    the columns, the queries (``--on-empty-query``), and every image's header, read in parallel
-    and cached beside the data, so the ranks' size estimate reads no image. Raises ``ValueError``
-    (a missing column, with the columns present and the flag; an empty query, with its row and
-    id) or ``BadImageError`` (the first unreadable image among the rows the run trains on,
-    with its row, id and file and ``--on-bad-image skip``; with ``--eval-fraction``, left to
-    ``prepare_run_data``); and the columns of an ``--eval-dataset`` held in local parquet files
-    (``cfg.eval_columns``)."""
-    for name in cfg.datasets:
-        if name != "rdocs":
-            _check_parquet_data(cfg, name)
-    if cfg.eval_dataset is not None and (cfg.eval_before or cfg.eval_after or cfg.save_best is not None):
-        from raggedvl.data.scan import check_columns, parquet_split
+    the columns, the queries (``--on-empty-query``), the hard negatives (``--negatives-column``:
+    the column's type and every row's count), and every image's header, documents and hard
+    negatives, read in parallel and cached beside the data, so the ranks' size estimate reads no
+    document image; and for the evaluation set (``--eval-dataset``, else the first dataset's
+    ``--eval-split``) held in local parquet files: that the split exists and its columns
+    (``cfg.eval_columns``).
 
-        table = parquet_split(cfg.eval_dataset, cfg.eval_split)  # None for a BEIR layout, a hub id...
+    Raises ``ValueError`` (a missing column, with the columns present and the flag; a missing
+    split, with the splits present; an empty query or a row without hard negatives, with its row
+    and id) or ``BadImageError`` (the first unreadable image among the rows the run trains on,
+    with its row, id, file and ``--on-bad-image skip``; with ``--eval-fraction``, left to
+    ``prepare_run_data``). Returns what it could NOT check here, one phrase each (empty when
+    everything the ranks would refuse was checked; see :func:`needs_torch`)."""
+    from raggedvl.data.scan import check_columns, parquet_split
+
+    unchecked = []
+    for name in cfg.datasets:
+        if name == "rdocs":
+            if cfg.negatives_column is not None:
+                raise ValueError(f"rdocs is an rdocs manifest, which has no hard-negatives column "
+                                 f"{cfg.negatives_column!r}; leave out --negatives-column or train on a parquet file "
+                                 "that has one")
+        elif not _check_parquet_data(cfg, name):
+            unchecked.append(f"--dataset {name} (not local parquet)")
+    if cfg.eval_fraction is not None:
+        unchecked.append("--eval-fraction (the held-out rows depend on image digests)")
+    elif cfg.evaluates:
+        source = cfg.eval_dataset if cfg.eval_dataset is not None else cfg.datasets[0]
+        flag = "--eval-dataset" if cfg.eval_dataset is not None else "--dataset"
+        table = None if source == "rdocs" else parquet_split(source, cfg.eval_split)  # a missing split raises
         if table is not None:  # its own columns: a missing one names --eval-query-column...
             check_columns(table.columns, table.where, **cfg.eval_columns, option_prefix="eval_")
+        elif source != "rdocs":  # a BEIR layout, a hub id...
+            unchecked.append(f"{flag} {source} split {cfg.eval_split!r} (not local parquet)")
+    return unchecked
 
 
-def _check_parquet_data(cfg, name: str) -> None:
-    from raggedvl.data.dataset import kept_rows
+def needs_torch(cfg, unchecked: Sequence[str]) -> list[str]:
+    """Why the launcher must import torch and prepare the run's data itself before starting the
+    ranks (empty: it may start them right after :func:`check_data`): ``--resume`` (the
+    checkpoint's settings and data), a local ``--model`` folder (its checkpoint files, read with
+    transformers), and whatever ``check_data`` could not check (``unchecked``). Otherwise the
+    ranks prepare the data themselves, as they always do, and a failure there is still one line."""
+    from pathlib import Path
+
+    reasons = list(unchecked)
+    if cfg.resume:
+        reasons.append("--resume")
+    if Path(cfg.model).expanduser().is_dir():
+        reasons.append(f"--model {cfg.model} (a local checkpoint)")
+    return reasons
+
+
+def _check_parquet_data(cfg, name: str) -> bool:
+    """Check one training set (:func:`check_data`); False when it is not local parquet."""
+    from raggedvl.data.dataset import check_negatives_type, kept_rows, negative_count
     from raggedvl.data.scan import check_columns, image_sizes, parquet_split, read_column
     from raggedvl.images import BadImageError
 
     table = parquet_split(name, cfg.train_split)
     if table is None:
-        return
+        return False
     check_columns(table.columns, table.where, query_column=cfg.query_column, image_column=cfg.image_column,
                   id_column=cfg.id_column, negatives_column=cfg.negatives_column)
     queries = read_column(table, cfg.query_column)
     ids = ([str(v) for v in read_column(table, cfg.id_column)] if cfg.id_column
            else [f"{cfg.train_split}-{i}" for i in range(len(queries))])
     used, _ = kept_rows(queries, ids, table.where, cfg.on_empty_query, cfg.max_train_samples)
+
+    negatives = None
+    if cfg.negatives_column is not None:
+        import pyarrow.parquet as pq
+
+        kind = pq.ParquetFile(table.files[0]).schema_arrow.field(cfg.negatives_column).type
+        check_negatives_type(kind, cfg.negatives_column, table.where)
+        negatives = image_sizes(table, cfg.negatives_column, item="hard negative")
+        negative_count(negatives.counts, used, [ids[r] for r in used], cfg.negatives_column, table.where)
     sizes = image_sizes(table, cfg.image_column)
     # with --eval-fraction the rows used depend on image digests: prepare_run_data decides
-    strict = cfg.on_bad_image == "error" and cfg.eval_fraction is None
-    bad = next((row for row in used if row in sizes.errors), None) if strict else None
-    if bad is not None:
-        label = f"{table.where} row {bad} (id {ids[bad]!r})"
-        raise BadImageError(sizes.message(bad, label if len(table.files) == 1 else f"{label} in {table.file_of(bad)}"))
+    if cfg.on_bad_image != "error" or cfg.eval_fraction is not None:
+        return True
+    for found in (sizes, negatives) if negatives is not None else (sizes,):
+        bad = next((row for row in used if row in found.errors), None)
+        if bad is not None:
+            label = f"{table.where} row {bad} (id {ids[bad]!r})"
+            raise BadImageError(found.message(bad, label if len(table.files) == 1 else f"{label} in {table.file_of(bad)}"))
+    return True
 
 
 def launch_train(args, argv: Sequence[str]) -> int:
@@ -246,15 +309,20 @@ def launch_train(args, argv: Sequence[str]) -> int:
         clock.add({"imports": time.time() - process_start_time()})
         train(cfg, clock=clock)
         return 0
+    from raggedvl.train.rundir import check_output_dir
+
     check_names(cfg)
-    check_data(cfg)
+    check_output_dir(cfg)
+    unchecked = check_data(cfg)
     cmd = torchrun_command(args, strip_torchrun_arguments(argv))
     world, multi = check_world_fits(cfg, cmd)
     plain_output()
+    if (world > 1 or multi) and not needs_torch(cfg, unchecked):  # all checked: the ranks prepare the data
+        clock.add({"checks": clock.since_start()})
+        exec_agent(cmd, {ENV: clock.to_env()})
     from raggedvl.train.resume import check_resume_data, check_resume_settings, resume_point
-    from raggedvl.train.setup import check_model_checkpoint, check_output_dir, prepare_run_data
+    from raggedvl.train.setup import check_model_checkpoint, prepare_run_data
 
-    check_output_dir(cfg)
     resumed = resume_point(cfg) if cfg.resume else None
     if resumed is not None:  # settings the checkpoint cannot continue with: one line, before any rank
         check_resume_settings(cfg, world, *resumed)

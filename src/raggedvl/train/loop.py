@@ -51,7 +51,8 @@ from raggedvl.train.report import MetricsLog, write_summary
 from raggedvl.train.resume import check_resume_settings
 from raggedvl.rng import capture_rng_state, restore_rng_state
 from raggedvl.train.progress import PADDING_KEYS, Progress, batch_padding, peak_memory_mib
-from raggedvl.train.setup import RunData, build_components, check_output_dir, make_scheduler
+from raggedvl.train.rundir import check_output_dir
+from raggedvl.train.setup import RunData, build_components, make_scheduler
 from raggedvl.train.startup import StartupClock
 from raggedvl.train.tracking import Trackers, parse_report_to
 

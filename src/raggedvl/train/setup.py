@@ -62,10 +62,6 @@ def _rdocs_source(cfg: TrainConfig) -> Path:
         return build_rdocs(root, train_limit=cfg.max_train_samples, dev_limit=cfg.max_eval_samples)
 
 
-def _evaluates(cfg: TrainConfig) -> bool:
-    return cfg.eval_before or cfg.eval_after or cfg.save_best is not None
-
-
 def load_splits(cfg: TrainConfig, *, warn: bool = True,
                 eval_option_prefix: str = "eval_") -> tuple[RetrievalDataset, RetrievalBenchmark | None]:
     """The training pairs and the evaluation benchmark (None when the run does not evaluate).
@@ -102,7 +98,7 @@ def load_splits(cfg: TrainConfig, *, warn: bool = True,
     if cfg.eval_fraction is not None:
         held_out = concat_datasets(held, names)
         bench = RetrievalBenchmark.from_pairs(held_out.sample(cfg.max_eval_samples), name=f"{' + '.join(names)} (held out)")
-    elif not _evaluates(cfg):
+    elif not cfg.evaluates:
         bench = None
     else:
         bench = load_benchmark(cfg.eval_dataset or sources[0], cfg.eval_split, limit=cfg.max_eval_samples,
@@ -126,19 +122,6 @@ def check_overlap(cfg: TrainConfig, train: RetrievalDataset, bench: RetrievalBen
         )
     if warn:
         print(f"warning: {where} overlaps the training pairs (--allow-eval-overlap): {overlap.describe()}", file=sys.stderr, flush=True)
-
-
-def check_output_dir(cfg: TrainConfig) -> None:
-    """Refuse to start a fresh run in a directory that holds another run's checkpoints (they
-    would be mixed with this run's). Raises ``ValueError`` naming the fix."""
-    from raggedvl.train.checkpoint import list_checkpoints
-
-    found = list_checkpoints(Path(cfg.output_dir) / "checkpoints") + list_checkpoints(Path(cfg.output_dir) / "best")
-    if found and not cfg.resume:
-        raise ValueError(
-            f"{cfg.output_dir} already holds checkpoints of a run ({', '.join(p.name for p in found)}); "
-            "pass --resume to continue it, or choose a new --output-dir"
-        )
 
 
 def check_model_checkpoint(cfg: TrainConfig) -> None:

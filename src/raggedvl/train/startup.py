@@ -2,7 +2,8 @@
 
 A :class:`StartupClock` holds the Unix time the command started (the launching process's
 start, read from ``/proc`` where available) and named phases in seconds. The launcher times
-its own checks (``launcher_imports``, ``launcher_data``, ``launcher_cost_scan``) and hands the
+its own checks (``launcher_checks`` when it starts the ranks right after the checks made
+without torch; else ``launcher_imports``, ``launcher_data``, ``launcher_cost_scan``) and hands the
 clock to the ranks it starts through the environment (``RAGGEDVL_STARTUP``, JSON); each rank
 adds ``imports`` (its process start to the training modules imported), ``data``,
 ``cost_scan``, ``model`` and ``first_step``. Rank 0 writes the result as the ``startup``

@@ -1,0 +1,37 @@
+"""The output directory of ``raggedvl train``, checked without torch: the launcher runs
+:func:`check_output_dir` before torch is imported, and every rank runs it again before any
+collective (all ranks see the same directory, so all raise together).
+
+A checkpoint folder is ``<output_dir>/checkpoints/step-N`` or ``<output_dir>/best/step-N``;
+temporary folders (a name with a ``.``, e.g. ``step-4.tmp-123``) are ignored, as
+``raggedvl.train.checkpoint.list_checkpoints`` (this module's :func:`checkpoint_folders`) ignores them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def checkpoint_folders(root: str | Path) -> list[Path]:
+    """Checkpoint folders (``step-N``) under ``root``, newest step first; [] when ``root`` is
+    not a folder (``raggedvl.train.checkpoint.list_checkpoints`` is this function)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and "." not in p.name
+            and p.name[len("step-"):].isdigit()]
+    return sorted(dirs, key=lambda p: int(p.name.split("-")[1]), reverse=True)
+
+
+def check_output_dir(cfg) -> None:
+    """Refuse to start a fresh run (``cfg.resume`` unset) in ``cfg.output_dir`` when it holds
+    another run's checkpoints (they would be mixed with this run's). Raises ``ValueError``
+    naming the checkpoints and the fix (``--resume`` or a new ``--output-dir``). Reads only the
+    directory listing; imports nothing heavy."""
+    out = Path(cfg.output_dir)
+    found = checkpoint_folders(out / "checkpoints") + checkpoint_folders(out / "best")
+    if found and not cfg.resume:
+        raise ValueError(
+            f"{cfg.output_dir} already holds checkpoints of a run ({', '.join(p.name for p in found)}); "
+            "pass --resume to continue it, or choose a new --output-dir"
+        )

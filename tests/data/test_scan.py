@@ -135,3 +135,45 @@ def test_other_sources_are_left_to_the_full_loader(tmp_path):
     pq.write_table(table, str(tmp_path / "carded" / "train.parquet"))
     (tmp_path / "carded" / "README.md").write_text("---\nconfigs: []\n---\n")
     assert parquet_split(tmp_path / "carded", "train") is None  # a dataset card may name other files
+
+
+def _write_negatives(path, cells):
+    """A parquet file whose ``negs`` column holds a list of images per row (None: a null cell)."""
+    rows = [None if cell is None else [{"bytes": b"not a png" if s is None else _png(*s), "path": None} for s in cell]
+            for cell in cells]
+    features = datasets.Features({"query": datasets.Value("string"), "image": datasets.Image(),
+                                  "negs": datasets.List(datasets.Image())})
+    data = {"query": [f"q{i}" for i in range(len(cells))], "image": [{"bytes": _png(20, 20), "path": None}] * len(cells),
+            "negs": rows}
+    pq.write_table(datasets.Dataset.from_dict(data, features=features).data.table, str(path), row_group_size=2)
+    return path
+
+
+def test_a_hard_negatives_column_is_scanned_with_each_image_named_and_counted(tmp_path, monkeypatch):
+    """A list column (``item``): sizes [N, K, 2] padded with -1, each row's count (0 for a null
+    cell), and a corrupt negative's reason names the row's label and its place in the list."""
+    cells = [[(30, 40), (31, 41)], [(32, 42)], None, [(33, 43), None], []]
+    path = _write_negatives(tmp_path / "pairs.parquet", cells)
+    table = parquet_split(path, "train")
+    found = image_sizes(table, "negs", workers=1, item="hard negative")
+    assert found.sizes.shape == (5, 2, 2) and found.counts.tolist() == [2, 1, 0, 2, 0]
+    assert found.sizes[0].tolist() == [[30, 40], [31, 41]] and found.sizes[1].tolist() == [[32, 42], [-1, -1]]
+    assert found.sizes[3].tolist() == [[33, 43], [-1, -1]] and list(found.errors) == [3]
+    message = found.message(3, "pairs row 3 (id 'x')")
+    assert message.startswith("pairs row 3 (id 'x'), hard negative 1: cannot read the image header"), message
+    assert "--on-bad-image skip" in message
+
+    monkeypatch.setattr(scan, "_scan_part", lambda task: (_ for _ in ()).throw(AssertionError("read again")))
+    again = image_sizes(table, "negs", workers=1, item="hard negative")  # from the cache, counts included
+    np.testing.assert_array_equal(again.sizes, found.sizes)
+    assert again.counts.tolist() == [2, 1, 0, 2, 0] and again.errors == found.errors
+    assert cached_image_sizes(table, "negs") is None  # the same column scanned as one image per row: another key
+
+
+def test_the_scan_version_is_part_of_the_cache_key(tmp_path, monkeypatch):
+    path = _write(tmp_path / "pairs.parquet", SIZES)
+    image_sizes(parquet_split(path, "train"), "image", workers=1)
+    assert scan.SCAN_VERSION == 2
+    assert cached_image_sizes(parquet_split(path, "train"), "image") is not None
+    monkeypatch.setattr(scan, "SCAN_VERSION", 1)  # a cache an older raggedvl wrote is not read
+    assert cached_image_sizes(parquet_split(path, "train"), "image") is None

@@ -202,3 +202,143 @@ def test_an_image_file_is_named_with_its_path(tmp_path):
     train, _ = load_splits(cfg)
     with pytest.raises(ValueError, match=r"row 1 \(id 'train-1'\), file .*pages/p1\.png: cannot read the image header"):
         train.image_sizes()
+
+
+def _negatives_parquet(path, n=8, *, corrupt=None, counts=None, single=False):
+    """(query, image, doc_id, negs) rows, two hard negatives each (one when ``single``);
+    ``corrupt``: (row, index) of a cut PNG; ``counts``: row -> how many negatives it holds."""
+    cut = {"bytes": b"\x89PNG\r\n\x1a\n cut", "path": None}
+    negs = []
+    for i in range(n):
+        cell = [cut if (i, j) == corrupt else {"bytes": _png(20 + j), "path": None}
+                for j in range((counts or {}).get(i, 1 if single else 2))]
+        negs.append(cell[0] if single else cell)
+    rows = {"query": [f"question {i}" for i in range(n)], "image": [{"bytes": _png(i), "path": None} for i in range(n)],
+            "doc_id": [f"doc-{i}" for i in range(n)], "negs": negs}
+    features = datasets.Features({"query": datasets.Value("string"), "image": datasets.Image(),
+                                  "doc_id": datasets.Value("string"),
+                                  "negs": datasets.Image() if single else datasets.List(datasets.Image())})
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(str(path))
+    return str(path)
+
+
+def _run_launcher(tmp_path, cases, *, before=""):
+    """Run ``raggedvl train`` on each argv of ``cases`` in one fresh process with an --output-dir
+    of its own (torchrun's agent replaced by a line saying it would start); per case: (exit code
+    or "exec", torch imported, transformers imported, stderr)."""
+    code = ("import os, sys\nfrom raggedvl.cli import main\nfrom raggedvl.train import launch\n"
+            "launch.GPU_DRIVER_FILES = ('/nonexistent/gpu-driver',)\n"  # the same on a GPU machine
+            "class Started(Exception): pass\n"
+            "def exec_agent(cmd, env_updates=None): raise Started(' '.join(cmd[cmd.index('--nproc-per-node'):][:2]))\n"
+            "launch.exec_agent = exec_agent\n" + before +
+            f"for i, argv in enumerate({cases!r}):\n"
+            f"    out = os.path.join({str(tmp_path)!r}, f'run{{i}}')\n"
+            "    try:\n"
+            "        rc = main(['train', '--output-dir', out, '--global-batch-size', '2', *argv])\n"
+            "    except Started as started:\n"
+            "        rc = 'exec:' + str(started).replace(' ', '=')\n"
+            "    print(rc, 'torch' in sys.modules, 'transformers' in sys.modules, flush=True)\n"
+            "    print('---', file=sys.stderr, flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    results = [line.split() for line in out.stdout.splitlines() if line and not line.startswith("+")]
+    errors = out.stderr.split("---\n")[:-1]
+    assert len(results) == len(errors) == len(cases), out.stdout + out.stderr
+    return [(rc, torch == "True", transformers == "True", err) for (rc, torch, transformers), err in zip(results, errors)]
+
+
+def test_negatives_eval_split_and_output_dir_fail_in_one_line_before_torch(tmp_path):
+    """A corrupt hard negative (in a list, or the one image of a row), a row with fewer
+    negatives, a missing evaluation split and an output directory holding another run's
+    checkpoints: each one line and exit code 2 from the launcher, with 2 processes asked for,
+    in a process that never imported torch or transformers."""
+    listed = _negatives_parquet(tmp_path / "listed.parquet", corrupt=(5, 1))
+    single = _negatives_parquet(tmp_path / "single.parquet", corrupt=(6, 0), single=True)
+    short = _negatives_parquet(tmp_path / "short.parquet", counts={3: 1})
+    good = _parquet(tmp_path / "good.parquet")
+    (tmp_path / "folder").mkdir()
+    _parquet(tmp_path / "folder" / "train.parquet")
+    (tmp_path / "run4" / "checkpoints" / "step-2").mkdir(parents=True)  # the 5th case's --output-dir
+    no_eval = ["--eval-before", "false", "--eval-after", "false"]
+    cases = [["--dataset", listed, "--negatives-column", "negs", "--id-column", "doc_id", "--nproc-per-node", "2", *no_eval],
+             ["--dataset", single, "--negatives-column", "negs", "--nproc-per-node", "2", *no_eval],
+             ["--dataset", short, "--negatives-column", "negs", "--id-column", "doc_id", "--nproc-per-node", "2", *no_eval],
+             ["--dataset", good, "--eval-dataset", str(tmp_path / "folder"), "--nproc-per-node", "2"],
+             ["--dataset", good, "--nproc-per-node", "2", *no_eval],
+             ["--dataset", "rdocs", "--negatives-column", "negs", "--nproc-per-node", "2", *no_eval]]
+    results = _run_launcher(tmp_path, cases)
+    for rc, torch, transformers, err in results:
+        assert (rc, torch, transformers) == ("2", False, False), (rc, torch, transformers, err)
+        assert err.count("\n") == 1 and err.startswith("raggedvl: error: "), err
+    errors = [r[3] for r in results]
+    assert f"{listed} split 'train' row 5 (id 'doc-5'), hard negative 1: cannot read the image header" in errors[0]
+    assert f"{single} split 'train' row 6 (id 'train-6'), hard negative 0: cannot read the image header" in errors[1]
+    assert all("--on-bad-image skip" in e and "BytesIO" not in e for e in errors[:2])
+    assert "row 3 (id 'doc-3') has 1 hard negatives in column 'negs', row 0 has 2" in errors[2]
+    assert f"{tmp_path / 'folder'} has no split 'dev'; its splits: ['train']" in errors[3]
+    assert "already holds checkpoints of a run (step-2); pass --resume to continue it, or choose a new --output-dir" in errors[4]
+    assert "rdocs is an rdocs manifest, which has no hard-negatives column 'negs'" in errors[5]
+
+
+def test_checked_data_starts_the_ranks_without_torch(tmp_path):
+    """When the launcher could check everything without torch (local parquet, hard negatives,
+    the rdocs preset, no --resume, no local --model folder), it starts torchrun's agent right
+    after the checks: torch and transformers were never imported. The default process count
+    without a GPU driver is 2, also without torch; a skipped corrupt negative is no error."""
+    good = _negatives_parquet(tmp_path / "good.parquet")
+    skipped = _negatives_parquet(tmp_path / "skipped.parquet", corrupt=(2, 0))
+    no_eval = ["--eval-before", "false", "--eval-after", "false"]
+    cases = [["--dataset", good, "--negatives-column", "negs", *no_eval],
+             ["--dataset", skipped, "--negatives-column", "negs", "--on-bad-image", "skip", "--nproc-per-node", "3",
+              "--global-batch-size", "3", *no_eval],
+             ["--dataset", "rdocs", "--nproc-per-node", "2", "--max-train-samples", "16", "--max-eval-samples", "8"]]
+    results = _run_launcher(tmp_path, cases)
+    assert [r[:3] for r in results] == [("exec:--nproc-per-node=2", False, False),
+                                        ("exec:--nproc-per-node=3", False, False),
+                                        ("exec:--nproc-per-node=2", False, False)], results
+
+
+def test_what_the_launcher_cannot_check_without_torch_keeps_the_full_checks(tmp_path):
+    """needs_torch: --resume, a local --model folder and data check_data could not scan (a hub
+    id, --eval-fraction, a BEIR folder as the evaluation set) send the launcher through the checks
+    that import torch (checkpoints, datasets' loader) before any rank starts."""
+    good = _parquet(tmp_path / "good.parquet")
+    no_eval = {"eval_before": False, "eval_after": False}
+    assert launch.check_data(TrainConfig(dataset=good, **no_eval)) == []
+    assert launch.check_data(TrainConfig(dataset="rdocs")) == []
+    assert launch.check_data(TrainConfig(dataset=[good, "org/pairs"], **no_eval)) == ["--dataset org/pairs (not local parquet)"]
+    assert launch.check_data(TrainConfig(dataset=good, eval_fraction=0.25)) == [
+        "--eval-fraction (the held-out rows depend on image digests)"]
+    beir = tmp_path / "beir"
+    for part in ("corpus", "queries", "qrels"):
+        (beir / part).mkdir(parents=True)
+    assert launch.check_data(TrainConfig(dataset=good, eval_dataset=str(beir))) == [
+        f"--eval-dataset {beir} split 'dev' (not local parquet)"]
+    assert launch.check_data(TrainConfig(dataset=good, eval_dataset=str(beir), **no_eval)) == []  # not read
+    assert launch.needs_torch(TrainConfig(dataset=good), []) == []
+    assert launch.needs_torch(TrainConfig(dataset=good, resume=True), []) == ["--resume"]
+    (tmp_path / "model").mkdir()
+    assert launch.needs_torch(TrainConfig(model=str(tmp_path / "model")), ["x"]) == [
+        "x", f"--model {tmp_path / 'model'} (a local checkpoint)"]
+
+
+def test_default_nproc_without_a_gpu_driver_is_2_without_torch():
+    code = ("import sys; from raggedvl.train import launch; launch.GPU_DRIVER_FILES = ('/nonexistent/gpu',); "
+            "print(launch.default_nproc(), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
+
+
+def test_the_output_dir_check_reads_only_the_folder(tmp_path):
+    from raggedvl.train.checkpoint import list_checkpoints
+    from raggedvl.train.rundir import check_output_dir, checkpoint_folders
+
+    run = tmp_path / "run"
+    check_output_dir(TrainConfig(output_dir=str(run)))  # no folder yet
+    (run / "checkpoints" / "step-10").mkdir(parents=True)
+    (run / "checkpoints" / "step-12.tmp-99").mkdir()  # an interrupted write: not a checkpoint
+    (run / "best" / "step-4").mkdir(parents=True)
+    assert [p.name for p in checkpoint_folders(run / "checkpoints")] == ["step-10"]
+    assert list_checkpoints(run / "checkpoints") == checkpoint_folders(run / "checkpoints")
+    with pytest.raises(ValueError, match=r"already holds checkpoints of a run \(step-10, step-4\); pass --resume"):
+        check_output_dir(TrainConfig(output_dir=str(run)))
+    check_output_dir(TrainConfig(output_dir=str(run), resume=True))

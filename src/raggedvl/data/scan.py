@@ -127,7 +127,7 @@ def parquet_split(name_or_path: str | os.PathLike, split: str) -> ParquetSplit |
             found = DataFilesDict.from_patterns(get_data_patterns(str(path.resolve())), base_path=str(path.resolve()))
         except (FileNotFoundError, ValueError):
             return None
-        splits = {name: [Path(f) for f in files] for name, files in found.items()}
+        splits = {str(name): [Path(f) for f in files] for name, files in found.items()}  # NamedSplit -> str
         base = path
     else:
         return None

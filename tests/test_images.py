@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from raggedvl.images import BadImageError, ImagePolicy, load_image
+from raggedvl.images import BadImageError, ImagePolicy, load_image, read_size
 
 LIMITS = ImagePolicy(min_pixels=56 * 56, max_pixels=200_704)
 
@@ -145,6 +145,44 @@ def test_truncated_and_corrupt_files_are_rejected(tmp_path):
         load_image(tmp_path / "missing.png")
     with pytest.raises(TypeError):
         load_image(12345)
+
+
+def test_a_png_cut_short_is_rejected_by_the_header_read(tmp_path):
+    """A PNG whose header is intact but whose data stops early (no IEND chunk within its last
+    4 KiB) is rejected by ``read_size`` (the size estimate, the launcher's scan) from every input
+    form, with ``reason`` the short cause; a complete PNG, one with bytes appended after IEND, and a
+    PIL image pass; the error keeps ``reason`` through pickling (a scan worker's error)."""
+    import pickle
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (120, 90, 3), dtype=np.uint8)).save(buffer, format="PNG")
+    whole = buffer.getvalue()
+    assert len(whole) > 4096 * 2  # the data is longer than the tail that is read
+    (tmp_path / "whole.png").write_bytes(whole)
+    (tmp_path / "cut.png").write_bytes(whole[:-1])  # even one byte missing (the IEND CRC)
+    for good in (whole, whole + b"\0" * 100, {"bytes": whole, "path": None}, tmp_path / "whole.png", Image.open(io.BytesIO(whole))):
+        assert read_size(good) == (90, 120)
+    for cut in (whole[: len(whole) // 2], whole[:200], {"bytes": whole[:-12], "path": None}, tmp_path / "cut.png",
+                {"bytes": None, "path": str(tmp_path / "cut.png")}):
+        with pytest.raises(BadImageError, match=r"row 4(, file .*cut\.png)?: truncated PNG \(no IEND chunk\)") as error:
+            read_size(cut, name="row 4")
+        assert error.value.reason == "truncated PNG (no IEND chunk)"
+        assert "on_bad_image='skip'" in str(error.value) and "skip" not in error.value.reason
+    assert pickle.loads(pickle.dumps(error.value)).reason == "truncated PNG (no IEND chunk)"
+
+
+def test_bad_image_reasons_are_the_cause_without_the_name_or_the_fix(tmp_path):
+    (tmp_path / "c.png").write_bytes(b"not an image at all")
+    for call, cause in ((lambda: read_size(tmp_path / "c.png", name="row 2"), "cannot read the image header ("),
+                        (lambda: load_image(tmp_path / "c.png", name="row 2"), "cannot be decoded ("),
+                        (lambda: LIMITS.geometry(0, 5, name="row 2"), "empty size 0x5"),
+                        (lambda: ImagePolicy(max_source_pixels=100).geometry(20, 20, name="row 2"),
+                         "20x20 = 400 pixels, above max_source_pixels=100")):
+        with pytest.raises(BadImageError) as error:
+            call()
+        assert "row 2" in str(error.value) and error.value.reason.startswith(cause), error.value.reason
+        assert "row 2" not in error.value.reason and "skip" not in error.value.reason
+    assert BadImageError("plain").reason == "plain"
 
 
 def test_limits_from_processor_and_validation():

@@ -13,7 +13,7 @@ every entry point (size estimate, retrieval and SFT collators, evaluation).
 | a side under ``factor`` px (28 for Qwen2/2.5-VL, 32 for Qwen3-VL; e.g. 1x1) | scaled up (aspect kept) so the short side is ``factor`` |
 | then | resized to transformers' ``smart_resize`` size (both sides multiples of ``factor``, area in ``[min_pixels, max_pixels]``) with the kernel of transformers' default (torchvision) image processor: antialiased bicubic on the uint8 pixels (``resize_image``) |
 | more than ``max_source_pixels`` (decompression bomb), or an empty side | rejected before decoding |
-| truncated, corrupt or unidentifiable file | rejected |
+| truncated, corrupt or unidentifiable file | rejected (a PNG without its IEND chunk already by the header read) |
 
 Every step is a function of the (oriented) size alone, so ``ImagePolicy.inspect`` predicts the
 grid from a file's header (no pixel is decoded) and ``ImagePolicy.prepare`` produces an image of
@@ -66,7 +66,16 @@ def _reason(exc: BaseException) -> str:
 
 
 class BadImageError(ValueError):
-    """An image that cannot be decoded or is outside the documented limits."""
+    """An image that cannot be decoded or is outside the documented limits.
+
+    The message names the image and says how to fix it (or skip it); ``reason`` is the short
+    cause alone (``"truncated PNG (no IEND chunk)"``, ``"cannot be decoded (OSError: ...)"``),
+    what an ``on_bad_image="skip"`` warning prints beside the row it already names. Without a
+    ``reason`` argument it is the message. Survives pickling (a worker process's error)."""
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = message if reason is None else reason
 
 
 def check_bad_image_policy(on_bad_image: str) -> None:
@@ -169,11 +178,12 @@ class ImagePolicy:
         """
         width, height = int(width), int(height)
         if width < 1 or height < 1:
-            raise BadImageError(f"{name} has an empty size {width}x{height}")
+            raise BadImageError(f"{name} has an empty size {width}x{height}", reason=f"empty size {width}x{height}")
         if width * height > self.max_source_pixels:
             raise BadImageError(
                 f"{name} is {width}x{height} = {width * height} pixels, above the limit "
-                f"max_source_pixels={self.max_source_pixels}; downscale it or raise the limit"
+                f"max_source_pixels={self.max_source_pixels}; downscale it or raise the limit",
+                reason=f"{width}x{height} = {width * height} pixels, above max_source_pixels={self.max_source_pixels}",
             )
         canvas = (width, height)
         if max(canvas) / min(canvas) > self.max_aspect:  # pad the short side
@@ -188,10 +198,9 @@ class ImagePolicy:
             canvas = self._with_short_side(canvas, max(short + 1, math.ceil(short * ratio)))
             new_w, new_h = self._resized(canvas, width, height, name)
         if min(new_w, new_h) < self.factor or not self.min_pixels <= new_w * new_h <= self.max_pixels:
-            raise BadImageError(
-                f"{name} of size {width}x{height} resizes to {new_w}x{new_h} = {new_w * new_h} pixels, outside "
-                f"[{self.min_pixels}, {self.max_pixels}] or with a side under {self.factor}; widen min_pixels/max_pixels"
-            )
+            cause = (f"size {width}x{height} resizes to {new_w}x{new_h} = {new_w * new_h} pixels, outside "
+                     f"[{self.min_pixels}, {self.max_pixels}] or with a side under {self.factor}")
+            raise BadImageError(f"{name} of {cause}; widen min_pixels/max_pixels", reason=cause)
         grid = (1, new_h // self.patch_size, new_w // self.patch_size)
         return ImageGeometry(source=(width, height), canvas=canvas, target=(new_w, new_h), grid=grid)
 
@@ -211,7 +220,8 @@ class ImagePolicy:
         try:
             new_h, new_w = _smart_resize(scaled[1], scaled[0], self.factor, self.min_pixels, self.max_pixels)
         except ValueError as exc:
-            raise BadImageError(f"{name} of size {width}x{height} cannot be resized: {exc}") from exc
+            cause = f"size {width}x{height} cannot be resized: {exc}"
+            raise BadImageError(f"{name} of {cause}", reason=cause) from exc
         return new_w, new_h
 
     def inspect(self, image: ImageSource | tuple[int, int], *, name: str | None = None) -> ImageGeometry:
@@ -287,7 +297,7 @@ def _opened(source: ImageSource) -> Iterator[Image.Image]:
         elif source.get("path"):
             target = Path(source["path"])
         else:
-            raise BadImageError("image dict has neither 'bytes' nor 'path'")
+            raise BadImageError("image dict has neither 'bytes' nor 'path'", reason="no image (neither 'bytes' nor 'path')")
     elif isinstance(source, (bytes, bytearray)):
         target = io.BytesIO(bytes(source))
     elif isinstance(source, (str, os.PathLike)):
@@ -316,21 +326,51 @@ def _orientation(image: Image.Image) -> int:
     return int(value) if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
-def read_size(source: ImageSource, *, name: str | None = None) -> tuple[int, int]:
-    """(width, height) in pixels as displayed (EXIF orientation applied), from the header only.
+_PNG_IEND = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # a PNG's last chunk: length 0, type, CRC (always the same)
+PNG_TAIL_BYTES = 4096  # where a PNG's IEND chunk must lie: within this many bytes of the end (trailing bytes allowed)
+TRUNCATED_PNG = "truncated PNG (no IEND chunk)"
 
-    Raises ``BadImageError`` (unreadable header) and ``TypeError`` (unsupported source)."""
+
+def _png_is_complete(fp) -> bool:
+    """True when the open file ``fp`` (a PNG) holds an IEND chunk within its last
+    ``PNG_TAIL_BYTES`` bytes: its last 12 bytes, or (tools that append bytes) the last 4 KiB.
+    One or two small reads at the end; the position of ``fp`` is not restored (the caller has
+    read the header)."""
+    size = fp.seek(0, os.SEEK_END)
+    if size < len(_PNG_IEND):
+        return False
+    fp.seek(size - len(_PNG_IEND))
+    if fp.read(len(_PNG_IEND)) == _PNG_IEND:
+        return True
+    fp.seek(max(0, size - PNG_TAIL_BYTES))
+    return _PNG_IEND in fp.read(PNG_TAIL_BYTES)
+
+
+def read_size(source: ImageSource, *, name: str | None = None) -> tuple[int, int]:
+    """(width, height) in pixels as displayed (EXIF orientation applied), from the header only,
+    plus, for a PNG file or bytes, a look at its last bytes: a PNG cut short (a download or a
+    copy that stopped) has a valid header but no IEND chunk within its last 4 KiB, and is
+    rejected here rather than when a rank decodes it (a PIL image passed in is not checked).
+
+    Raises ``BadImageError`` (unreadable header, truncated PNG; ``reason`` the short cause) and
+    ``TypeError`` (unsupported source)."""
     label = describe_source(source, name)
     try:
         with _opened(source) as image:
             width, height = image.size
             swap = _orientation(image) in _SWAPS_SIDES
+            fp = getattr(image, "fp", None) if image is not source else None
+            if image.format == "PNG" and fp is not None and not _png_is_complete(fp):
+                raise BadImageError(f"{label}: {TRUNCATED_PNG}: the file ends before its last chunk; {_BAD_IMAGE_FIX}",
+                                    reason=TRUNCATED_PNG)
     except BadImageError:
         raise
     except Image.DecompressionBombError as exc:
-        raise BadImageError(f"{label} is above PIL's decompression-bomb limit ({exc}); downscale it") from exc
+        raise BadImageError(f"{label} is above PIL's decompression-bomb limit ({exc}); downscale it",
+                            reason=f"above PIL's decompression-bomb limit ({exc})") from exc
     except _DECODE_ERRORS as exc:
-        raise BadImageError(f"{label}: cannot read the image header ({_reason(exc)}); {_BAD_IMAGE_FIX}") from exc
+        cause = f"cannot read the image header ({_reason(exc)})"
+        raise BadImageError(f"{label}: {cause}; {_BAD_IMAGE_FIX}", reason=cause) from exc
     return (height, width) if swap else (width, height)
 
 
@@ -375,10 +415,11 @@ def load_image(source: ImageSource, *, max_source_pixels: int = 64_000_000, name
             if width * height > max_source_pixels:
                 raise BadImageError(
                     f"{label} is {width}x{height} = {width * height} pixels, above the limit "
-                    f"max_source_pixels={max_source_pixels}; downscale it or raise the limit"
+                    f"max_source_pixels={max_source_pixels}; downscale it or raise the limit",
+                    reason=f"{width}x{height} = {width * height} pixels, above max_source_pixels={max_source_pixels}",
                 )
             if width < 1 or height < 1:
-                raise BadImageError(f"{label} has an empty size {width}x{height}")
+                raise BadImageError(f"{label} has an empty size {width}x{height}", reason=f"empty size {width}x{height}")
             orientation = _orientation(image)  # before load(): what read_size sees
             image.load()
             out = ImageOps.exif_transpose(image) if orientation != 1 else image
@@ -393,7 +434,9 @@ def load_image(source: ImageSource, *, max_source_pixels: int = 64_000_000, name
     except Image.DecompressionBombError as exc:
         raise BadImageError(
             f"{label} is above PIL's decompression-bomb limit and above max_source_pixels="
-            f"{max_source_pixels} ({exc}); downscale it"
+            f"{max_source_pixels} ({exc}); downscale it",
+            reason=f"above PIL's decompression-bomb limit and max_source_pixels={max_source_pixels}",
         ) from exc
     except _DECODE_ERRORS as exc:
-        raise BadImageError(f"{label} cannot be decoded ({_reason(exc)}); {_BAD_IMAGE_FIX}") from exc
+        cause = f"cannot be decoded ({_reason(exc)})"
+        raise BadImageError(f"{label} {cause}; {_BAD_IMAGE_FIX}", reason=cause) from exc

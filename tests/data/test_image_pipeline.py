@@ -142,14 +142,17 @@ def test_every_input_form_gives_the_same_image(tiny_processor, tmp_path):
 
 def test_size_estimate_reads_headers_only(tiny_processor, tmp_path, monkeypatch):
     """No pixel is decoded for the estimate: with decoding disabled it still sees the size and
-    the EXIF orientation; a file whose pixel data is truncated passes the estimate (header
-    intact) and is rejected by the collator, naming the example."""
+    the EXIF orientation; a JPEG whose pixel data is truncated passes the estimate (header
+    intact) and is rejected by the collator, naming the example; a truncated PNG is rejected
+    by the estimate already (no IEND chunk at its end), still without decoding."""
     path = tmp_path / "rotated.jpg"
     data = _rotated_jpeg(path)
     noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 200, 3), dtype=np.uint8))
-    buffer = io.BytesIO()
-    noise.save(buffer, format="PNG")
-    truncated = buffer.getvalue()[: len(buffer.getvalue()) // 2]
+    cut = {}
+    for fmt in ("PNG", "JPEG"):
+        buffer = io.BytesIO()
+        noise.save(buffer, format=fmt)
+        cut[fmt] = buffer.getvalue()[: len(buffer.getvalue()) // 2]
     policy = ImagePolicy.from_processor(tiny_processor)
 
     def no_decoding(self):
@@ -157,10 +160,14 @@ def test_size_estimate_reads_headers_only(tiny_processor, tmp_path, monkeypatch)
 
     with monkeypatch.context() as patch:
         patch.setattr(ImageFile.ImageFile, "load", no_decoding)
-        est = estimate_costs([path, data, {"bytes": truncated, "path": None}], 0, policy=policy)
+        est = estimate_costs([path, data, {"bytes": cut["JPEG"], "path": None}], 0, policy=policy)
+        with pytest.raises(BadImageError, match=r"sample 1: image: truncated PNG \(no IEND chunk\)") as error:
+            estimate_costs([data, cut["PNG"]], 0, policy=policy)
+    assert error.value.reason == "truncated PNG (no IEND chunk)"
     assert est.patches.tolist() == [policy.geometry(30, 90).patches] * 2 + [policy.geometry(200, 300).patches]
-    with pytest.raises(BadImageError, match=r"image of example 'cut'.*cannot be decoded"):
-        RetrievalCollator(tiny_processor)([{"query": "q", "image": truncated, "id": "cut"}])
+    for image in cut.values():
+        with pytest.raises(BadImageError, match=r"image of example 'cut'.*cannot be decoded"):
+            RetrievalCollator(tiny_processor)([{"query": "q", "image": image, "id": "cut"}])
 
 
 def test_estimate_rejects_like_the_collator_and_skip_counts(tiny_processor):

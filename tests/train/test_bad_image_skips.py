@@ -35,7 +35,7 @@ def test_a_skipped_bad_image_is_counted_in_the_log_and_the_summary(tmp_path, cap
     images = [{"bytes": _png((56 + 8 * i, 56), 20 * i), "path": None} for i in range(8)]
     images[5] = {"bytes": b"\x89PNG\r\n\x1a\n not a png", "path": None}  # header unreadable
     whole = _png((300, 200), 7)
-    images[3] = {"bytes": whole[: len(whole) // 2], "path": None}  # header fine, pixel data cut
+    images[3] = {"bytes": whole[: len(whole) // 2], "path": None}  # header fine, pixel data cut (no IEND chunk)
     images[1] = {"bytes": _png((2000, 2), 0), "path": None}  # a strip: padded, never skipped
     path = _parquet(tmp_path / "pairs.parquet", images)
     cfg = TrainConfig(dataset=path, train_split="train", eval_split="train", max_steps=2, global_batch_size=4,
@@ -43,19 +43,24 @@ def test_a_skipped_bad_image_is_counted_in_the_log_and_the_summary(tmp_path, cap
                       output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache))
     train(cfg)  # one process: 2 steps of 4 cover all 8 pairs once
     err = capfd.readouterr().err
-    assert err.count(f"the size estimate rejected {path} split 'train' row 5 (id 'train-5')") == 1
-    assert "cannot read the image header" in err
-    assert err.count("skipped example 'train-5'") == 1 and err.count("skipped example 'train-3'") == 1
-    assert "cannot be decoded" in err and "skipped example 'train-1'" not in err and "(id 'train-1')" not in err
+    # each warning names the row and the short cause only: the user passed --on-bad-image skip already
+    assert err.count(f"warning: skipping {path} split 'train' row 5 (id 'train-5'): cannot read the image header "
+                     "(UnidentifiedImageError: cannot identify image file)\n") == 1, err
+    assert err.count(f"warning: skipping {path} split 'train' row 3 (id 'train-3'): truncated PNG (no IEND chunk)\n") == 1, err
+    assert "--on-bad-image skip" not in err and "on_bad_image='skip'" not in err and "fix or remove" not in err, err
+    assert err.count("rank 0 skipped example 'train-5': cannot be decoded (UnidentifiedImageError: cannot identify "
+                     "image file)\n") == 1, err
+    assert err.count("rank 0 skipped example 'train-3': cannot be decoded (OSError: image file is truncated") == 1, err
+    assert "skipped example 'train-1'" not in err and "(id 'train-1')" not in err
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     estimate = next(r for r in records if r.get("event") == "size_estimate")
-    assert estimate["rejected"] == [f"{path} split 'train' row 5 (id 'train-5')"]
+    assert estimate["rejected"] == [f"{path} split 'train' row {i} (id 'train-{i}')" for i in (3, 5)]
     steps = [r for r in records if r.get("event") == "train"]
     assert [r["skipped_examples"] for r in steps][-1] == 2
     assert sum(sum(r["rank_samples"]) for r in steps) == 6  # the skipped pairs are not counted as trained
     summary = (tmp_path / "run" / "summary.md").read_text()
     assert "examples skipped for bad images (on_bad_image='skip'): 2" in summary
-    assert "training pairs rejected by the size estimate (image header unreadable or out of limits): 1 of 8" in summary
+    assert "training pairs rejected by the size estimate (image header unreadable or out of limits): 2 of 8" in summary
     # evaluation keeps the queries of the bad pairs (their documents can never be retrieved: misses)
     assert "random ranker (8 queries, 8 docs)" in summary
     assert "dev: 2 documents with unreadable images are never retrieved" in summary

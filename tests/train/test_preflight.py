@@ -26,10 +26,18 @@ def _png(seed: int) -> bytes:
     return buffer.getvalue()
 
 
-def _parquet(path, n=8, *, names=("query", "image", "doc_id"), corrupt=(), empty=()):
+def _parquet(path, n=8, *, names=("query", "image", "doc_id"), corrupt=(), empty=(), cut=()):
+    """``corrupt`` rows: an unreadable header; ``cut`` rows: a PNG whose header is intact but whose
+    data stops half way (no IEND chunk)."""
     query, image, ident = names
+
+    def image_bytes(i: int) -> bytes:
+        if i in corrupt:
+            return b"\x89PNG\r\n\x1a\n cut"
+        return _png(i)[: len(_png(i)) // 2] if i in cut else _png(i)
+
     rows = {query: ["" if i in empty else f"question {i}" for i in range(n)],
-            image: [{"bytes": b"\x89PNG\r\n\x1a\n cut" if i in corrupt else _png(i), "path": None} for i in range(n)],
+            image: [{"bytes": image_bytes(i), "path": None} for i in range(n)],
             ident: [f"doc-{i}" for i in range(n)]}
     features = datasets.Features({query: datasets.Value("string"), image: datasets.Image(), ident: datasets.Value("string")})
     datasets.Dataset.from_dict(rows, features=features).to_parquet(str(path))
@@ -141,6 +149,17 @@ def test_data_errors_are_one_line_before_torch_is_imported(tmp_path):
         assert f"{corrupt} split 'train' row 5 (id '{ident}'): cannot read the image header" in err, err
         assert "--on-bad-image skip" in err and "BytesIO" not in err
     assert good  # the near miss the missing path is compared with
+
+
+def test_a_truncated_png_stops_the_launcher_in_one_line(capsys, tmp_path):
+    """A PNG cut short (header intact, data missing: it would pass a header-only check and fail
+    later, inside a rank) is found by the launcher's header scan: one line naming the row, the id,
+    the file, the cause and --on-bad-image skip, exit code 2, before any rank starts."""
+    path = _parquet(tmp_path / "pairs.parquet", cut=(6,))
+    err = one_line_error(capsys, ["--dataset", path, "--id-column", "doc_id", "--eval-before", "false",
+                                  "--eval-after", "false"], tmp_path)
+    assert f"{path} split 'train' row 6 (id 'doc-6'): truncated PNG (no IEND chunk)" in err, err
+    assert "--on-bad-image skip" in err and "BytesIO" not in err
 
 
 def test_a_corrupt_image_outside_the_training_sample_does_not_stop_the_run(tmp_path):

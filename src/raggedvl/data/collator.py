@@ -54,7 +54,8 @@ class RetrievalCollator:
             (``raggedvl.families.family_of``; ``ValueError`` for a processor of no registered family).
 
     Output: ``queries`` (text-only RaggedBatch, B rows), ``docs`` (RaggedBatch, B rows, one image
-    each), ``ids`` (B example ids, in order), ``skipped`` (list of ``{"id", "reason"}``), and,
+    each), ``ids`` (B example ids, in order), ``skipped`` (list of ``{"id", "reason"}``, the reason
+    the short cause, ``BadImageError.reason``), and,
     when the examples hold hard negatives, ``negatives`` (RaggedBatch, B*k rows, query-major).
 
     Raises:
@@ -96,17 +97,22 @@ class RetrievalCollator:
             query = example.get("query")
             if with_query:
                 _check_query(query, f"example {position} (id {ident!r})")
+            part = None  # the hard negative being prepared, if any
             try:
                 image = example["image"]
-                if image is None:
-                    raise BadImageError(example.get("image_error", f"example {ident!r} has no image"))
+                if image is None:  # the dataset's reason (on_bad_image="skip"), else no image at all
+                    reason = example.get("image_error", "no image")
+                    raise BadImageError(f"example {ident!r}: {reason}", reason=reason)
                 image = self.image_policy.prepare(image, name=f"image of example {ident!r}")
-                negs = [self.image_policy.prepare(neg, name=f"hard negative {j} of example {ident!r}")
-                        for j, neg in enumerate(example["negatives"] if k else ())]
+                negs = []
+                for j, neg in enumerate(example["negatives"] if k else ()):
+                    part = f"hard negative {j}"
+                    negs.append(self.image_policy.prepare(neg, name=f"{part} of example {ident!r}"))
             except BadImageError as exc:
                 if self.on_bad_image == "error":
                     raise
-                skipped.append({"id": ident, "reason": str(exc)})
+                # the short cause (BadImageError.reason): the id names the example
+                skipped.append({"id": ident, "reason": exc.reason if part is None else f"{part}: {exc.reason}"})
                 continue
             kept.append((ident, query))
             images.append(image)

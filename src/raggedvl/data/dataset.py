@@ -17,7 +17,8 @@ Bad input policy:
   rejects them);
 - an unreadable, corrupt or oversized image (see ``raggedvl.images``): with
   ``on_bad_image="error"`` a ``BadImageError`` naming the row and id when the item is read;
-  with ``"skip"`` the item comes back with ``image=None`` and ``image_error`` set, and
+  with ``"skip"`` the item comes back with ``image=None`` and ``image_error`` set (the short
+  cause, ``BadImageError.reason``, prefixed ``hard negative J:`` for a negative), and
   ``RetrievalCollator`` drops it and lists it under ``"skipped"`` in its output (counted in the
   run summary, never silent). A bad hard negative does the same to its whole row;
 - a hard-negatives column that is missing, holds something other than images (paths, bytes,
@@ -374,17 +375,20 @@ class RetrievalDataset(Sequence):
             raise TypeError("RetrievalDataset does not support slices; index one row at a time")
         record = dict(self.records[index])
         name = self.row_name(index)
+        part = None  # the hard negative being read, if any
         try:
             record["image"] = load_image(self.image_sources[index], max_source_pixels=self.max_source_pixels, name=name)
             if self.negative_sources is not None:
-                record["negatives"] = [
-                    load_image(source, max_source_pixels=self.max_source_pixels, name=f"{name}: hard negative {j}")
-                    for j, source in enumerate(self.negative_sources[index])
-                ]
+                negatives = []
+                for j, source in enumerate(self.negative_sources[index]):
+                    part = f"hard negative {j}"
+                    negatives.append(load_image(source, max_source_pixels=self.max_source_pixels, name=f"{name}: {part}"))
+                record["negatives"] = negatives
         except BadImageError as exc:
             if self.on_bad_image == "error":
                 raise
-            record["image"], record["image_error"] = None, str(exc)  # the whole row goes
+            # the whole row goes; the short cause (the collator names the row by its id)
+            record["image"], record["image_error"] = None, exc.reason if part is None else f"{part}: {exc.reason}"
         return record
 
     def row_name(self, index: int) -> str:

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-SCAN_VERSION = 2  # in the cache key: 2 added list columns (hard negatives)
+SCAN_VERSION = 3  # in the cache key: 2 added list columns (hard negatives); 3: a PNG without its IEND chunk is unreadable
 _LABEL = "\x00"  # stands for the row's label in a stored reason; replaced when reported
 PARALLEL_ROWS = 2048  # fewer rows are read in this process (worker start-up would dominate)
 

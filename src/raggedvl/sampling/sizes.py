@@ -35,7 +35,8 @@ class SampleCosts:
     """``costs`` [N] float64 (cost-model units), ``patches`` [N] int64 (vision rows),
     ``seq_lens`` [N] int64 (text + markers + placeholder tokens), ``features`` [N, 4].
     ``skipped``: samples whose images were rejected under ``on_bad_image="skip"``, as
-    ``{"sample", "name", "reason"}``; they are costed as their text alone (0 patches)."""
+    ``{"sample", "name", "reason"}`` (``reason``: ``BadImageError.reason``, the short cause, without
+    the fix the error suggests); they are costed as their text alone (0 patches)."""
 
     costs: np.ndarray
     patches: np.ndarray
@@ -105,7 +106,7 @@ def estimate_costs(
         except BadImageError as exc:
             if on_bad_image == "error":
                 raise
-            skipped.append({"sample": i, "name": label, "reason": str(exc)})
+            skipped.append({"sample": i, "name": label, "reason": exc.reason})  # the cause: the label names the row
             sample_grids = []
         grids.extend(sample_grids)
         counts.append(len(sample_grids))

@@ -104,8 +104,7 @@ class Trainer:
         self.c = build_components(cfg, info, data)
         self.clock.add(self.c.phases_s)
         for bad in self.c.costs.skipped if info.is_main else ():  # on_bad_image="skip"; same list on every rank
-            print(f"warning: the size estimate rejected {bad['name']}: {bad['reason']} (the collator drops it "
-                  "whenever it is drawn)", file=sys.stderr, flush=True)
+            print(f"warning: skipping {bad['name']}: {bad['reason']}", file=sys.stderr, flush=True)  # the short cause
         if cfg.rebalance_vision and info.world_size > 1:  # before wrapping: the retriever calls it in forward
             self.c.model.set_vision_rebalancer(VisionRebalancer(timeout_s=cfg.collective_timeout_s))
         self.model = wrap_model(self.c.model.to(info.device), strategy=cfg.strategy, device=info.device)

@@ -173,7 +173,7 @@ def test_a_hard_negatives_column_is_scanned_with_each_image_named_and_counted(tm
 def test_the_scan_version_is_part_of_the_cache_key(tmp_path, monkeypatch):
     path = _write(tmp_path / "pairs.parquet", SIZES)
     image_sizes(parquet_split(path, "train"), "image", workers=1)
-    assert scan.SCAN_VERSION == 2
+    assert scan.SCAN_VERSION == 3
     assert cached_image_sizes(parquet_split(path, "train"), "image") is not None
-    monkeypatch.setattr(scan, "SCAN_VERSION", 1)  # a cache an older raggedvl wrote is not read
+    monkeypatch.setattr(scan, "SCAN_VERSION", 2)  # a cache an older raggedvl wrote is not read
     assert cached_image_sizes(parquet_split(path, "train"), "image") is None

@@ -189,7 +189,7 @@ def _cuda_count() -> int:
 def test_train_on_one_gpu_picks_cuda_and_bf16_tracks_fp32(tmp_path):
     fp32, log32 = _cli_train(tmp_path, "fp32", 1, "--precision", "fp32")
     bf16, _ = _cli_train(tmp_path, "bf16", 1, "--precision", "bf16")
-    assert "1 rank(s) (none, cuda)" in log32  # a 1-rank job: no process group, the GPU, set automatically
+    assert "world size 1 (single process, cuda)" in log32  # a 1-rank job: no process group, the GPU, set automatically
     assert len(fp32) == len(bf16) == STEPS
     assert bf16[0] == pytest.approx(fp32[0], rel=2e-2)  # same weights: bf16 rounding of one forward
     assert bf16 == pytest.approx(fp32, rel=1e-1)  # later steps also carry the rounding of the updates
@@ -201,5 +201,5 @@ def test_train_on_one_gpu_picks_cuda_and_bf16_tracks_fp32(tmp_path):
 def test_fsdp2_matches_ddp_with_nccl_on_two_gpus(tmp_path):
     ddp, log = _cli_train(tmp_path, "ddp", 2, "--precision", "fp32", "--strategy", "ddp")
     fsdp2, _ = _cli_train(tmp_path, "fsdp2", 2, "--precision", "fp32", "--strategy", "fsdp2")
-    assert "2 rank(s) (nccl, cuda)" in log  # NCCL chosen automatically on GPUs
+    assert "world size 2 (nccl, cuda)" in log  # NCCL chosen automatically on GPUs
     assert fsdp2 == pytest.approx(ddp, rel=5e-4, abs=1e-5)  # fp32; CUDA kernels are not bitwise deterministic

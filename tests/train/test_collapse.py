@@ -1,6 +1,6 @@
 """The collapse check of `raggedvl train` (issue 18 item 4): chance values, the streak rule, and
 a real run on identical documents (every score equal, so the loss is ln(global batch) from
-the first step): it warns in one line, logs the event and, with --stop-on-collapse, stops."""
+the first step; with hard negatives ln(pairs + negatives) of each step): it warns in one line, logs the event and, with --stop-on-collapse, stops."""
 
 import json
 import math
@@ -26,6 +26,39 @@ def test_chance_loss_is_the_loss_at_equal_scores():
     assert chance_loss("infonce", 16) == pytest.approx(math.log(16))
     with pytest.raises(ValueError, match="unknown loss"):
         chance_loss("mse", 4)
+
+
+def test_with_hard_negatives_chance_counts_every_candidate_of_a_query():
+    """6 pairs with 2 hard negatives each: every query competes with 6 positives + 12 negatives,
+    so equal scores give ln 18, not ln(global batch) = ln 6; pairwise stays ln 2."""
+    import torch
+
+    from raggedvl.losses import InfoNCELoss, LateInteractionLoss, PairwiseLoss
+
+    q, qm = torch.randn(6, 3, 8), torch.ones(6, 3, dtype=torch.bool)
+    same = torch.nn.functional.normalize(torch.randn(1, 4, 8), dim=-1)
+    docs, dm = same.expand(6, 4, 8), torch.ones(6, 4, dtype=torch.bool)
+    negs, nm = same.expand(12, 4, 8), torch.ones(12, 4, dtype=torch.bool)
+    late = float(LateInteractionLoss(temperature=0.02)(q, qm, docs, dm, negs, nm))
+    assert late == pytest.approx(chance_loss("late_interaction", 6, hard_negatives=12)) == pytest.approx(math.log(18))
+    assert abs(late - chance_loss("late_interaction", 6)) > 1.0
+    vec = torch.nn.functional.normalize(torch.randn(1, 8), dim=-1)
+    single = float(InfoNCELoss(temperature=0.02)(torch.randn(6, 8), vec.expand(6, 8), vec.expand(12, 8)))
+    assert single == pytest.approx(chance_loss("infonce", 6, 12))
+    assert float(PairwiseLoss()(q, qm, docs, dm, negs, nm)) == pytest.approx(chance_loss("pairwise", 6, 12))
+    with pytest.raises(ValueError, match="hard_negatives must be >= 0"):
+        chance_loss("infonce", 6, -1)
+
+
+def test_the_check_compares_each_step_with_its_own_chance_value():
+    check = CollapseCheck(chance=math.log(4), patience=2)
+    assert check.update(1, math.log(12), chance=math.log(12)) is None
+    message = check.update(2, math.log(12), chance=math.log(12))
+    assert message is not None and f"{math.log(12):.4f}" in message and check.chance == pytest.approx(math.log(12))
+    check.update(3, math.log(6), chance=math.log(6))  # a smaller step after it fired: the fired value stays
+    assert check.chance == pytest.approx(math.log(12))
+    at_batch = CollapseCheck(chance=math.log(4), patience=2)  # ln(global batch) is not chance with negatives
+    assert [at_batch.update(s, math.log(4), chance=math.log(12)) for s in (1, 2, 3)] == [None] * 3
 
 
 def test_the_check_fires_once_after_patience_steps_in_a_row():

@@ -76,6 +76,12 @@ def test_one_process_run_logs_plain_lines_metrics_and_tensorboard(tmp_path, capf
         assert r["lr_groups"]["head"] == pytest.approx(10 * r["lr_groups"]["backbone"])
         assert r["samples_per_s"] > 0 and r["patches_per_s"] > 0 and r["peak_memory_mib"][0] > 0
         assert r["padding"]["pixel_rows"] > 0 and r["padding"]["doc_tokens"] <= r["padding"]["doc_slots"]
+    # the lr each step used (read before the scheduler steps): warmup 2 of 4 cosine steps gives
+    # 0 (the first warmup value, as transformers' schedule starts), 1/2, then the peak, then cos(pi/2)'s 1/2
+    assert [r["lr"] for r in steps] == pytest.approx([0.0, 1e-4, 2e-4, 1e-4], abs=1e-12)
+    assert [r["lr_groups"]["head"] for r in steps] == pytest.approx([0.0, 1e-3, 2e-3, 1e-3], abs=1e-12)
+    assert "--warmup-steps" not in err  # a warmup of 2 fits in 4 steps: no warning
+    assert "world size 1 (single process, cpu)" in out and "rank(s)" not in out
     times = [r["time"] for r in steps]
     assert times == sorted(times)
     startup = next(r for r in records if r["event"] == "startup")
@@ -88,3 +94,25 @@ def test_one_process_run_logs_plain_lines_metrics_and_tensorboard(tmp_path, capf
     assert [e.value for e in loss] == pytest.approx([r["loss"] for r in steps], rel=1e-6)
     assert [e.value for e in events.Scalars("lr/head")] == pytest.approx([r["lr_groups"]["head"] for r in steps], rel=1e-6)
     assert [e.value for e in events.Scalars("train/grad_norm")] == pytest.approx([r["grad_norm"] for r in steps], rel=1e-6)
+
+
+def test_a_warmup_longer_than_the_run_is_one_warning_line_with_the_fix(tmp_path, capsys, small_data_cache):
+    from raggedvl.parallel import init_distributed
+    from raggedvl.train.loop import Trainer, warmup_warning
+
+    assert warmup_warning(3, 4, 2e-4) is None and warmup_warning(0, 1, 2e-4) is None
+    line = warmup_warning(10, 4, 2e-4)
+    assert line == ("warning: --warmup-steps 10 does not fit in this run's 4 steps (at most 3): the warmup is cut to 3 "
+                    "steps, so the learning rate rises for the whole run, reaches its peak (--lr 0.0002) only at the "
+                    "last step and never decays; for a warmup then a decay, pass --warmup-steps 1 (about 10 % of the "
+                    "steps) or more --max-steps")
+    cfg = TrainConfig(max_steps=4, warmup_steps=10, global_batch_size=4, max_train_samples=16, max_eval_samples=8,
+                      eval_before=False, eval_after=False, output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache))
+    trainer = Trainer(cfg, init_distributed())
+    assert capsys.readouterr().err.count(line) == 1
+    used = []  # what the cut schedule gives: the peak at the last of the 4 steps, as the line says
+    for _ in range(4):
+        used.append(trainer.scheduler.get_last_lr()[0])
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+    assert used == pytest.approx([0.0, 2e-4 / 3, 4e-4 / 3, 2e-4])

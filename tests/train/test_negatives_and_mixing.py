@@ -104,3 +104,57 @@ def test_yaml_takes_a_list_of_datasets_and_weights(tmp_path):
     assert TrainConfig(dataset=["only.parquet"]).dataset == "only.parquet"  # one entry is the plain name
     with pytest.raises(ValueError, match="config key 'dataset_weights' must be a list of float"):
         TrainConfig(dataset=["a", "b"], dataset_weights=0.5)
+
+
+def _identical_pages_with_negatives(path, n, k):
+    """``n`` rows whose page and ``k`` hard negatives are all the same white image: every
+    candidate scores alike for every query, so the loss is exactly its chance value."""
+    import io
+
+    import datasets
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (112, 112), "white").save(buffer, format="PNG")
+    page = {"bytes": buffer.getvalue(), "path": None}
+    data = {"query": [f"question number {i}" for i in range(n)], "image": [page] * n, "negs": [[page] * k] * n}
+    features = datasets.Features({"query": datasets.Value("string"), "image": datasets.Image(),
+                                  "negs": datasets.List(datasets.Image())})
+    datasets.Dataset.from_dict(data, features=features).to_parquet(str(path))
+    return str(path)
+
+
+def test_with_hard_negatives_the_chance_loss_counts_them_every_step(tmp_path, small_data_cache):
+    """10 rows with 2 hard negatives each, global batch 4, 3 steps: each query competes against the
+    step's N pairs and 2N negatives, so equal scores give ln(3N) (ln 12 for a full step), not
+    ln(global batch) = ln 4. metrics.jsonl records both counts and the value per step, the loss
+    sits on it, and the collapse check, its event and summary.md use it."""
+    import math
+
+    from raggedvl.train.loop import train
+
+    path = _identical_pages_with_negatives(tmp_path / "same.parquet", n=10, k=2)
+    run = tmp_path / "run"
+    summary = train(TrainConfig(dataset=path, negatives_column="negs", max_steps=3, global_batch_size=4, warmup_steps=1,
+                                eval_before=False, eval_after=False, collapse_patience=2, checkpoint_every=100,
+                                output_dir=str(run), data_cache=str(small_data_cache)))
+    records = _records(run)
+    steps = [r for r in records if r.get("event") == "train"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        pairs = sum(r["rank_samples"])
+        assert r["hard_negatives"] == 2 * pairs
+        assert r["chance_loss"] == pytest.approx(math.log(pairs + r["hard_negatives"]))
+        assert r["loss"] == pytest.approx(r["chance_loss"], abs=1e-4)  # identical candidates: exactly at chance
+    assert steps[0]["chance_loss"] == pytest.approx(math.log(12))
+    assert summary["collapsed"]
+    (event,) = [r for r in records if r.get("event") == "collapse"]
+    assert event["step"] == 2 and event["chance"] == pytest.approx(math.log(12)) and event["hard_negatives"] == 8
+    text = (run / "summary.md").read_text()
+    chances = {round(r["chance_loss"], 3) for r in steps}
+    if len(chances) == 1:
+        assert f"chance loss (every document scoring the same): ln(4 pairs + 8 hard negatives) = {math.log(12):.3f}" in text
+    else:  # a last, smaller step of the epoch
+        assert f"ln(pairs + hard negatives) of each step, {min(chances):.3f}-{max(chances):.3f}" in text
+    assert f"the loss sat at its chance value {math.log(12):.4f}" in text  # the value of the step it fired at
+    assert "ln(global batch)" not in text

@@ -40,11 +40,15 @@ def test_summary_states_losses_counts_and_every_evaluation(tmp_path, capsys):
     before = {"train": _evaluation(0.3, 4.4), "dev": _evaluation(0.31, 4.6)}
     after = {"train": _evaluation(0.9, 1.2), "dev": _evaluation(0.35, 4.3)}
     out = write_summary(tmp_path, records, before, after, {"train": RANDOM, "dev": RANDOM}, steps=7,
-                        global_batch_size=4, world_size=2, on_bad_image="skip", skipped_examples=3, rejected_pairs=1, estimated_pairs=16)
+                        global_batch_size=4, world_size=2, place="gloo, cpu", on_bad_image="skip", skipped_examples=3,
+                        rejected_pairs=1, estimated_pairs=16)
     text = (tmp_path / "summary.md").read_text()
     assert out["loss_first"] == sum(losses[:3]) / 3 and out["loss_last"] == sum(losses[-3:]) / 3  # 7 steps: windows of 3
     assert "training loss: first 3 steps 1.900 -> last 3 steps 1.500" in text
-    assert f"ln(global batch) = {math.log(4):.3f}" in text and "world size 2" in text
+    assert "steps 7, global batch 4, world size 2 (gloo, cpu)" in text
+    # records without chance_loss (a log from before it): ln(global batch)
+    assert f"chance loss (every document scoring the same): ln(4 pairs) = {math.log(4):.3f}" in text
+    assert "Metrics are trec_eval's" in text  # evaluation ran: the note on the table's metrics
     assert "examples skipped for bad images (on_bad_image='skip'): 3" in text
     assert "rejected by the size estimate (image header unreadable or out of limits): 1 of 16" in text
     assert out["rows"]["dev: random ranker (4 queries, 8 docs)"] == RANDOM
@@ -100,6 +104,7 @@ def test_without_evaluation_one_panel_no_table_and_no_warning(tmp_path, capsys):
         fig = report_figure(_records(5), {})
     text = (tmp_path / "summary.md").read_text()
     assert "no evaluation (--eval-before false, --eval-after false)" in text and "| |" not in text
+    assert "trec_eval" not in text  # no table, no note on its metrics
     assert path.stat().st_size > 0
     assert [ax.get_title() for ax in fig.axes if ax.get_title()] == ["training"]  # loss axis (+ its lr twin) only
     plt.close(fig)
@@ -142,3 +147,41 @@ def test_a_resumed_runs_summary_covers_the_steps_before_the_resume(tmp_path):
     assert out["loss_first"] == pytest.approx(sum(losses[:5]) / 5) and out["loss_last"] == pytest.approx(sum(losses[-5:]) / 5)
     assert ("training loss: first 5 steps 2.680 -> last 5 steps 1.700 (logged steps 1-10 of metrics.jsonl; "
             "resumed at step 4)") in (tmp_path / "summary.md").read_text()
+
+
+def _negative_records(pairs):
+    """Train records as the loop writes them with 2 hard negatives per pair: ``pairs`` per step."""
+    return [{"event": "train", "step": s, "loss": 2.5 - 0.01 * s, "lr": 1e-4, "global_batch_size": 4,
+             "rank_samples": [n // 2, n - n // 2], "hard_negatives": 2 * n, "chance_loss": math.log(3 * n)}
+            for s, n in enumerate(pairs, 1)]
+
+
+def test_the_chance_loss_line_counts_hard_negatives_and_says_when_steps_differ(tmp_path):
+    common = dict(steps=3, global_batch_size=4, world_size=2, place="gloo, cpu", on_bad_image="error",
+                  skipped_examples=0, rejected_pairs=0, estimated_pairs=12)
+    write_summary(tmp_path, _negative_records([4, 4, 4]), None, None, {}, **common)
+    text = (tmp_path / "summary.md").read_text()
+    assert f"chance loss (every document scoring the same): ln(4 pairs + 8 hard negatives) = {math.log(12):.3f}" in text
+    assert "ln(global batch)" not in text
+    write_summary(tmp_path, _negative_records([4, 4, 2]), None, None, {}, **common)  # an epoch's last, smaller step
+    assert (f"ln(pairs + hard negatives) of each step, {math.log(6):.3f}-{math.log(12):.3f} (metrics.jsonl chance_loss)"
+            in (tmp_path / "summary.md").read_text())
+    write_summary(tmp_path, _negative_records([4]), None, None, {}, **common, loss="pairwise")
+    assert f"ln 2 = {math.log(2):.3f} (pairwise)" in (tmp_path / "summary.md").read_text()
+    fig = report_figure(_negative_records([4, 4, 2]), {})
+    chance = next(line for line in fig.axes[0].get_lines() if line.get_label() == "chance loss of each step")
+    assert list(chance.get_ydata()) == pytest.approx([math.log(12), math.log(12), math.log(6)])
+    plt.close(fig)
+
+
+def test_report_png_has_integer_step_ticks_slanted_metric_names_and_a_header():
+    evals = {"dev: before training": {k: 0.1 for k in METRICS}, "dev: after training": {k: 0.2 for k in METRICS}}
+    fig = report_figure(_records(3), evals, title="run: steps 3, global batch 8, world size 1 (single process, cpu)")
+    fig.canvas.draw()
+    ax_loss, ax_bar = fig.axes[:2]
+    ticks = [t for t in ax_loss.get_xticks() if ax_loss.get_xlim()[0] <= t <= ax_loss.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)  # 3 steps: no 1.5 or 2.5
+    names = ax_bar.get_xticklabels()
+    assert [t.get_text() for t in names] == list(METRICS) and all(t.get_rotation() == 30 for t in names)
+    assert fig._suptitle.get_text().endswith("world size 1 (single process, cpu)")
+    plt.close(fig)

@@ -4,9 +4,14 @@ A contrastive retriever has collapsed when every document embeds to the same vec
 query scores every candidate the same, and the loss of each query is exactly its value at equal
 scores, the chance loss:
 
-- ``late_interaction`` and ``infonce`` (cross-entropy over the global batch's N in-batch
-  candidates): ``ln N`` (log-sum-exp of N equal logits minus one of them);
-- ``pairwise`` (``softplus(hardest negative - positive)``): ``softplus(0) = ln 2``.
+- ``late_interaction`` and ``infonce`` (cross-entropy of each query over the candidates it
+  competes against: the N positives of the step's global batch plus its M hard negatives, all
+  ranks' together): ``ln(N + M)`` (log-sum-exp of N + M equal logits minus one of them), so
+  ``ln(global batch)`` only without hard negatives and for a full step;
+- ``pairwise`` (``softplus(hardest negative - positive)``): ``softplus(0) = ln 2`` whatever N and M.
+
+The chance value is taken per step (``CollapseCheck.update(..., chance=)``): the last step of an
+epoch can be smaller, and ``on_bad_image="skip"`` drops pairs with their negatives.
 
 The training loss is the global mean over ranks, the same float on every rank, so every rank
 reaches the same verdict with no extra collective and a stop never leaves a rank waiting. The
@@ -50,14 +55,18 @@ def doc_cosine_warning(doc_cosine: float | None) -> str | None:
             f"{COLLAPSED_DOC_COSINE} (every page embeds to nearly the same vector, so every query scores them alike)")
 
 
-def chance_loss(loss: str, global_batch: int) -> float:
-    """The loss value at equal scores for every candidate (module docstring): ``ln N`` for
-    ``late_interaction`` and ``infonce`` over ``global_batch`` in-batch candidates, ``ln 2``
-    for ``pairwise``. Raises ``ValueError`` for an unknown loss or ``global_batch < 1``."""
+def chance_loss(loss: str, global_batch: int, hard_negatives: int = 0) -> float:
+    """The loss value at equal scores for every candidate (module docstring): ``ln(N + M)`` for
+    ``late_interaction`` and ``infonce`` with ``global_batch`` = N pairs (in-batch candidates)
+    and ``hard_negatives`` = M hard negatives in the step (all ranks), ``ln 2`` for
+    ``pairwise``. Raises ``ValueError`` for an unknown loss, ``global_batch < 1`` or
+    ``hard_negatives < 0``."""
     if global_batch < 1:
         raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    if hard_negatives < 0:
+        raise ValueError(f"hard_negatives must be >= 0, got {hard_negatives}")
     if loss in ("late_interaction", "infonce"):
-        return math.log(global_batch)
+        return math.log(global_batch + hard_negatives)
     if loss == "pairwise":
         return math.log(2.0)
     raise ValueError(f"unknown loss {loss!r}; choose late_interaction, pairwise or infonce")
@@ -65,11 +74,14 @@ def chance_loss(loss: str, global_batch: int) -> float:
 
 @dataclass
 class CollapseCheck:
-    """Streak counter: ``update(step, loss)`` returns a one-line warning the first time the
-    loss has been within ``tolerance`` of ``chance`` for ``patience`` steps in a row, else
-    None (``patience`` 0: never). ``fired`` stays True once it has fired (one warning per run);
-    a loss that leaves the chance value resets the streak. ``doc_cosine`` (optional) is added
-    to the message."""
+    """Streak counter: ``update(step, loss, chance=...)`` returns a one-line warning the first
+    time the loss has been within ``tolerance`` of that step's chance value for ``patience``
+    steps in a row, else None (``patience`` 0: never). ``chance`` passed to ``update`` replaces
+    ``self.chance`` (the constructor's is the value of a full step without hard negatives, used
+    while no step passes one), so ``self.chance`` is the latest step's value, and once the check
+    has fired, the value of the step it fired at. ``fired``
+    stays True once it has fired (one warning per run); a loss that leaves the chance value
+    resets the streak. ``doc_cosine`` (optional) is added to the message."""
 
     chance: float
     patience: int
@@ -77,9 +89,11 @@ class CollapseCheck:
     streak: int = 0
     fired: bool = False
 
-    def update(self, step: int, loss: float, doc_cosine: float | None = None) -> str | None:
+    def update(self, step: int, loss: float, doc_cosine: float | None = None, chance: float | None = None) -> str | None:
         if self.patience <= 0 or self.fired:
             return None
+        if chance is not None:
+            self.chance = chance
         self.streak = self.streak + 1 if abs(loss - self.chance) <= self.tolerance else 0
         if self.streak < self.patience:
             return None

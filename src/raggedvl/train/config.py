@@ -125,7 +125,8 @@ class TrainConfig:
     lr: float = option(2e-4, "AdamW peak learning rate of the backbone (linear warmup, then lr_schedule's decay)", above=0)
     head_lr: float | None = option(2e-3, "peak learning rate of the projection head (none: same as lr)", above=0)
     weight_decay: float = option(0.0, "AdamW weight decay", at_least=0)
-    warmup_steps: int = option(10, "linear warmup, in optimizer steps (at most max_steps - 1)", at_least=0)
+    warmup_steps: int = option(10, "linear warmup, in optimizer steps; more than the run's steps - 1 is cut to steps - 1 "
+                                "with a warning (the lr then peaks only at the last step, with no decay)", at_least=0)
     lr_schedule: Literal["cosine", "linear"] = option(
         "cosine", "decay after the warmup, to 0 at the last step: cosine or linear (the HF Trainer's and colpali-engine's "
                   "default); the first step runs at lr 0 with any warmup, as in transformers")
@@ -140,7 +141,7 @@ class TrainConfig:
     grad_cache_budget: int = option(4096, "GradCache chunk size, in patches + tokens per chunk", at_least=1)
     collapse_patience: int = option(
         5, "warn (one line, with likely causes) when the training loss has sat at its chance value, where every "
-           "document scores the same (ln(global batch); ln 2 for the pairwise loss), for this many steps in a row "
+           "document scores the same (ln(pairs + hard negatives) of the step; ln 2 for the pairwise loss), for this many steps in a row "
            "(0: no check)", at_least=0)
     stop_on_collapse: bool = option(
         False, "stop the run (final checkpoint and report written) when the collapse check fires")

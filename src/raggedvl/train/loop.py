@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -64,6 +65,7 @@ class RankStep:
     n_local: int  # samples trained on (after on_bad_image="skip")
     encode_s: float  # host seconds of the encode (GPU work still queued is not waited for)
     skipped: int  # examples the collator dropped under on_bad_image="skip"
+    negatives: int  # hard negatives encoded (rows of the collator's "negatives"; 0 without them)
     padding: dict[str, int]  # batch_padding(...) of this rank's batch
     peak_memory_mib: float  # progress.peak_memory_mib of this rank so far
 
@@ -74,7 +76,18 @@ class StepResult:
     grad_norm: float  # global L2 norm of the gradient before clipping
     step_s: float  # this rank's wall seconds, the batch's host-to-device copy to the gathered statistics
     ranks: list[RankStep]  # every rank's share, indexed by rank
+    lrs: list[float]  # every parameter group's learning rate used by this step (before the scheduler stepped)
     doc_cosine: float = float("nan")  # this rank's documents: mean pairwise cosine of mean-pooled embeddings
+
+    @property
+    def pairs(self) -> int:
+        """Query/document pairs trained on in this step, all ranks."""
+        return sum(p.n_local for p in self.ranks)
+
+    @property
+    def hard_negatives(self) -> int:
+        """Hard negatives in this step, all ranks: each is a candidate for every query."""
+        return sum(p.negatives for p in self.ranks)
 
 
 _NAN = float("nan")
@@ -114,6 +127,9 @@ class Trainer:
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         self.scheduler = make_scheduler(self.optimizer, cfg, self.total_steps)
         self.collapse = CollapseCheck(chance_loss(cfg.loss, cfg.global_batch_size), cfg.collapse_patience)
+        warning = warmup_warning(cfg.warmup_steps, self.total_steps, cfg.lr)
+        if warning and info.is_main:
+            print(warning, file=sys.stderr, flush=True)
         self.stopped_by_collapse = False
         self.step = 0
         self.epoch = 0
@@ -263,19 +279,22 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
+        lrs = self.scheduler.get_last_lr()  # the rates this step used; after step() they are the next step's
         self.scheduler.step()
         n_skipped = len(batch.get("skipped", ()))
-        host = [queries.num_samples, t2 - t1, n_skipped, *(padding[k] for k in PADDING_KEYS), peak_memory_mib(self.info.device)]
+        n_negatives = batch["negatives"].num_samples if batch.get("negatives") is not None else 0
+        host = [queries.num_samples, t2 - t1, n_skipped, n_negatives, *(padding[k] for k in PADDING_KEYS),
+                peak_memory_mib(self.info.device)]
         device_values = [loss.detach(), norm.detach(), _NAN if doc_cosine is None else doc_cosine]
         stats = torch.cat([torch.stack([torch.as_tensor(v, dtype=torch.float64, device=norm.device) for v in device_values]),
                            torch.tensor(host, dtype=torch.float64).to(norm.device, non_blocking=True)])
         gathered = all_gather_floats(stats)
-        ranks = [RankStep(int(g[3]), g[4], int(g[5]), {k: int(v) for k, v in zip(PADDING_KEYS, g[6:-1])}, g[-1])
-                 for g in gathered]
+        ranks = [RankStep(int(g[3]), g[4], int(g[5]), int(g[6]), {k: int(v) for k, v in zip(PADDING_KEYS, g[7:-1])},
+                          g[-1]) for g in gathered]
         # L_r = (W/N) sum of local terms, so the global loss is the mean of L_r over ranks.
         global_loss = sum(g[0] for g in gathered) / len(gathered)
         mine = gathered[self.info.rank]
-        return StepResult(global_loss, mine[1], time.perf_counter() - t0, ranks, mine[2])
+        return StepResult(global_loss, mine[1], time.perf_counter() - t0, ranks, list(lrs), mine[2])
 
     def _vision_balance(self) -> dict[str, Any]:
         """With --rebalance-vision: the last document encode's tower max/mean rank load before
@@ -333,7 +352,8 @@ class Trainer:
                 self.trackers.log(flat, 0)
         if info.is_main:
             self.log(
-                f"training {self.total_steps} steps on {info.world_size} rank(s) ({info.backend}, {info.device.type}), "
+                f"training {self.total_steps} steps, world size {info.world_size} "
+                f"({run_place(info.world_size, info.backend, info.device.type)}), "
                 f"global batch {cfg.global_batch_size}, {len(self.c.train_set)} training pairs"
             )
         progress = Progress(self.total_steps, self.step, every=cfg.progress_every, enabled=info.is_main)
@@ -352,8 +372,10 @@ class Trainer:
             self.skipped += sum(p.skipped for p in r.ranks)
             elapsed = max(1e-9, time.perf_counter() - t_run)
             rate = samples_done / elapsed
+            # the step's own chance value: its pairs and hard negatives (a last, smaller step; skipped pairs)
+            chance = chance_loss(cfg.loss, r.pairs, r.hard_negatives) if r.pairs else math.nan
             if info.is_main:
-                lrs = self.scheduler.get_last_lr()
+                lrs = r.lrs
                 progress.update(self.step, loss=r.loss, lr=lrs[0], samples_per_s=rate)
                 if first_step:  # where the time before it went (resumed runs too)
                     first_step = False
@@ -365,7 +387,8 @@ class Trainer:
                     record = {
                         "event": "train", "step": self.step, "epoch": self.epoch, "time": time.time(), "loss": r.loss,
                         "lr": lrs[0], "lr_groups": dict(zip(groups, lrs)), "grad_norm": r.grad_norm,
-                        "global_batch_size": cfg.global_batch_size, "samples_per_s": rate,
+                        "global_batch_size": cfg.global_batch_size, "hard_negatives": r.hard_negatives,
+                        "chance_loss": chance, "samples_per_s": rate,
                         "patches_per_s": patches_done / elapsed, "step_s": r.step_s,
                         "rank_samples": [p.n_local for p in r.ranks], "rank_encode_s": [p.encode_s for p in r.ranks],
                         "peak_memory_mib": [round(p.peak_memory_mib, 1) for p in r.ranks],
@@ -377,12 +400,13 @@ class Trainer:
                                        "train/patches_per_s": record["patches_per_s"],
                                        "train/peak_memory_mib": max(record["peak_memory_mib"]),
                                        **{f"lr/{g}": v for g, v in record["lr_groups"].items()}}, self.step)
-            warning = self.collapse.update(self.step, r.loss, r.doc_cosine)  # same verdict on every rank
+            warning = self.collapse.update(self.step, r.loss, r.doc_cosine, chance=chance)  # same verdict on every rank
             if warning:
                 self.log(warning + ("; stopping (--stop-on-collapse)" if cfg.stop_on_collapse else
                                     "; --stop-on-collapse would stop the run here"))
                 if info.is_main:
                     log.write({"event": "collapse", "step": self.step, "loss": r.loss, "chance": self.collapse.chance,
+                               "pairs": r.pairs, "hard_negatives": r.hard_negatives,
                                "doc_cosine_rank0": r.doc_cosine, "message": warning})
                 self.stopped_by_collapse = cfg.stop_on_collapse
             if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps or self.stopped_by_collapse:
@@ -409,7 +433,8 @@ class Trainer:
             random = {split: random_baseline(bench) for split, bench in benches.items() if bench is not None}
             summary = write_summary(
                 self.run_dir, records, before, after, random, steps=self.step, global_batch_size=cfg.global_batch_size,
-                world_size=info.world_size, on_bad_image=cfg.on_bad_image, skipped_examples=self.skipped,
+                world_size=info.world_size, place=run_place(info.world_size, info.backend, info.device.type),
+                loss=cfg.loss, on_bad_image=cfg.on_bad_image, skipped_examples=self.skipped,
                 rejected_pairs=len(self.c.costs.skipped), estimated_pairs=len(self.c.costs.costs),
                 notes=self._collapse_notes(),
             )
@@ -425,6 +450,27 @@ class Trainer:
             return [f"WARNING: {chance} for {self.collapse.patience} steps in a row (collapse); see metrics.jsonl "
                     "event 'collapse'"]
         return []
+
+
+def run_place(world_size: int, backend: str, device_type: str) -> str:
+    """Where a run ran, for its start line, ``summary.md`` and ``report.png``: ``"single process,
+    cpu"`` for one process (no process group), else the backend and device type (``"gloo, cpu"``)."""
+    return f"single process, {device_type}" if world_size == 1 else f"{backend}, {device_type}"
+
+
+def warmup_warning(warmup_steps: int, total_steps: int, lr: float) -> str | None:
+    """The one-line warning for a warmup the run cannot hold (``warmup_steps > total_steps - 1``;
+    ``make_scheduler`` then cuts it to ``total_steps - 1``, so the learning rate rises for the whole
+    run, reaches its peak ``lr`` only at the last step and never decays), with the numbers and
+    the fix; None when the warmup fits."""
+    cut = max(0, total_steps - 1)
+    if warmup_steps <= cut:
+        return None
+    suggest = min(cut, math.ceil(0.1 * total_steps))
+    return (f"warning: --warmup-steps {warmup_steps} does not fit in this run's {total_steps} steps (at most "
+            f"{cut}): the warmup is cut to {cut} steps, so the learning rate rises for the whole run, reaches its "
+            f"peak (--lr {lr:g}) only at the last step and never decays; for a warmup then a decay, pass "
+            f"--warmup-steps {suggest} (about 10 % of the steps) or more --max-steps")
 
 
 def _doc_cosine(docs) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from raggedvl.evaluation.evaluator import chance_verdict
 from raggedvl.evaluation.metrics import METRICS
-from raggedvl.train.collapse import doc_cosine_warning
+from raggedvl.train.collapse import chance_loss, doc_cosine_warning
 
 
 class MetricsLog:
@@ -70,15 +70,56 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def report_figure(records: list[dict[str, Any]], evals: dict[str, dict[str, float]]):
-    """The report's matplotlib figure: the training loss (raw, and smoothed over ~5 % of the
-    steps when there are 20 or more) with the learning rate on a scientific axis; and, only
-    when ``evals`` holds results, their metrics as bars with value labels and the legend
-    outside the bars."""
+def step_chances(records: list[dict[str, Any]], loss: str = "late_interaction") -> list[float]:
+    """Per ``train`` record, the step's chance loss: its ``chance_loss`` (ln(pairs + hard
+    negatives), ``raggedvl.train.collapse``), or, in a log written before that field existed,
+    :func:`~raggedvl.train.collapse.chance_loss` of ``loss`` over its ``global_batch_size``
+    (NaN without one)."""
+    out = []
+    for r in records:
+        if r.get("event") != "train":
+            continue
+        if r.get("chance_loss") is not None:
+            out.append(float(r["chance_loss"]))
+        else:
+            out.append(chance_loss(loss, r["global_batch_size"]) if r.get("global_batch_size") else math.nan)
+    return out
+
+
+def chance_line(records: list[dict[str, Any]], loss: str, global_batch_size: int) -> str:
+    """The summary's chance-loss line (the loss when every document scores the same, what the
+    collapse check compares with): one value with its pairs and hard negatives, or the range
+    over the logged steps when they differ (a last, smaller step; skipped pairs)."""
+    train = [r for r in records if r.get("event") == "train"]
+    values = [c for c in step_chances(records, loss) if not math.isnan(c)]
+    if loss == "pairwise":
+        return f"chance loss (every document scoring the same): ln 2 = {math.log(2):.3f} (pairwise)"
+    if not values:
+        value = chance_loss(loss, global_batch_size)
+        return f"chance loss (every document scoring the same): ln({global_batch_size} pairs) = {value:.3f}"
+    if max(values) - min(values) > 1e-9:
+        return (f"chance loss (every document scoring the same): ln(pairs + hard negatives) of each step, "
+                f"{min(values):.3f}-{max(values):.3f} (metrics.jsonl chance_loss)")
+    last = next(r for r in reversed(train) if r.get("chance_loss") is not None or r.get("global_batch_size"))
+    logged = last.get("chance_loss") is not None and last.get("rank_samples")  # else: a log from before chance_loss
+    pairs = sum(last["rank_samples"]) if logged else last.get("global_batch_size", global_batch_size)
+    negatives = last.get("hard_negatives", 0) if logged else 0
+    terms = f"{pairs} pairs" + (f" + {negatives} hard negatives" if negatives else "")
+    return f"chance loss (every document scoring the same): ln({terms}) = {values[-1]:.3f}"
+
+
+def report_figure(records: list[dict[str, Any]], evals: dict[str, dict[str, float]], *, title: str | None = None,
+                  loss: str = "late_interaction"):
+    """The report's matplotlib figure, under ``title`` when given: the training loss (raw, and
+    smoothed over ~5 % of the steps when there are 20 or more) against integer step ticks, the
+    chance loss of each step (:func:`step_chances`; one dashed line when it is constant) and
+    the learning rate on a scientific axis; and, only when ``evals`` holds results, their
+    metrics as bars with value labels, slanted metric names and the legend outside the bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     train = [r for r in records if r.get("event") == "train"]
     steps, losses, lrs = [r["step"] for r in train], [r["loss"] for r in train], [r["lr"] for r in train]
@@ -90,9 +131,13 @@ def report_figure(records: list[dict[str, Any]], evals: dict[str, dict[str, floa
         ax_loss.plot(steps, smooth(losses, window), lw=2, color="tab:blue", label=f"mean of the last {window} steps")
     ax_loss.set_xlabel("optimizer step")
     ax_loss.set_ylabel("loss")
-    gbs = next((r.get("global_batch_size") for r in train if r.get("global_batch_size")), None)
-    if gbs:
-        ax_loss.axhline(math.log(gbs), color="grey", ls="--", lw=1, label=f"ln(global batch) = {math.log(gbs):.2f}")
+    ax_loss.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers: no 1.5, 2.5 ticks
+    chances = step_chances(records, loss)
+    known = [c for c in chances if not math.isnan(c)]
+    if known and max(known) - min(known) <= 1e-9:
+        ax_loss.axhline(known[0], color="grey", ls="--", lw=1, label=f"chance loss = {known[0]:.2f}")
+    elif known:
+        ax_loss.plot(steps, chances, color="grey", ls="--", lw=1, drawstyle="steps-mid", label="chance loss of each step")
     ax_lr = ax_loss.twinx()
     ax_lr.plot(steps, lrs, color="tab:orange", lw=1, alpha=0.6)
     ax_lr.set_ylabel("learning rate", color="tab:orange")
@@ -107,19 +152,24 @@ def report_figure(records: list[dict[str, Any]], evals: dict[str, dict[str, floa
             bars = ax_bar.bar([j + i * width for j in range(len(METRICS))], [m.get(k, 0.0) for k in METRICS],
                               width=width, label=name)
             ax_bar.bar_label(bars, fmt="%.2f", fontsize=6, rotation=90, padding=2)  # near-zero bars stay visible
-        ax_bar.set_xticks([j + 0.4 - width / 2 for j in range(len(METRICS))], METRICS, fontsize=8)
+        # slanted: eight names such as "recall@10" overlap when set straight under narrow bars
+        ax_bar.set_xticks([j + 0.4 - width / 2 for j in range(len(METRICS))], METRICS, fontsize=8, rotation=30,
+                          ha="right", rotation_mode="anchor")
         ax_bar.set_ylim(0, 1.15)
         ax_bar.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         ax_bar.set_title("retrieval metrics")
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
 
 
-def plot_run(records: list[dict[str, Any]], evals: dict[str, dict[str, float]], path: str | Path) -> Path:
+def plot_run(records: list[dict[str, Any]], evals: dict[str, dict[str, float]], path: str | Path, *,
+             title: str | None = None, loss: str = "late_interaction") -> Path:
     """Write :func:`report_figure` as a PNG at ``path``; returns it."""
     import matplotlib.pyplot as plt
 
-    fig = report_figure(records, evals)
+    fig = report_figure(records, evals, title=title, loss=loss)
     path = Path(path)
     fig.savefig(path, dpi=100, bbox_inches="tight")  # "tight": the legend outside the bars is kept
     plt.close(fig)
@@ -136,6 +186,8 @@ def write_summary(
     steps: int,
     global_batch_size: int,
     world_size: int,
+    place: str | None = None,
+    loss: str = "late_interaction",
     on_bad_image: str,
     skipped_examples: int,
     rejected_pairs: int,
@@ -145,6 +197,9 @@ def write_summary(
     """Write ``run_dir/summary.md`` and ``run_dir/report.png``, print the summary and the run
     directory's files; rank 0 only, no collective.
 
+    ``place``: where it ran, shown after the world size (``raggedvl.train.loop.run_place``:
+    ``"single process, cpu"``, ``"gloo, cpu"``); ``loss``: the loss in use, for the chance value
+    when the records carry none (:func:`chance_line`).
     ``records``: the run's ``metrics.jsonl`` records, all of them: a resumed run's log keeps the
     steps before its checkpoint, so the loss windows span the whole run (the line names the
     logged steps and each ``resume`` event's step); the pre-training evaluation is taken from
@@ -176,12 +231,14 @@ def write_summary(
         loss_line += (f" (logged steps {train[0]['step']}-{train[-1]['step']} of metrics.jsonl"
                       + (f"; resumed at step {', '.join(resumes)}" if resumes else "") + ")")
     table = format_metrics_table(rows) if rows else "no evaluation (--eval-before false, --eval-after false)"
-    plot = plot_run(records, {k: v for k, v in rows.items() if "dev" in k or "train" in k}, run_dir / "report.png")
+    header = f"steps {steps}, global batch {global_batch_size}, world size {world_size}" + (f" ({place})" if place else "")
+    plot = plot_run(records, {k: v for k, v in rows.items() if "dev" in k or "train" in k}, run_dir / "report.png",
+                    title=f"raggedvl run {run_dir.name}: {header}", loss=loss)
     lines = [
         f"# raggedvl run: {run_dir}",
         "",
-        f"steps {steps}, global batch {global_batch_size}, world size {world_size}, "
-        f"ln(global batch) = {math.log(global_batch_size):.3f}",
+        header,
+        chance_line(records, loss, global_batch_size),
         loss_line,
         *notes,
         f"examples skipped for bad images (on_bad_image={on_bad_image!r}): {skipped_examples}",
@@ -201,8 +258,9 @@ def write_summary(
             lines.append(f"{split} ({'after' if after else 'before'} training): {chance_verdict(result)}")
         if result.get("skipped_documents"):
             lines.append(f"{split}: {result['skipped_documents']} documents with unreadable images are never retrieved")
-    lines += ["", "Metrics are trec_eval's (pytrec_eval, as BEIR / mteb / ViDoRe report them): distinct images are "
-                  "the corpus, equal scores rank by document id, graded gains; see docs/EVALUATION.md."]
+    if rows:  # the note explains the table's metrics: no table, no note
+        lines += ["", "Metrics are trec_eval's (pytrec_eval, as BEIR / mteb / ViDoRe report them): distinct images "
+                      "are the corpus, equal scores rank by document id, graded gains; see docs/EVALUATION.md."]
     (run_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines), flush=True)
     print("run directory:", flush=True)

@@ -42,8 +42,8 @@ def _losses(run_dir):
 
 
 def _expected_lrs(steps=6, warmup=10, lr=2e-4):
-    """transformers' cosine-with-warmup, the warmup cut to steps - 1 (train/loop.py); the log
-    holds the learning rate after each step's scheduler.step()."""
+    """transformers' cosine-with-warmup, the warmup cut to steps - 1 (train/setup.py); the log
+    holds the learning rate each step used, read before its scheduler.step() (0 at step 1)."""
     import torch
     from transformers import get_cosine_schedule_with_warmup
 
@@ -51,9 +51,9 @@ def _expected_lrs(steps=6, warmup=10, lr=2e-4):
     sched = get_cosine_schedule_with_warmup(opt, min(warmup, steps - 1), steps)
     out = {}
     for step in range(1, steps + 1):
+        out[step] = sched.get_last_lr()[0]
         opt.step()
         sched.step()
-        out[step] = sched.get_last_lr()[0]
     return out
 
 

@@ -18,9 +18,12 @@ def _train(args, argv: Sequence[str]) -> int:
 
 def _start_ranks(args, argv: Sequence[str], command: str) -> None:
     """With ``--nproc-per-node`` N > 1 from a plain shell, replace this process with torchrun's
-    agent running ``command`` on N ranks (never returns); else return and run here."""
-    from raggedvl.train.launch import exec_agent, local_world_size, strip_torchrun_arguments, torchrun_command, under_torchrun
+    agent running ``command`` on N ranks (never returns); else return and run here. Either way,
+    outside a terminal ``datasets`` and the hub print no carriage-return bars (``plain_output``)."""
+    from raggedvl.train.launch import (exec_agent, local_world_size, plain_output, strip_torchrun_arguments,
+                                       torchrun_command, under_torchrun)
 
+    plain_output()
     if args.nproc_per_node is None or under_torchrun() or local_world_size(args.nproc_per_node) == 1:
         return
     exec_agent(torchrun_command(args, strip_torchrun_arguments(argv), command=command))

@@ -3,6 +3,7 @@ tiny retriever and a BEIR-layout parquet set written here."""
 
 import io
 import json
+import os
 
 import numpy as np
 import pytest
@@ -49,9 +50,11 @@ def brute_force_scores(model, bench):
     return late_interaction_scores(qe, qm, de, dm)
 
 
-def test_eval_dataset_beir_writes_results_json(setup, capsys):
+def test_eval_dataset_beir_writes_results_json(setup, capsys, monkeypatch):
     root, model, bench_dir = setup
     out = root / "results.json"
+    for name in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test; plain_output sets them
     assert main(["eval", str(root / "model"), "--dataset", str(bench_dir), "--batch-size", "3", "--output", str(out)]) == 0
     results = json.loads(out.read_text())
     bench = load_benchmark(bench_dir)
@@ -66,13 +69,23 @@ def test_eval_dataset_beir_writes_results_json(setup, capsys):
     assert results["dataset"] == str(bench_dir) and results["split"] == "test"
     assert results["counts"]["queries"] == 4 and results["counts"]["documents"] == 7
     assert results["raggedvl_version"] and results["model"]["path"] == str(root / "model")
-    assert "ndcg@10" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "ndcg@10" in printed.out
+    # stderr is not a terminal here: plain progress lines, no carriage return (4 queries and 7
+    # documents in batches of 3), and datasets / the hub told to print no bars either
+    assert "\r" not in printed.out + printed.err
+    progress = [line.split(" (")[0] for line in printed.err.splitlines() if ": batch " in line]
+    assert progress == ["queries: batch 1/2", "queries: batch 2/2", "documents: batch 1/3", "documents: batch 2/3",
+                        "documents: batch 3/3"]
+    assert os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
 
 
-def test_encode_then_search_returns_the_brute_force_top_k(setup):
+def test_encode_then_search_returns_the_brute_force_top_k(setup, capsys):
     root, model, bench_dir = setup
     index = root / "index"
     assert main(["encode", str(root / "model"), "--dataset", str(bench_dir), "--output", str(index), "--batch-size", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "documents: batch 4/4 (100 %)" in err  # 7 documents in batches of 2, plain lines
     bench = load_benchmark(bench_dir)
     want = top_k(brute_force_scores(model, bench), 5, tie_keys(bench.doc_ids))
     got = search_index(root / "model", index=index, queries=bench.queries, k=5, chunk_size=3)
@@ -146,3 +159,17 @@ def test_eval_reads_pairs_under_other_column_names(setup, tmp_path):
     default, renamed = results["query"], results["question"]
     assert renamed["counts"]["queries"] == default["counts"]["queries"] == 5
     assert renamed["metrics"] == default["metrics"] and renamed["mean_rank"] == default["mean_rank"]
+
+
+def test_progress_outside_a_terminal_is_a_plain_line_every_tenth_of_the_calls():
+    from raggedvl.evaluation.encode import progress_calls
+
+    stream = io.StringIO()  # not a terminal
+    assert list(progress_calls(25, desc="documents", stream=stream)) == list(range(25))
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue()
+    assert [line.split(" (")[0] for line in lines] == [f"documents: batch {i}/25" for i in (3, 6, 9, 12, 15, 18, 21, 24, 25)]
+    assert lines[-1].startswith("documents: batch 25/25 (100 %) ") and lines[-1].endswith("ETA 0:00:00")
+    quiet = io.StringIO()
+    assert list(progress_calls(5, desc="queries", enabled=False, stream=quiet)) == list(range(5))
+    assert quiet.getvalue() == "" and list(progress_calls(0, stream=quiet)) == []

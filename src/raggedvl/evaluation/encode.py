@@ -1,5 +1,9 @@
-"""Encode queries and document images with a retriever: size-bucketed batches, a progress bar,
-and (for evaluation and indexing) contiguous shards over ranks.
+"""Encode queries and document images with a retriever: size-bucketed batches, progress, and
+(for evaluation and indexing) contiguous shards over ranks.
+
+Progress (:func:`progress_calls`): a tqdm bar when stderr is a terminal; in a log file or a
+pipe, plain lines with no carriage return (``documents: batch 4/40 (10 %) 2.10 batches/s ETA
+0:00:17``), as ``raggedvl train`` prints its steps (``raggedvl.train.progress``).
 
 Shape legend: n items, L_i valid vectors of item i, D embedding dim.
 
@@ -13,8 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any, TextIO
 
 import torch
 from tqdm.auto import tqdm
@@ -34,6 +41,30 @@ def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
     may be short or empty)."""
     per = math.ceil(n / world_size) if n else 0
     return min(n, rank * per), min(n, (rank + 1) * per)
+
+
+def progress_calls(total: int, *, desc: str | None = None, enabled: bool = True,
+                   stream: TextIO | None = None) -> Iterator[int]:
+    """``0 .. total - 1``, showing progress on ``stream`` (default stderr) when ``enabled``: a
+    tqdm bar when it is a terminal, else one plain line (no carriage return) after every tenth
+    of the calls and after the last, ``DESC: batch I/TOTAL (P %) R batches/s ETA H:MM:SS``."""
+    stream = stream or sys.stderr
+    if not enabled or total <= 0:
+        yield from range(total)
+        return
+    if stream.isatty():
+        yield from tqdm(range(total), desc=desc, dynamic_ncols=True, file=stream)
+        return
+    every, t0, label = max(1, math.ceil(total / 10)), time.perf_counter(), f"{desc}: " if desc else ""
+    for call in range(total):
+        yield call
+        done = call + 1
+        if done % every and done != total:
+            continue
+        elapsed = max(1e-9, time.perf_counter() - t0)
+        eta = elapsed / done * (total - done)
+        print(f"{label}batch {done}/{total} ({100 * done // total} %) {done / elapsed:.2f} batches/s "
+              f"ETA {timedelta(seconds=round(eta))}", file=stream, flush=True)
 
 
 @torch.no_grad()
@@ -56,7 +87,8 @@ def encode_in_batches(
     could not use, e.g. a skipped image, is left out). ``n_calls``: make exactly this many
     forward calls, encoding position ``filler`` (default: the first position) and dropping its
     output when there are fewer real batches, so every rank of a sharded job makes the same
-    calls (FSDP2 runs collectives inside forward).
+    calls (FSDP2 runs collectives inside forward). ``progress``: show :func:`progress_calls`
+    (labelled ``desc``) on stderr.
     Returns position -> embedding rows (see module docstring)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -70,7 +102,7 @@ def encode_in_batches(
     out: dict[int, torch.Tensor] = {}
     ctx = autocast or contextlib.nullcontext()
     try:
-        for call in tqdm(range(calls), desc=desc, disable=not progress, dynamic_ncols=True):
+        for call in progress_calls(calls, desc=desc, enabled=progress):
             real = call < len(batches)
             if not real and filler is None and not positions:
                 raise ValueError("n_calls exceeds the batches and there is no item to repeat: pass filler=")

@@ -261,7 +261,9 @@ def _is_input_error(exc: BaseException) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; returns the exit code. Bad input is one line on stderr and exit code 2.
+    """Run one command; returns the exit code. Bad input is one line on stderr and exit code 2;
+    Ctrl-C is exit code 130 with one line (``raggedvl train``: the step and the checkpoint to
+    resume from, ``raggedvl.parallel.interrupts``) and no traceback.
     In a rank started by torchrun, a failure is also written to torchrun's error file, and in a
     rank of ``raggedvl.parallel.agent`` that record is all it leaves (the agent prints the first
     failing rank's line once)."""
@@ -271,22 +273,52 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "encode": lambda: _encode(args, argv[1:]), "search": lambda: _search(args), "export": lambda: _export(args),
                 "data": lambda: _data(args)}
     try:
-        return commands[args.command]()
-    except Exception as exc:
-        code = 2 if _is_input_error(exc) else 1
-        from raggedvl.train.launch import under_torchrun
+        try:
+            return commands[args.command]()
+        except Exception as exc:
+            return _failed(exc)
+    except KeyboardInterrupt as exc:  # Ctrl-C: exit code 130, no traceback (also one raised while failing)
+        return _interrupted(exc)
 
-        if under_torchrun():
-            from raggedvl.parallel.agent import quiet_ranks, record_failure
 
-            record_failure(exc, exit_code=code)
-            if quiet_ranks():
-                return code
-            raise
-        if code == 2:
-            print(f"raggedvl: error: {' '.join(str(exc).split())}", file=sys.stderr)
-            return 2
-        raise
+def _failed(exc: Exception) -> int:
+    """The exit code of a command that raised ``exc`` (module docstring of ``main``), or re-raise."""
+    code = 2 if _is_input_error(exc) else 1
+    from raggedvl.train.launch import under_torchrun
+
+    if under_torchrun():
+        from raggedvl.parallel.agent import quiet_ranks, record_failure
+
+        record_failure(exc, exit_code=code)
+        if quiet_ranks():
+            return code
+        raise exc
+    if code == 2:
+        print(f"raggedvl: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    raise exc
+
+
+def _interrupted(exc: BaseException) -> int:
+    """Ctrl-C: ignore further SIGINTs (the process is exiting) and return 130. ``raggedvl train``'s
+    loop has already printed its one line (``raggedvl.parallel.interrupts.TrainingInterrupted``,
+    possibly as the context of a second Ctrl-C); elsewhere the launching process (or rank 0)
+    prints ``raggedvl: interrupted``."""
+    import os
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    interrupts = sys.modules.get("raggedvl.parallel.interrupts")  # not imported: not the loop's
+    seen, reported = exc, False
+    while seen is not None and not reported:
+        reported = interrupts is not None and isinstance(seen, interrupts.TrainingInterrupted)
+        seen = seen.__context__
+    if not reported and os.environ.get("RANK", "0") == "0":
+        try:
+            print("raggedvl: interrupted", file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+    return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -17,7 +17,10 @@ process that holds nothing of the launcher's. What it changes is what a failure 
   the earliest record not preceded by a peer's note, the earliest record, a rank terminated
   without a record. Its
   traceback stays in the error file, whose path the line gives for errors that are not input
-  errors. torchrun's own log lines are silenced (``RAGGEDVL_AGENT_VERBOSE=1`` keeps them).
+  errors. torchrun's own log lines are silenced (``RAGGEDVL_AGENT_VERBOSE=1`` keeps them);
+- when the job is stopped by Ctrl-C, this agent passes SIGINT on to the ranks (torchrun's
+  teardown; a second Ctrl-C is ignored rather than cut that short), prints nothing (rank 0 says
+  where training stopped: ``raggedvl.parallel.interrupts``) and exits 130.
 
 Under a plain ``torchrun -m raggedvl.cli ...`` the ranks still write the error file (torchrun's
 summary then shows the message and traceback instead of ``error_file: <N/A>``) and print as
@@ -118,8 +121,29 @@ def _silence_torchrun() -> None:
             logger.setLevel(logging.CRITICAL)
 
 
+def _first_signal_only() -> None:
+    """torchrun's handler for SIGINT / SIGTERM / ... raises ``SignalException`` and its agent then
+    stops the ranks (the signal, then SIGKILL after its shutdown timeout). A second Ctrl-C would
+    raise again inside that shutdown and leave ranks running: each signal is ignored after its
+    first delivery. Wraps the private ``_terminate_process_handler`` that ``start`` installs
+    (looked up at call time); a torch without it keeps its own behaviour."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    handler = getattr(api, "_terminate_process_handler", None)
+    if handler is None or getattr(handler, "raggedvl_first_only", False):
+        return
+
+    def first_only(signum, frame):
+        signal.signal(signum, signal.SIG_IGN)
+        handler(signum, frame)
+
+    first_only.raggedvl_first_only = True
+    api._terminate_process_handler = first_only
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``torchrun ARGS`` with one-line failure reports; returns the exit code."""
+    """``torchrun ARGS`` with one-line failure reports; returns the exit code (128 + the signal
+    when the job was stopped by one: 130 for Ctrl-C, silently, rank 0 having said where)."""
     verbose = os.environ.get("RAGGEDVL_AGENT_VERBOSE") == "1"
     loglevel = os.environ.get("LOGLEVEL")
     if not verbose:  # torchrun's loggers take their level from LOGLEVEL when its modules are imported
@@ -135,6 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             os.environ["LOGLEVEL"] = loglevel
     os.environ[AGENT_ENV] = "1"
+    _first_signal_only()
     try:
         run(parse_args(list(sys.argv[1:] if argv is None else argv)))
     except ChildFailedError as exc:
@@ -142,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"raggedvl: {line}", file=sys.stderr, flush=True)
         return code
     except SignalException as exc:  # the job was stopped (Ctrl-C, SIGTERM): the ranks are gone
-        print(f"raggedvl: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr, flush=True)
+        if exc.sigval != signal.SIGINT:  # Ctrl-C: rank 0 printed where training stopped (parallel.interrupts)
+            print(f"raggedvl: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     return 0
 

@@ -42,11 +42,12 @@ from raggedvl.batch import RaggedBatch
 from raggedvl.evaluation.metrics import mean_pairwise_cosine
 from raggedvl.losses import loss_with_negatives
 from raggedvl.train.batches import StepIndices, step_batches
-from raggedvl.train.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
+from raggedvl.train.checkpoint import CheckpointError, list_checkpoints, load_latest_checkpoint, save_checkpoint
 from raggedvl.train.collapse import CollapseCheck, chance_loss
 from raggedvl.train.config import TRAIN_CONFIG_NAME, TrainConfig
 from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
 from raggedvl.parallel.faults import FAULT_ENV, inject_fault
+from raggedvl.parallel.interrupts import ignore_sigint, peer_interrupted, restore_sigint, stop_interrupted
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.train.report import MetricsLog, write_summary
 from raggedvl.train.resume import check_resume_settings
@@ -494,17 +495,35 @@ def train(cfg: TrainConfig, *, data: RunData | None = None, clock: StartupClock 
     Every collective is bounded by ``cfg.collective_timeout_s`` seconds. When this rank fails
     (its own error, or a collective that failed or timed out because a peer failed), it prints
     ``raggedvl: rank R failed in step S: ...`` plus any note a peer left, aborts the process
-    group so peers fail fast, and re-raises (parallel/faults.py lists each situation)."""
+    group so peers fail fast, and re-raises (parallel/faults.py lists each situation).
+
+    Ctrl-C (``KeyboardInterrupt`` on any rank, or a peer's interruption note after a failed
+    collective): further SIGINTs are ignored until it returns, rank 0 prints ``raggedvl:
+    interrupted at step S; last checkpoint: PATH; resume with --resume`` (or ``none``), the
+    process group is torn down, and ``TrainingInterrupted`` (a ``KeyboardInterrupt``) is raised
+    (``raggedvl.parallel.interrupts``)."""
     info = init_distributed(timeout_s=cfg.collective_timeout_s)
     trainer = None
+    sigint = None  # the SIGINT handler to restore after an interruption
     try:
-        trainer = Trainer(cfg, info, data, clock, step_hooks=(inject_fault,) if os.environ.get(FAULT_ENV) else ())
-        return trainer.run()
-    except Exception as exc:
-        if info.world_size > 1:
-            report_failure(info.rank, trainer.watchdog.phase if trainer else "during setup", exc)
-        raise
+        try:
+            trainer = Trainer(cfg, info, data, clock, step_hooks=(inject_fault,) if os.environ.get(FAULT_ENV) else ())
+            return trainer.run()
+        except Exception as exc:
+            if info.world_size > 1 and peer_interrupted(info.rank):  # a peer's Ctrl-C ended the group, no failure
+                raise KeyboardInterrupt from exc
+            if info.world_size > 1:
+                report_failure(info.rank, trainer.watchdog.phase if trainer else "during setup", exc)
+            raise
+    except KeyboardInterrupt:
+        sigint = ignore_sigint()
+        if trainer is not None:
+            trainer.watchdog.stop()
+        newest = list_checkpoints(Path(cfg.output_dir) / "checkpoints")  # complete ones (written atomically)
+        raise stop_interrupted(info.rank, trainer.step if trainer else None, newest[0] if newest else None) from None
     finally:
         if trainer is not None:
             trainer.watchdog.stop()
         shutdown()
+        if sigint is not None:
+            restore_sigint(sigint)

@@ -143,7 +143,8 @@ def report_figure(records: list[dict[str, Any]], evals: dict[str, dict[str, floa
     ax_lr.set_ylabel("learning rate", color="tab:orange")
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     if train:
-        ax_loss.legend(loc="upper right", fontsize=8)
+        # below the axes: inside, it covered the curves (loss and learning rate share the panel)
+        ax_loss.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8, frameon=False)
     ax_loss.set_title("training")
     if evals:
         ax_bar = axes[0][1]

@@ -177,3 +177,29 @@ def test_the_scan_version_is_part_of_the_cache_key(tmp_path, monkeypatch):
     assert cached_image_sizes(parquet_split(path, "train"), "image") is not None
     monkeypatch.setattr(scan, "SCAN_VERSION", 2)  # a cache an older raggedvl wrote is not read
     assert cached_image_sizes(parquet_split(path, "train"), "image") is None
+
+
+def test_the_loader_takes_the_cached_negative_sizes_so_costs_read_no_negative(tmp_path):
+    """After the launcher's scan of the hard negatives, a rank's size estimate takes their sizes
+    from the cache (also through select and concat); an unreadable one stays a source, so the
+    estimate still names it."""
+    from raggedvl.data.concat import concat_datasets
+
+    cells = [[(30, 40), (31, 41)], [(32, 42), (33, 43)], [(34, 44), None], [(35, 45), (36, 46)]]
+    path = str(_write_negatives(tmp_path / "pairs.parquet", cells))
+    before = load_retrieval_dataset(path, negatives_column="negs", on_bad_image="skip")
+    assert isinstance(before.image_inputs()[0][1], dict)  # no cache yet: the negatives' sources
+    image_sizes(parquet_split(path, "train"), "negs", workers=1, item="hard negative")
+    train = load_retrieval_dataset(path, negatives_column="negs", on_bad_image="skip")
+    inputs = train.image_inputs()
+    assert inputs[0][1:] == [(30, 40), (31, 41)] and inputs[3][1:] == [(35, 45), (36, 46)]
+    assert inputs[2][1] == (34, 44) and isinstance(inputs[2][2], dict)  # the corrupt one: its source
+    assert train.select([3, 0]).image_inputs()[0][1:] == [(35, 45), (36, 46)]
+    both = concat_datasets([train, before], ["a", "b"])
+    assert both.image_inputs()[1][1:] == [(32, 42), (33, 43)] and isinstance(both.image_inputs()[5][1], dict)
+    assert [im.size for im in train[1]["negatives"]] == [(32, 42), (33, 43)]  # items still decode the images
+    from raggedvl.sampling import estimate_costs
+
+    cached, read = (estimate_costs(d.image_inputs(), 32, on_bad_image="skip") for d in (train, before))
+    np.testing.assert_array_equal(cached.patches, read.patches)  # the same estimate as from the headers
+    assert [s["sample"] for s in cached.skipped] == [s["sample"] for s in read.skipped] == [2]

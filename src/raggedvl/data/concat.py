@@ -61,11 +61,14 @@ def concat_datasets(parts: Sequence[RetrievalDataset], names: Sequence[str]) -> 
     if all(part._sizes is not None for part in parts):
         sizes = [size for part in parts for size in part._sizes]
     negatives = _Chain([part.negative_sources for part in parts]) if first.negative_sources is not None else None
+    known = None  # each part's known negative sizes, else its sources
+    if negatives is not None and any(part.negative_inputs is not None for part in parts):
+        known = _Chain([part.negative_sources if part.negative_inputs is None else part.negative_inputs for part in parts])
     out = RetrievalDataset(
         records, _Chain([part.image_sources for part in parts]), first.split, sizes=sizes,
         on_bad_image=first.on_bad_image, max_source_pixels=first.max_source_pixels,
         where=" + ".join(names), on_empty_query=first.on_empty_query,
-        negative_sources=negatives, negatives_per_row=first.negatives_per_row,
+        negative_sources=negatives, negatives_per_row=first.negatives_per_row, negative_inputs=known,
     )
     out.part_sizes = [len(part) for part in parts]
     out.skipped_rows = [{**row, "dataset": part.where} for part in parts for row in part.skipped_rows]

@@ -201,6 +201,24 @@ class _RowLists(Sequence):
         return values
 
 
+class _KnownOrSources(Sequence):
+    """Per row, each hard negative's known (width, height), else its source (whose header a
+    size estimate reads): ``sizes`` [rows] of lists, ``sources`` the rows' source lists."""
+
+    def __init__(self, sizes: Sequence[list[tuple[int, int] | None]], sources: Sequence[list[Any]]) -> None:
+        self.sizes, self.sources = sizes, sources
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, index: int) -> list[Any]:
+        known = self.sizes[index]
+        if known and all(size is not None for size in known):
+            return list(known)  # every size known: no source is read
+        sources = self.sources[index]
+        return [source if size is None else size for size, source in zip(known, sources)] if known else sources
+
+
 class _Picked(Sequence):
     """Lazy view of ``values`` at ``positions`` (nothing is read until indexed)."""
 
@@ -250,6 +268,7 @@ class RetrievalDataset(Sequence):
         on_empty_query: str = "error",
         negative_sources: Sequence[list[Any]] | None = None,
         negatives_per_row: int = 0,
+        negative_inputs: Sequence[list[Any]] | None = None,
     ) -> None:
         check_bad_image_policy(on_bad_image)
         if len(records) != len(image_sources):
@@ -268,6 +287,8 @@ class RetrievalDataset(Sequence):
         self.part_sizes = [len(records)]  # rows of each dataset concat_datasets joined (one entry otherwise)
         self.negative_sources = negative_sources  # per row, k undecoded images (None: no hard negatives)
         self.negatives_per_row = negatives_per_row if negative_sources is not None else 0  # k
+        # per row, each hard negative's known (width, height) (the size cache) or its source
+        self.negative_inputs = negative_inputs if negative_sources is not None else None
         self._sizes = sizes  # from the manifest or the size cache; a None entry: read the header
         self._read_sizes: list[tuple[int, int] | None] | None = None  # from the headers, cached
 
@@ -321,6 +342,7 @@ class RetrievalDataset(Sequence):
         base_dir: str | os.PathLike | None = None,
         on_empty_query: str = "error",
         sizes: Sequence[tuple[int, int] | None] | None = None,
+        negative_sizes: Sequence[list[tuple[int, int] | None]] | None = None,
         option_prefix: str = "",
         **kwargs,
     ) -> "RetrievalDataset":
@@ -328,7 +350,8 @@ class RetrievalDataset(Sequence):
         ``Image`` feature, or strings holding paths relative to ``base_dir``), and optionally a
         hard-negatives column (one image or a list of images per row, the same count in each).
         ``sizes``: each row's image (width, height) when known (``raggedvl.data.scan``'s cache;
-        None: read the header when needed), so that a size estimate reads no image.
+        None: read the header when needed), so that a size estimate reads no image;
+        ``negative_sizes``: likewise, per row the list of its hard negatives' sizes.
         ``option_prefix``: how a missing column's message names the option that fixes it
         (``raggedvl.data.scan.check_columns``; ``"eval_"``: ``--eval-query-column``).
 
@@ -360,6 +383,8 @@ class RetrievalDataset(Sequence):
                 dataset = dataset.flatten_indices()
             k = _negative_counts(dataset, negatives_column, keep, [ids[i] for i in keep], where)
             negatives = _RowLists(_ImageColumn(dataset, negatives_column, keep, None), base_dir)
+            if negative_sizes is not None:
+                kwargs["negative_inputs"] = _KnownOrSources([negative_sizes[i] for i in keep], negatives)
         result = cls(records, _ImageColumn(dataset, image_column, keep, base_dir), split, where=where,
                      on_empty_query=on_empty_query, negative_sources=negatives, negatives_per_row=k,
                      sizes=None if sizes is None else [sizes[i] for i in keep], **kwargs)
@@ -406,7 +431,9 @@ class RetrievalDataset(Sequence):
         row's entry is the list ``[image, *negatives]``, so a row's cost counts every image the
         collator encodes for it. Lazy: rows are read on access."""
         images = self.image_sources if self._sizes is None else _SizesOrSources(self._sizes, self.image_sources)
-        return images if self.negative_sources is None else _WithNegatives(images, self.negative_sources)
+        if self.negative_sources is None:
+            return images
+        return _WithNegatives(images, self.negative_sources if self.negative_inputs is None else self.negative_inputs)
 
     def sample(self, limit: int | None) -> "RetrievalDataset":
         """The ``limit`` rows whose ids hash lowest, in their order (all rows for None): the same
@@ -428,7 +455,9 @@ class RetrievalDataset(Sequence):
                          on_bad_image=self.on_bad_image, max_source_pixels=self.max_source_pixels,
                          where=self.where, on_empty_query=self.on_empty_query,
                          negative_sources=_Picked(self.negative_sources, positions) if keep else None,
-                         negatives_per_row=self.negatives_per_row if keep else 0)
+                         negatives_per_row=self.negatives_per_row if keep else 0,
+                         negative_inputs=(_Picked(self.negative_inputs, positions)
+                                          if keep and self.negative_inputs is not None else None))
         return out
 
     def image_digests(self) -> list[str]:
@@ -560,7 +589,10 @@ def load_retrieval_dataset(
     return RetrievalDataset.from_hf(
         hf, split, query_column=query_column, image_column=image_column, id_column=id_column,
         negatives_column=negatives_column, limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}",
-        sizes=_cached_sizes(name_or_path, split, image_column, len(hf)), option_prefix=option_prefix, **common,
+        sizes=_cached_sizes(name_or_path, split, image_column, len(hf)), option_prefix=option_prefix,
+        negative_sizes=(None if negatives_column is None
+                        else _cached_negative_sizes(name_or_path, split, negatives_column, len(hf))),
+        **common,
     )
 
 
@@ -575,4 +607,20 @@ def _cached_sizes(name_or_path: str | os.PathLike, split: str, image_column: str
         found = cached_image_sizes(table, image_column) if table is not None else None
         if found is not None and table.num_rows == num_rows:
             return [None if width < 0 else (width, height) for width, height in found.sizes.tolist()]
+    return None
+
+
+def _cached_negative_sizes(name_or_path: str | os.PathLike, split: str, column: str,
+                           num_rows: int) -> list[list[tuple[int, int] | None]] | None:
+    """Each row's hard negatives' sizes from ``raggedvl.data.scan``'s cache of a local parquet
+    split (``item="hard negative"``; the launcher writes it), None for an unreadable one; None
+    when there is no cache entry."""
+    from raggedvl.data.scan import cached_image_sizes
+
+    if Path(name_or_path).expanduser().exists():
+        table = parquet_split(name_or_path, split)
+        found = cached_image_sizes(table, column, item="hard negative") if table is not None else None
+        if found is not None and table.num_rows == num_rows:
+            return [[None if w < 0 else (w, h) for w, h in row[:count]]
+                    for row, count in zip(found.sizes.tolist(), found.counts.tolist())]
     return None

@@ -185,6 +185,18 @@ def test_bad_image_reasons_are_the_cause_without_the_name_or_the_fix(tmp_path):
     assert BadImageError("plain").reason == "plain"
 
 
+def test_a_bad_image_names_its_file_once(tmp_path):
+    """``inspect`` and ``prepare`` pass their label (name + file) on to ``read_size`` /
+    ``load_image``: the message names the file once, not "file c.png, file c.png"."""
+    (tmp_path / "c.png").write_bytes(b"not an image at all")
+    for source in (tmp_path / "c.png", {"bytes": b"not an image at all", "path": "c.png"}):
+        for call in (LIMITS.inspect, LIMITS.prepare):
+            with pytest.raises(BadImageError) as error:
+                call(source, name="row 5 (id 'a'): image")
+            assert str(error.value).count(", file ") == 1, str(error.value)
+            assert str(error.value).startswith("row 5 (id 'a'): image, file "), str(error.value)
+
+
 def test_limits_from_processor_and_validation():
     proc = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=250_000)
     limits = ImagePolicy.from_processor(proc)

@@ -277,10 +277,12 @@ def _is_size_pair(value: Any) -> bool:
 
 def describe_source(source: Any, name: str | None = None) -> str:
     """How errors refer to an image: ``name`` when given, then its file when it has one
-    (``"row 3 (id 'a'), file scans/a.png"``); else its file or its type."""
+    (``"row 3 (id 'a'), file scans/a.png"``; not twice when ``name`` already ends with it, as a
+    label passed on from ``inspect`` or ``prepare`` to ``read_size`` or ``load_image`` does);
+    else its file or its type."""
     path = source if isinstance(source, (str, os.PathLike)) else source.get("path") if isinstance(source, dict) else None
     if name is not None:
-        return f"{name}, file {path}" if path else name
+        return f"{name}, file {path}" if path and not name.endswith(f"file {path}") else name
     return f"image {path}" if path else f"<{type(source).__name__} image>"
 
 

@@ -54,7 +54,7 @@ from raggedvl.train.resume import check_resume_settings
 from raggedvl.rng import capture_rng_state, restore_rng_state
 from raggedvl.train.progress import PADDING_KEYS, Progress, batch_padding, peak_memory_mib
 from raggedvl.train.rundir import check_output_dir
-from raggedvl.train.setup import RunData, build_components, make_scheduler
+from raggedvl.train.setup import RunData, build_components, load_scheduler_state, make_scheduler
 from raggedvl.train.startup import StartupClock
 from raggedvl.train.tracking import Trackers, parse_report_to
 
@@ -209,7 +209,7 @@ class Trainer:
         # the launcher's pre-flight check, again for ranks that torchrun started directly (same verdict on every rank)
         check_resume_settings(self.cfg, self.info.world_size, ckpt.path, ckpt.state)
         load_full_state_dicts(self.model, self.optimizer, ckpt.model, ckpt.optimizer)
-        self.scheduler.load_state_dict(ckpt.state["scheduler"])
+        load_scheduler_state(self.scheduler, ckpt.state["scheduler"])
         self.c.sampler.load_state_dict(ckpt.state["sampler"])
         restore_rng_state(ckpt.rng[self.info.rank])
         self.step = ckpt.state["step"]

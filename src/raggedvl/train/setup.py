@@ -180,6 +180,20 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_ste
     return schedule(optimizer, warmup, total_steps)
 
 
+def load_scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict[str, Any]) -> None:
+    """Restore a checkpoint's ``state`` (step count, base rates) into ``scheduler`` built by
+    :func:`make_scheduler` for this run's total steps, and set every parameter group's learning
+    rate to this schedule's value at the restored step. The optimizer state holds the rate the
+    old schedule gave for the next step; when ``max_steps`` (or the warmup) changed on resume,
+    the first resumed step would run at that rate and the second jump to the new schedule. With
+    the same settings the rate is the saved one."""
+    scheduler.load_state_dict(state)
+    rates = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, rate in zip(scheduler.optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = rates
+
+
 def build_model(cfg: TrainConfig, processor: Any) -> torch.nn.Module:
     """The retriever of ``cfg`` (fresh weights, seeded by ``cfg.seed``), its prompts with
     ``cfg.query_prefix`` / ``cfg.padding_side`` applied (they travel with the saved model)."""

@@ -33,6 +33,14 @@ def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
          "has no column 'pgae' (columns: ['question', 'page', 'doc_id']); did you mean 'page'? pass --image-column"),
         (["eval", "runs/a", "--dataset", renamed, "--query-column", "question", "--image-column", "page",
           "--id-column", "doc-id"], "has no id column 'doc-id'"),
+        # encode names the columns' flags it has (it used to print --query-column, which it lacked)
+        (["encode", "runs/a", "--dataset", renamed, "--output", "index"],
+         f"{renamed} split 'test' has no column 'query' (columns: ['question', 'page', 'doc_id']); "
+         "pass --query-column (key query_column) naming the right one"),
+        (["encode", "runs/a", "--dataset", renamed, "--output", "index", "--query-column", "question",
+          "--image-column", "pgae"], "did you mean 'page'? pass --image-column"),
+        (["encode", "runs/a", "--dataset", renamed, "--output", "index", "--query-column", "question",
+          "--image-column", "page", "--id-column", "docid"], "did you mean 'doc_id'? pass --id-column"),
     ]
     code = ("import sys, time; from raggedvl.cli import main\n"
             f"for argv in {[argv for argv, _ in cases]!r}:\n"

@@ -66,12 +66,13 @@ def _eval(args, argv: Sequence[str]) -> int:
 
 
 def _encode(args, argv: Sequence[str]) -> int:
-    _check_inputs(args, model=args.checkpoint, what="checkpoint")
+    columns = {"query_column": args.query_column, "image_column": args.image_column, "id_column": args.id_column}
+    _check_inputs(args, model=args.checkpoint, what="checkpoint", columns=columns)
     _start_ranks(args, argv, "encode")
     from raggedvl.train.index_commands import encode_corpus
 
     encode_corpus(args.checkpoint, dataset=args.dataset, split=args.split, output=args.output, batch_size=args.batch_size,
-                  on_bad_image=args.on_bad_image)
+                  on_bad_image=args.on_bad_image, **columns)
     return 0
 
 
@@ -210,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_encode.add_argument("--batch-size", type=int, default=8, help="documents per forward pass (default: 8)")
     p_encode.add_argument("--on-bad-image", choices=["error", "skip"], default="error",
                           help="an unreadable image stops (error) or is left out of the index and counted (skip)")
+    for name, what, default in (("query", "the query text (rows without one are still encoded)", "query"),
+                                ("image", "the document image", "image"), ("id", "each document's id, as search prints it",
+                                                                           "none: '<split>-<row>'")):
+        p_encode.add_argument(f"--{name}-column", default=None if name == "id" else default, metavar="COLUMN",
+                              help=f"column of the --dataset rows holding {what} (default: {default}; "
+                                   "a BEIR corpus names its own)")
     p_encode.add_argument("--nproc-per-node", default=None, metavar="N", help=nproc_help)
 
     p_search = sub.add_parser("search", help="top-k documents of a query in an index (exact, chunked MaxSim / cosine)")

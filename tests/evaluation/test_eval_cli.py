@@ -96,6 +96,28 @@ def test_encode_then_search_returns_the_brute_force_top_k(setup, capsys):
         main_raises(["encode", str(root / "model"), "--dataset", str(bench_dir), "--output", str(index)])
 
 
+def test_encode_reads_other_column_names_and_the_ids_search_prints(setup, tmp_path):
+    """``raggedvl encode --query-column/--image-column/--id-column``: pairs under other names are
+    encoded, and the index holds the id column's values (search prints them)."""
+    import datasets
+
+    from raggedvl.evaluation.index import EmbeddingIndex
+
+    root, _, _ = setup
+    rows = {"question": [f"question {i}" for i in range(4)], "page": [{"bytes": noise_png(i, (56, 84)), "path": None}
+                                                                     for i in range(4)],
+            "doc_id": [f"page-{i}" for i in range(4)]}
+    features = datasets.Features({"question": datasets.Value("string"), "page": datasets.Image(),
+                                  "doc_id": datasets.Value("string")})
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(str(tmp_path / "test.parquet"))
+    index = tmp_path / "index"
+    assert main(["encode", str(root / "model"), "--dataset", str(tmp_path / "test.parquet"), "--output", str(index),
+                 "--query-column", "question", "--image-column", "page", "--id-column", "doc_id"]) == 0
+    assert sorted(EmbeddingIndex(index).ids) == [f"page-{i}" for i in range(4)]
+    got = search_index(root / "model", index=index, queries=["question 1"], k=4)
+    assert sorted(doc for doc, _ in got[0]) == [f"page-{i}" for i in range(4)]
+
+
 def main_raises(argv):
     from raggedvl.train.index_commands import encode_corpus
 

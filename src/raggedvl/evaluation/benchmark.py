@@ -110,9 +110,11 @@ def distinct_images(rows: RetrievalDataset) -> list[int]:
 
 
 def load_corpus(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_image: str = "error",
-                image_column: str = "image", id_column: str | None = None, **load_kwargs) -> RetrievalDataset:
+                query_column: str = "query", image_column: str = "image", id_column: str | None = None,
+                **load_kwargs) -> RetrievalDataset:
     """The documents of a benchmark or dataset, each distinct image once (for indexing): the
-    ``corpus`` of a BEIR layout, else the distinct images of the rows (queries not needed)."""
+    ``corpus`` of a BEIR layout, else the distinct images of the rows (the ``query_column`` must
+    exist; rows with an empty query are kept)."""
     import datasets
 
     path = Path(name_or_path)
@@ -120,7 +122,8 @@ def load_corpus(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_
                                 and "corpus" in datasets.get_dataset_config_names(str(name_or_path))):
         return _corpus_documents(name_or_path, split, on_bad_image, **load_kwargs)
     rows = load_retrieval_dataset(name_or_path, split, on_bad_image=on_bad_image, on_empty_query="keep",
-                                  image_column=image_column, id_column=id_column, **load_kwargs)
+                                  query_column=query_column, image_column=image_column, id_column=id_column,
+                                  **load_kwargs)
     return rows.select(sorted(set(distinct_images(rows))))
 
 

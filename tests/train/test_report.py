@@ -12,7 +12,8 @@ import matplotlib.pyplot as plt
 import pytest
 
 from raggedvl.evaluation.metrics import METRICS
-from raggedvl.train.report import MetricsLog, loss_windows, plot_run, report_figure, smooth, write_summary
+from raggedvl.train.report import (MetricsLog, loss_windows, plot_run, report_figure, smooth, smoothing_window,
+                                   write_summary)
 
 
 def _evaluation(ndcg, mean_rank, *, queries=4, docs=8):
@@ -93,6 +94,15 @@ def test_loss_windows_never_overlap():
 def test_smooth_is_a_trailing_mean():
     assert smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert smooth([2.0, 4.0], 1) == [2.0, 4.0]
+
+
+def test_the_smoothed_line_is_drawn_from_20_steps_on():
+    assert [smoothing_window(n) for n in (1, 19, 20, 25, 39, 40, 100, 600)] == [1, 1, 2, 2, 2, 2, 5, 30]
+    for n, drawn in ((19, False), (25, True)):
+        fig = report_figure(_records(n), {})
+        labels = [line.get_label() for line in fig.axes[0].get_lines()]
+        assert ("mean of the last 2 steps" in labels) == drawn, labels
+        plt.close(fig)
 
 
 def test_without_evaluation_one_panel_no_table_and_no_warning(tmp_path, capsys):

@@ -70,6 +70,12 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def smoothing_window(steps: int) -> int:
+    """The report's smoothed-loss window: ~5 % of the steps, at least 2, from 20 steps on (1, no
+    smoothed line, below; ``steps // 20`` alone drew none before 40 steps)."""
+    return max(2, round(steps / 20)) if steps >= 20 else 1
+
+
 def step_chances(records: list[dict[str, Any]], loss: str = "late_interaction") -> list[float]:
     """Per ``train`` record, the step's chance loss: its ``chance_loss`` (ln(pairs + hard
     negatives), ``raggedvl.train.collapse``), or, in a log written before that field existed,
@@ -125,7 +131,7 @@ def report_figure(records: list[dict[str, Any]], evals: dict[str, dict[str, floa
     steps, losses, lrs = [r["step"] for r in train], [r["loss"] for r in train], [r["lr"] for r in train]
     fig, axes = plt.subplots(1, 2 if evals else 1, figsize=(14 if evals else 7, 4.5), squeeze=False)
     ax_loss = axes[0][0]
-    window = max(1, len(losses) // 20)
+    window = smoothing_window(len(losses))
     ax_loss.plot(steps, losses, lw=1, color="tab:blue", alpha=0.35 if window > 1 else 1.0, label="training loss")
     if window > 1:
         ax_loss.plot(steps, smooth(losses, window), lw=2, color="tab:blue", label=f"mean of the last {window} steps")

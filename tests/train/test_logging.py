@@ -106,6 +106,11 @@ def test_a_warmup_longer_than_the_run_is_one_warning_line_with_the_fix(tmp_path,
                     "steps, so the learning rate rises for the whole run, reaches its peak (--lr 0.0002) only at the "
                     "last step and never decays; for a warmup then a decay, pass --warmup-steps 1 (about 10 % of the "
                     "steps) or more --max-steps")
+    assert warmup_warning(10, 1, 2e-4) == ("warning: --warmup-steps 10 does not fit in a 1-step run: its one step runs "
+                                           "at the peak learning rate (--lr 0.0002), with no warmup; for a warmup, "
+                                           "pass more --max-steps")
+    assert "the warmup is cut to 1 steps" in warmup_warning(10, 2, 2e-4)
+    assert "pass --warmup-steps 0 (about 10 % of the steps)" in warmup_warning(10, 2, 2e-4)  # 1 would never decay
     cfg = TrainConfig(max_steps=4, warmup_steps=10, global_batch_size=4, max_train_samples=16, max_eval_samples=8,
                       eval_before=False, eval_after=False, output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache))
     trainer = Trainer(cfg, init_distributed())

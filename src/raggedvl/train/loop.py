@@ -463,11 +463,15 @@ def warmup_warning(warmup_steps: int, total_steps: int, lr: float) -> str | None
     """The one-line warning for a warmup the run cannot hold (``warmup_steps > total_steps - 1``;
     ``make_scheduler`` then cuts it to ``total_steps - 1``, so the learning rate rises for the whole
     run, reaches its peak ``lr`` only at the last step and never decays), with the numbers and
-    the fix; None when the warmup fits."""
+    the fix; None when the warmup fits. A 1-step run has no warmup: its step runs at the peak
+    ``lr``; in a 2-step run only no warmup (0) decays."""
     cut = max(0, total_steps - 1)
     if warmup_steps <= cut:
         return None
-    suggest = min(cut, math.ceil(0.1 * total_steps))
+    if total_steps == 1:
+        return (f"warning: --warmup-steps {warmup_steps} does not fit in a 1-step run: its one step runs at the peak "
+                f"learning rate (--lr {lr:g}), with no warmup; for a warmup, pass more --max-steps")
+    suggest = min(cut - 1, math.ceil(0.1 * total_steps))  # below the cut: a warmup of cut steps never decays
     return (f"warning: --warmup-steps {warmup_steps} does not fit in this run's {total_steps} steps (at most "
             f"{cut}): the warmup is cut to {cut} steps, so the learning rate rises for the whole run, reaches its "
             f"peak (--lr {lr:g}) only at the last step and never decays; for a warmup then a decay, pass "

@@ -199,6 +199,16 @@ def test_empty_queries_name_the_row_and_the_flag(capsys, tmp_path):
                       max_train_samples=None, max_eval_samples=None)
     train, bench = load_splits(cfg)
     assert "doc-3" not in train.ids() + bench.query_ids and len(train) + len(bench.queries) == 7
+    # the skipped row stays reported through the hash split (select): the run warns once and
+    # summary.md counts it (Trainer: empty_query_warning, "training rows left out ...: 1")
+    assert [(r["row"], r["id"]) for r in train.skipped_rows] == [(3, "doc-3")]
+    from raggedvl.train.loop import empty_query_warning
+
+    rows = [{"dataset": train.where, **r} for r in train.skipped_rows]
+    assert empty_query_warning(rows) == (f"warning: left out 1 training row with an empty or non-string query "
+                                         f"(--on-empty-query skip): {train.where} row 3 (id 'doc-3')")
+    many = [{"row": i, "id": f"d{i}"} for i in range(5)]
+    assert empty_query_warning(many).endswith("row 2 (id 'd2') and 2 more") and "5 training rows" in empty_query_warning(many)
 
 
 @pytest.mark.slow  # builds the tiny processor (the size estimate reads the headers through its policy)

@@ -445,8 +445,9 @@ class RetrievalDataset(Sequence):
         return [r.get("query") for r in self.records]
 
     def select(self, positions: Sequence[int], *, negatives: bool = True) -> "RetrievalDataset":
-        """A new dataset of the rows at ``positions`` (in that order), sharing the image sources;
-        ``negatives=False`` leaves out the hard negatives (a corpus of documents needs none)."""
+        """A new dataset of the rows at ``positions`` (in that order), sharing the image sources
+        and the source's ``skipped_rows``; ``negatives=False`` leaves out the hard negatives (a
+        corpus of documents needs none)."""
         positions = [int(p) for p in positions]
         sizes = None if self._sizes is None else [self._sizes[p] for p in positions]
         sources = [self.image_sources[p] for p in positions]
@@ -458,6 +459,7 @@ class RetrievalDataset(Sequence):
                          negatives_per_row=self.negatives_per_row if keep else 0,
                          negative_inputs=(_Picked(self.negative_inputs, positions)
                                           if keep and self.negative_inputs is not None else None))
+        out.skipped_rows = list(self.skipped_rows)  # the source's rows left out stay reported (a subset holds none)
         return out
 
     def image_digests(self) -> list[str]:

@@ -119,6 +119,10 @@ class Trainer:
         self.clock.add(self.c.phases_s)
         for bad in self.c.costs.skipped if info.is_main else ():  # on_bad_image="skip"; same list on every rank
             print(f"warning: skipping {bad['name']}: {bad['reason']}", file=sys.stderr, flush=True)  # the short cause
+        where = getattr(self.c.train_set, "where", None)  # several datasets: each row names its own
+        self.empty_query_rows = [{"dataset": where, **r} for r in getattr(self.c.train_set, "skipped_rows", [])]
+        if self.empty_query_rows and info.is_main:
+            print(empty_query_warning(self.empty_query_rows), file=sys.stderr, flush=True)
         if cfg.rebalance_vision and info.world_size > 1:  # before wrapping: the retriever calls it in forward
             self.c.model.set_vision_rebalancer(VisionRebalancer(timeout_s=cfg.collective_timeout_s))
         self.model = wrap_model(self.c.model.to(info.device), strategy=cfg.strategy, device=info.device)
@@ -437,7 +441,9 @@ class Trainer:
                 world_size=info.world_size, place=run_place(info.world_size, info.backend, info.device.type),
                 loss=cfg.loss, on_bad_image=cfg.on_bad_image, skipped_examples=self.skipped,
                 rejected_pairs=len(self.c.costs.skipped), estimated_pairs=len(self.c.costs.costs),
-                notes=self._collapse_notes(),
+                notes=self._collapse_notes() + ([f"training rows left out for an empty or non-string query "
+                                                  f"(on_empty_query='skip'): {len(self.empty_query_rows)}"]
+                                                 if cfg.on_empty_query == "skip" else []),
             )
             summary.update(collapsed=self.collapse.fired, stopped_by_collapse=self.stopped_by_collapse)
         barrier()
@@ -457,6 +463,18 @@ def run_place(world_size: int, backend: str, device_type: str) -> str:
     """Where a run ran, for its start line, ``summary.md`` and ``report.png``: ``"single process,
     cpu"`` for one process (no process group), else the backend and device type (``"gloo, cpu"``)."""
     return f"single process, {device_type}" if world_size == 1 else f"{backend}, {device_type}"
+
+
+def empty_query_warning(rows: list[dict[str, Any]], shown: int = 3) -> str:
+    """The one warning line for the training rows ``on_empty_query="skip"`` left out (a
+    dataset's ``skipped_rows``: ``row``, ``id``, and with several datasets ``dataset``): their
+    count and the first ``shown`` of them."""
+    def name(r: dict[str, Any]) -> str:
+        return (f"{r['dataset']} " if r.get("dataset") else "") + f"row {r['row']} (id {r['id']!r})"
+
+    more = f" and {len(rows) - shown} more" if len(rows) > shown else ""
+    return (f"warning: left out {len(rows)} training row{'s' if len(rows) != 1 else ''} with an empty or non-string "
+            f"query (--on-empty-query skip): {', '.join(name(r) for r in rows[:shown])}{more}")
 
 
 def warmup_warning(warmup_steps: int, total_steps: int, lr: float) -> str | None:

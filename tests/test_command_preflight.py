@@ -15,6 +15,8 @@ from .train.test_preflight import _parquet
 
 def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
     (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "index.json").write_text("{}")
     renamed = _parquet(tmp_path / "test.parquet", names=("question", "page", "doc_id"))
     cases = [
         (["eval", "/x/y"], "checkpoint '/x/y': no such folder (no folder '/x' either)"),
@@ -24,6 +26,11 @@ def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
         (["encode", "runs/a", "--dataset", "tset.parquet", "--output", "index"],
          "--dataset 'tset.parquet': no such file or folder; did you mean 'test.parquet'?"),
         (["search", "tyny", "--index", "index", "--query", "q"], "did you mean 'tiny'?"),
+        (["search", "runs/a", "--index", "indx", "--query", "q"], "--index 'indx': no such folder; did you mean 'index'?"),
+        (["search", "runs/a", "--index", "runs", "--query", "q"],
+         "--index 'runs' is not an embedding index (no index.json); build one with raggedvl encode"),
+        (["search", "runs/a", "--index", "index", "--query", "q", "--query", " "], "--query number 2 is empty (' ')"),
+        (["search", "runs/a", "--index", "index", "--query", "q", "-k", "0"], "-k and --chunk-size must be >= 1"),
         (["eval", "org/model"], "checkpoint 'org/model': the hub is off (HF_HUB_OFFLINE)"),
         (["eval", "runs/a", "--dataset", "org/bench"], "--dataset 'org/bench': the hub is off (HF_HUB_OFFLINE)"),
         (["eval", "runs/a", "--dataset", renamed],

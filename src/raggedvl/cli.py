@@ -78,13 +78,32 @@ def _encode(args, argv: Sequence[str]) -> int:
 
 def _search(args) -> int:
     _check_inputs(args, model=args.checkpoint, what="checkpoint")
+    _check_search_arguments(args)
     from raggedvl.train.index_commands import print_results, search_index
 
-    if args.k < 1 or args.chunk_size < 1:
-        raise ValueError(f"-k and --chunk-size must be >= 1, got {args.k} and {args.chunk_size}")
     results = search_index(args.checkpoint, index=args.index, queries=args.query, k=args.k, chunk_size=args.chunk_size)
     print_results(args.query, results)
     return 0
+
+
+def _check_search_arguments(args) -> None:
+    """Before torch: ``-k`` and ``--chunk-size`` at least 1, no empty ``--query``, and an
+    ``--index`` folder that exists (else "did you mean" a neighbour) and holds ``index.json``.
+    Raises ``ValueError``."""
+    from pathlib import Path
+
+    from raggedvl.sources import missing_path
+
+    if args.k < 1 or args.chunk_size < 1:
+        raise ValueError(f"-k and --chunk-size must be >= 1, got {args.k} and {args.chunk_size}")
+    for i, query in enumerate(args.query):
+        if not query.strip():
+            raise ValueError(f"--query number {i + 1} is empty ({query!r}); give the text to search for")
+    index = Path(args.index).expanduser()
+    if not index.exists():
+        raise missing_path(args.index, (), "--index", "folder")
+    if not (index / "index.json").is_file():
+        raise ValueError(f"--index {args.index!r} is not an embedding index (no index.json); build one with raggedvl encode")
 
 
 def _export(args) -> int:

@@ -41,7 +41,9 @@ def _closest(name: str, candidates: list[str]) -> str | None:
     return close[0] if close else None
 
 
-def _missing_path(name: str, presets: tuple[str, ...], what: str, kind: str) -> ValueError:
+def missing_path(name: str, presets: tuple[str, ...], what: str, kind: str) -> ValueError:
+    """The error for a local ``name`` that does not exist: "no such <kind>", with "did you
+    mean" the closest entry of its folder (or that folder's absence) or the closest preset."""
     path = Path(name).expanduser()
     parent = path.parent if str(path.parent) else Path(".")
     hint = ""
@@ -78,10 +80,10 @@ def resolve_source(name: str, *, repo_type: RepoType, presets: tuple[str, ...] =
     if name in presets or Path(name).expanduser().exists():
         return name
     if _looks_like_path(name):
-        raise _missing_path(name, presets, what, kind)
+        raise missing_path(name, presets, what, kind)
     first = name.split("/", 1)[0]
     if "/" in name and Path(first).is_dir():  # "runs/defualt" next to a runs/ folder: a path typo
-        raise _missing_path(name, presets, what, kind)
+        raise missing_path(name, presets, what, kind)
     if "/" in name:  # "rnus/a" where runs/a exists: a path typo, not a hub id
         folder, rest = _closest(first, [p.name for p in Path(".").iterdir() if p.is_dir()]), name.split("/", 1)[1]
         if folder is not None and Path(folder, rest).exists():

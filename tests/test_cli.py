@@ -107,6 +107,11 @@ def test_choices_are_checked(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice: 'colbert'" in err and "'bi_encoder'" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit):  # an optional choice offers 'none', what one types, not Python's None
+        build_parser().parse_args(["train", "--save-best", "ndcg@7"])
+    err = capsys.readouterr().err
+    assert "'map@10', 'none')" in err and "None" not in err, err
+    assert _config("--save-best", "none").save_best is None and _config("--save-best", "ndcg@5").save_best == "ndcg@5"
     with pytest.raises(ValueError, match=r"sampler='random' is not one of \('balanced', 'equal'\)"):
         TrainConfig(sampler="random")
     with pytest.raises(ValueError, match="lora_r must be >= 1, got 0"):

@@ -267,6 +267,21 @@ class _ExtendAction(argparse.Action):
         setattr(namespace, self.dest, None if values is None else (before or []) + values)
 
 
+class _NoneChoice:
+    """The null choice of an optional ``Literal`` flag: equal to None (what ``parse("none")``
+    gives, so argparse accepts it) but shown as ``'none'``, what the user types, in argparse's
+    "invalid choice ... (choose from ...)" (a plain None showed as ``None``)."""
+
+    def __eq__(self, other: object) -> bool:
+        return other is None or isinstance(other, _NoneChoice)
+
+    def __hash__(self) -> int:
+        return hash(None)
+
+    def __repr__(self) -> str:
+        return "'none'"
+
+
 def add_arguments(parser: argparse.ArgumentParser | Any, cls: type) -> None:
     """One ``--flag`` per field of ``cls`` (absent from the namespace unless given)."""
     for spec in field_specs(cls).values():
@@ -285,7 +300,7 @@ def add_arguments(parser: argparse.ArgumentParser | Any, cls: type) -> None:
         if spec.many:
             kwargs["action"] = _ExtendAction
         elif spec.choices is not None:
-            kwargs["choices"] = spec.choices + ((None,) if spec.nullable else ())
+            kwargs["choices"] = spec.choices + ((_NoneChoice(),) if spec.nullable else ())
         parser.add_argument(spec.flag, type=convert, **kwargs)
 
 

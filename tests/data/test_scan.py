@@ -203,3 +203,41 @@ def test_the_loader_takes_the_cached_negative_sizes_so_costs_read_no_negative(tm
     cached, read = (estimate_costs(d.image_inputs(), 32, on_bad_image="skip") for d in (train, before))
     np.testing.assert_array_equal(cached.patches, read.patches)  # the same estimate as from the headers
     assert [s["sample"] for s in cached.skipped] == [s["sample"] for s in read.skipped] == [2]
+
+
+def test_a_column_of_text_named_as_images_is_refused_and_a_column_of_paths_is_not(tmp_path):
+    """check_image_column: the query column, or strings that are neither files nor image names,
+    are text (ValueError with the first value and the flag); paths pass, even to missing files
+    (those are a BadImageError naming the row later); image structs are not read at all."""
+    from raggedvl.data.dataset import RetrievalDataset
+    from raggedvl.data.scan import check_image_column
+
+    (tmp_path / "pages").mkdir()
+    (tmp_path / "pages" / "a").write_bytes(_png(40, 40))  # an existing file without an extension
+    table = pa.table({"query": ["what is on page 0", "page 1?"], "page": ["pages/p0.png", "pages/missing.jpg"],
+                      "bare": ["pages/a", "pages/b"], "note": ["first page", "second page"],
+                      "negs": [["one", "two"], ["three"]], "image": [{"bytes": _png(30, 30), "path": None}] * 2})
+    pq.write_table(table, tmp_path / "pairs.parquet")
+    split = parquet_split(tmp_path / "pairs.parquet", "train")
+    for column in ("page", "bare", "image"):
+        check_image_column(split, column, flag="--image-column", query_column="query")
+    with pytest.raises(ValueError) as info:
+        check_image_column(split, "note", flag="--image-column", query_column="query")
+    assert str(info.value) == (
+        "--image-column 'note' holds text, not images: row 0's value 'first page' is not an image file (no file of "
+        "that name, and none of the first 2 values has an image extension such as .png; "
+        f"{tmp_path / 'pairs.parquet'} split 'train'); pass --image-column naming the column of images or image "
+        "paths (columns: ['query', 'page', 'bare', 'note', 'negs', 'image'])")
+    with pytest.raises(ValueError, match=r"^--negatives-column 'query' holds text, not images: row 0's value "
+                                         r"'what is on page 0' is not an image file \(it is the query column; .*"
+                                         r", or leave it out$"):
+        check_image_column(split, "query", flag="--negatives-column", query_column="query", or_none=", or leave it out")
+    with pytest.raises(ValueError, match=r"^--negatives-column 'negs' holds text, not images: row 0's value 'one'"):
+        check_image_column(split, "negs", flag="--negatives-column", query_column="query")
+    # the loader (raggedvl eval / encode, hub data) refuses the same columns with the same message
+    hf = datasets.Dataset.from_parquet(str(tmp_path / "pairs.parquet"))
+    with pytest.raises(ValueError, match=r"^--eval-image-column 'note' holds text, not images: row 0's value"):
+        RetrievalDataset.from_hf(hf, image_column="note", option_prefix="eval_")
+    with pytest.raises(ValueError, match=r"^--negatives-column 'query' holds text.*it is the query column"):
+        RetrievalDataset.from_hf(hf, image_column="image", negatives_column="query")
+    assert len(RetrievalDataset.from_hf(hf, image_column="page", base_dir=tmp_path)) == 2

@@ -293,7 +293,11 @@ def test_negatives_eval_split_and_output_dir_fail_in_one_line_before_torch(tmp_p
              ["--dataset", short, "--negatives-column", "negs", "--id-column", "doc_id", "--nproc-per-node", "2", *no_eval],
              ["--dataset", good, "--eval-dataset", str(tmp_path / "folder"), "--nproc-per-node", "2"],
              ["--dataset", good, "--nproc-per-node", "2", *no_eval],
-             ["--dataset", "rdocs", "--negatives-column", "negs", "--nproc-per-node", "2", *no_eval]]
+             ["--dataset", "rdocs", "--negatives-column", "negs", "--nproc-per-node", "2", *no_eval],
+             ["--dataset", listed, "--negatives-column", "query", "--nproc-per-node", "2", *no_eval],
+             ["--dataset", listed, "--image-column", "doc_id", "--nproc-per-node", "2", *no_eval],
+             ["--dataset", good, "--eval-dataset", good, "--eval-split", "train", "--eval-image-column", "query",
+              "--nproc-per-node", "2"]]
     results = _run_launcher(tmp_path, cases)
     for rc, torch, transformers, err in results:
         assert (rc, torch, transformers) == ("2", False, False), (rc, torch, transformers, err)
@@ -306,6 +310,27 @@ def test_negatives_eval_split_and_output_dir_fail_in_one_line_before_torch(tmp_p
     assert f"{tmp_path / 'folder'} has no split 'dev'; its splits: ['train']" in errors[3]
     assert "already holds checkpoints of a run (step-2); pass --resume to continue it, or choose a new --output-dir" in errors[4]
     assert "rdocs is an rdocs manifest, which has no hard-negatives column 'negs'" in errors[5]
+    # a text column named as images: refused before any image is read, with the fix (not "file
+    # not found ... --on-bad-image skip", which would skip every row)
+    assert errors[6] == ("raggedvl: error: --negatives-column 'query' holds text, not images: row 0's value 'question 0' "
+                         f"is not an image file (it is the query column; {listed} split 'train'); pass --negatives-column "
+                         "naming the column of images or image paths (columns: ['query', 'image', 'doc_id', 'negs']), "
+                         "or leave it out\n")
+    assert errors[7].startswith("raggedvl: error: --image-column 'doc_id' holds text, not images: row 0's value 'doc-0' "
+                                "is not an image file (no file of that name, and none of the first 5 values has an "
+                                "image extension such as .png;")
+    assert "pass --image-column naming the column of images or image paths" in errors[7]
+    assert errors[8].startswith("raggedvl: error: --eval-image-column 'query' holds text, not images: row 0's value "
+                                "'question 0' is not an image file (it is the query column;")
+    assert not any("--on-bad-image" in e for e in errors[6:])
+
+
+def test_a_bad_image_in_a_row_with_hard_negatives_says_what_each_image_number_is():
+    from raggedvl.train.setup import negatives_label
+
+    assert negatives_label(0) == ""
+    assert negatives_label(1) == " (image 0: the document, image 1: its hard negative)"
+    assert negatives_label(3) == " (image 0: the document, images 1-3: its hard negatives)"
 
 
 def test_checked_data_starts_the_ranks_without_torch(tmp_path):

@@ -37,7 +37,15 @@ from typing import Any
 
 from PIL import Image
 
-from raggedvl.data.scan import check_columns, file_split, parquet_split, pick_split
+from raggedvl.data.scan import (
+    TEXT_SAMPLE_ROWS,
+    check_columns,
+    check_not_text,
+    file_split,
+    is_text_type,
+    parquet_split,
+    pick_split,
+)
 from raggedvl.images import BadImageError, BadImagePolicy, check_bad_image_policy, load_image, read_size
 
 
@@ -354,6 +362,8 @@ class RetrievalDataset(Sequence):
         ``negative_sizes``: likewise, per row the list of its hard negatives' sizes.
         ``option_prefix``: how a missing column's message names the option that fixes it
         (``raggedvl.data.scan.check_columns``; ``"eval_"``: ``--eval-query-column``).
+        Raises ``ValueError`` for a missing column, and for an image or hard-negatives column
+        that holds text, e.g. the queries (``raggedvl.data.scan.check_not_text``).
 
         Images are read undecoded (``Image(decode=False)``), row by row on access, and decoded
         by this package's hardened loader. Ids come from ``id_column`` or are ``"<split>-<row>"``.
@@ -363,6 +373,12 @@ class RetrievalDataset(Sequence):
         where = kwargs.pop("where", None) or f"dataset split {split!r}"
         check_columns(dataset.column_names, where, query_column=query_column, image_column=image_column,
                       id_column=id_column, negatives_column=negatives_column, option_prefix=option_prefix)
+        for column, key, or_none in ((image_column, option_prefix + "image_column", ""),
+                                     (negatives_column, "negatives_column", ", or leave it out")):
+            if column is not None and is_text_type(dataset.data.schema.field(column).type):  # paths, or text?
+                check_not_text(dataset.select_columns([column])[:TEXT_SAMPLE_ROWS][column], column=column,
+                               flag="--" + key.replace("_", "-"), where=where, columns=dataset.column_names,
+                               base_dir=base_dir, query_column=query_column, or_none=or_none)
         if isinstance(dataset.features[image_column], datasets.Image):
             dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
         if negatives_column is not None:

@@ -172,6 +172,79 @@ def check_columns(columns: Sequence[str], where: str, *, query_column: str, imag
                          + f"pass --{option.replace('_', '-')} (key {option}) naming the right one{or_none}")
 
 
+TEXT_SAMPLE_ROWS = 5  # rows whose strings decide whether an image column holds text
+
+
+def is_text_type(kind) -> bool:
+    """Whether the Arrow type ``kind`` holds strings, or lists of strings: a column of image
+    paths, or of text (:func:`check_not_text` tells them apart)."""
+    import pyarrow as pa
+
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def _image_extensions() -> set[str]:
+    from PIL import Image
+
+    return {ext.lower() for ext in Image.registered_extensions()}
+
+
+def _names_an_image(value: str, base_dir: Path | None) -> bool:
+    """Whether string ``value`` reads as an image path: an image extension (``.png``, ...), or
+    an existing file (relative to ``base_dir``, else as given)."""
+    if Path(value).suffix.lower() in _image_extensions():
+        return True
+    try:
+        return (Path(base_dir) / value if base_dir is not None else Path(value)).is_file()
+    except (OSError, ValueError):  # a name too long, a NUL character: text
+        return False
+
+
+def check_not_text(values: Sequence[Any], *, column: str, flag: str, where: str, columns: Sequence[str],
+                   base_dir: str | os.PathLike | None, query_column: str | None = None, or_none: str = "") -> None:
+    """Raises ``ValueError`` when an image column (``flag`` names it: ``--image-column``,
+    ``--negatives-column``, ...) holds text, not images or image paths: it is ``query_column``,
+    or none of the strings in ``values`` (its first rows' cells, each one value or a list; see
+    ``TEXT_SAMPLE_ROWS``) has an image extension or is an existing file (relative to
+    ``base_dir``). The message quotes the first string, names the columns present and the fix;
+    ``or_none`` ends it (``", or leave it out"``). A column of image paths passes even when
+    some of its files are missing (a missing file is a ``BadImageError`` naming its row); values
+    that are not strings (bytes, the ``datasets`` Image struct) always pass."""
+    strings = [(row, v) for row, cell in enumerate(values)
+               for v in (cell if isinstance(cell, list) else [cell]) if isinstance(v, str)]
+    if not strings:
+        return
+    is_query = column == query_column
+    if not is_query and any(_names_an_image(v, None if base_dir is None else Path(base_dir)) for _, v in strings):
+        return
+    row, value = strings[0]
+    shown = value if len(value) <= 60 else value[:57] + "..."
+    why = ("it is the query column" if is_query
+           else f"no file of that name, and none of the first {len(strings)} values has an image extension "
+                "such as .png")
+    raise ValueError(f"{flag} {column!r} holds text, not images: row {row}'s value {shown!r} is not an image file "
+                     f"({why}; {where}); pass {flag} naming the column of images or image paths "
+                     f"(columns: {list(columns)}){or_none}")
+
+
+def check_image_column(split: ParquetSplit, column: str, *, flag: str, query_column: str | None,
+                       or_none: str = "") -> None:
+    """:func:`check_not_text` on the first ``TEXT_SAMPLE_ROWS`` rows of ``split``'s ``column``
+    when its Arrow type holds strings (only then are values read: an image column's bytes are
+    not). Raises ``ValueError`` as that does."""
+    import pyarrow.parquet as pq
+
+    file = pq.ParquetFile(split.files[0])
+    if not is_text_type(file.schema_arrow.field(column).type):
+        return
+    batch = next(file.iter_batches(batch_size=TEXT_SAMPLE_ROWS, columns=[column]), None)
+    values = [] if batch is None else batch.column(0).to_pylist()[:TEXT_SAMPLE_ROWS]
+    check_not_text(values, column=column, flag=flag, where=split.where, columns=split.columns,
+                   base_dir=split.base_dir, query_column=query_column, or_none=or_none)
+
+
 def read_column(split: ParquetSplit, column: str) -> list[Any]:
     """One column of the split as Python values, all files concatenated (for the small text
     columns: queries, ids)."""

@@ -201,9 +201,10 @@ def check_names(cfg) -> None:
 def check_data(cfg) -> list[str]:
     """The launcher's data checks before torch is imported, for each training set held in local
     parquet files (``raggedvl.data.scan``; other sources are checked by ``prepare_run_data``):
-    the columns, the queries (``--on-empty-query``), the hard negatives (``--negatives-column``:
-    the column's type and every row's count), and every image's header, documents and hard
-    negatives, read in parallel and cached beside the data, so the ranks' size estimate reads no
+    the columns (an image or hard-negatives column holding text, such as the queries, is refused:
+    ``raggedvl.data.scan.check_image_column``), the queries (``--on-empty-query``), the hard
+    negatives (``--negatives-column``: the column's type and every row's count), and every
+    image's header, documents and hard negatives, read in parallel and cached beside the data, so the ranks' size estimate reads no
     document image; and for the evaluation set (``--eval-dataset``, else the first dataset's
     ``--eval-split``) held in local parquet files: that the split exists and its columns
     (``cfg.eval_columns``).
@@ -214,7 +215,7 @@ def check_data(cfg) -> list[str]:
     with its row, id, file and ``--on-bad-image skip``; with ``--eval-fraction``, left to
     ``prepare_run_data``). Returns what it could NOT check here, one phrase each (empty when
     everything the ranks would refuse was checked; see :func:`needs_torch`)."""
-    from raggedvl.data.scan import check_columns, parquet_split
+    from raggedvl.data.scan import check_columns, check_image_column, parquet_split
 
     unchecked = []
     for name in cfg.datasets:
@@ -233,6 +234,8 @@ def check_data(cfg) -> list[str]:
         table = None if source == "rdocs" else parquet_split(source, cfg.eval_split)  # a missing split raises
         if table is not None:  # its own columns: a missing one names --eval-query-column...
             check_columns(table.columns, table.where, **cfg.eval_columns, option_prefix="eval_")
+            check_image_column(table, cfg.eval_columns["image_column"], flag="--eval-image-column",
+                               query_column=cfg.eval_columns["query_column"])
         elif source != "rdocs":  # a BEIR layout, a hub id...
             unchecked.append(f"{flag} {source} split {cfg.eval_split!r} (not local parquet)")
     return unchecked
@@ -257,7 +260,7 @@ def needs_torch(cfg, unchecked: Sequence[str]) -> list[str]:
 def _check_parquet_data(cfg, name: str) -> bool:
     """Check one training set (:func:`check_data`); False when it is not local parquet."""
     from raggedvl.data.dataset import check_negatives_type, kept_rows, negative_count
-    from raggedvl.data.scan import check_columns, image_sizes, parquet_split, read_column
+    from raggedvl.data.scan import check_columns, check_image_column, image_sizes, parquet_split, read_column
     from raggedvl.images import BadImageError
 
     table = parquet_split(name, cfg.train_split)
@@ -265,6 +268,7 @@ def _check_parquet_data(cfg, name: str) -> bool:
         return False
     check_columns(table.columns, table.where, query_column=cfg.query_column, image_column=cfg.image_column,
                   id_column=cfg.id_column, negatives_column=cfg.negatives_column)
+    check_image_column(table, cfg.image_column, flag="--image-column", query_column=cfg.query_column)
     queries = read_column(table, cfg.query_column)
     ids = ([str(v) for v in read_column(table, cfg.id_column)] if cfg.id_column
            else [f"{cfg.train_split}-{i}" for i in range(len(queries))])
@@ -276,6 +280,8 @@ def _check_parquet_data(cfg, name: str) -> bool:
 
         kind = pq.ParquetFile(table.files[0]).schema_arrow.field(cfg.negatives_column).type
         check_negatives_type(kind, cfg.negatives_column, table.where)
+        check_image_column(table, cfg.negatives_column, flag="--negatives-column", query_column=cfg.query_column,
+                           or_none=", or leave it out")
         negatives = image_sizes(table, cfg.negatives_column, item="hard negative")
         negative_count(negatives.counts, used, [ids[r] for r in used], cfg.negatives_column, table.where)
     sizes = image_sizes(table, cfg.image_column)

@@ -134,6 +134,16 @@ def check_model_checkpoint(cfg: TrainConfig) -> None:
     check_checkpoint(cfg.model)
 
 
+def negatives_label(k: int) -> str:
+    """What a training row's image numbers mean in a bad-image message when it has ``k`` hard
+    negatives: ``" (image 0: the document, image 1: its hard negative)"``, ``"..., images 1-3:
+    its hard negatives)"``; empty without hard negatives (the row has one image)."""
+    if k == 0:
+        return ""
+    negatives = "image 1: its hard negative" if k == 1 else f"images 1-{k}: its hard negatives"
+    return f" (image 0: the document, {negatives})"
+
+
 def estimate_train_costs(cfg: TrainConfig, train_set, policy: ImagePolicy) -> SampleCosts:
     """Per-pair costs and patch counts of the training split from image headers (no decoding),
     through the collator's own image ``policy``, so ``patches`` equal the collator's rows (a
@@ -141,7 +151,7 @@ def estimate_train_costs(cfg: TrainConfig, train_set, policy: ImagePolicy) -> Sa
     Raises ``BadImageError`` naming the row under ``on_bad_image="error"``; under "skip" the
     rejected pairs are listed in ``SampleCosts.skipped`` (and later dropped by the collator)."""
     k = train_set.negatives_per_row  # each row's images: the document, then its k hard negatives
-    which = f" (image 0: the document, 1-{k}: its hard negatives)" if k else ""
+    which = negatives_label(k)
     names = [train_set.row_name(i) + which for i in range(len(train_set))]
     return estimate_costs(train_set.image_inputs(), text_tokens=32, policy=policy,
                           on_bad_image=cfg.on_bad_image, names=names)

@@ -42,6 +42,19 @@ def test_report_to_names_are_checked():
         parse_report_to("none,wandb")
 
 
+def test_tracked_evaluation_scalars_are_the_retrieval_metrics_tagged_by_split():
+    from raggedvl.evaluation import METRICS
+    from raggedvl.train.tracking import eval_scalars
+
+    metrics = {**{name: 0.5 for name in METRICS}, "mean_rank": 2.0, "random_mean_rank": 4.5, "random_mean_rank_se": 0.3,
+               "queries": 8, "documents": 8, "skipped_documents": 0, "doc_mean_cosine": 0.9, "n": 8}
+    tags = eval_scalars({"train": metrics, "dev": {**metrics, "ndcg@5": 0.25}})
+    assert set(tags) == {f"{prefix}/{name}" for prefix in ("memorisation", "dev")
+                         for name in (*METRICS, "mean_rank", "random_mean_rank")}
+    assert tags["dev/ndcg@5"] == 0.25 and tags["memorisation/ndcg@5"] == 0.5
+    assert "ndcg@10" in METRICS and "recall@5" in METRICS and "mrr@10" in METRICS and "map@10" in METRICS
+
+
 def test_a_missing_tracker_package_names_its_extra(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(ValueError, match=r"--report-to mlflow needs the mlflow package: pip install 'raggedvl\[mlflow\]'"):
@@ -58,7 +71,7 @@ def test_one_process_run_logs_plain_lines_metrics_and_tensorboard(tmp_path, capf
     monkeypatch.setattr(launch, "exec_agent", refuse)
     run = tmp_path / "run"
     code = main(["train", "--nproc-per-node", "1", "--max-steps", "4", "--global-batch-size", "4", "--warmup-steps", "2",
-                 "--max-train-samples", "16", "--max-eval-samples", "8", "--eval-before", "false", "--eval-after", "false",
+                 "--max-train-samples", "16", "--max-eval-samples", "8", "--eval-before", "false", "--eval-after", "true",
                  "--progress-every", "2", "--report-to", "tensorboard", "--output-dir", str(run),
                  "--data-cache", str(small_data_cache)])
     out, err = capfd.readouterr()
@@ -94,6 +107,17 @@ def test_one_process_run_logs_plain_lines_metrics_and_tensorboard(tmp_path, capf
     assert [e.value for e in loss] == pytest.approx([r["loss"] for r in steps], rel=1e-6)
     assert [e.value for e in events.Scalars("lr/head")] == pytest.approx([r["lr_groups"]["head"] for r in steps], rel=1e-6)
     assert [e.value for e in events.Scalars("train/grad_norm")] == pytest.approx([r["grad_norm"] for r in steps], rel=1e-6)
+    # the evaluation after training: its retrieval metrics apart from the steps' train/ numbers
+    # (memorisation/ for the training pairs scored, dev/ as --save-best logs), no counts or errors
+    tags = set(events.Tags()["scalars"])
+    after = next(r for r in records if r["event"] == "eval_after")["raw"]
+    for split, prefix in (("train", "memorisation"), ("dev", "dev")):
+        assert [e.step for e in events.Scalars(f"{prefix}/ndcg@5")] == [4]
+        assert events.Scalars(f"{prefix}/ndcg@5")[0].value == pytest.approx(after[split]["ndcg@5"], rel=1e-6)
+        assert {f"{prefix}/random_mean_rank", f"{prefix}/mrr@10", f"{prefix}/map@10", f"{prefix}/recall@1"} <= tags
+    assert {t for t in tags if t.startswith("train/")} == {"train/loss", "train/grad_norm", "train/samples_per_s",
+                                                          "train/patches_per_s", "train/peak_memory_mib"}
+    assert not [t for t in tags if t.endswith(("_se", "/queries", "/documents", "/n"))]
 
 
 def test_a_warmup_longer_than_the_run_is_one_warning_line_with_the_fix(tmp_path, capsys, small_data_cache):

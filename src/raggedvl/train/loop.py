@@ -56,7 +56,7 @@ from raggedvl.train.progress import PADDING_KEYS, Progress, batch_padding, peak_
 from raggedvl.train.rundir import check_output_dir
 from raggedvl.train.setup import RunData, build_components, load_scheduler_state, make_scheduler
 from raggedvl.train.startup import StartupClock
-from raggedvl.train.tracking import Trackers, parse_report_to
+from raggedvl.train.tracking import Trackers, eval_scalars, parse_report_to
 
 
 @dataclass
@@ -354,7 +354,7 @@ class Trainer:
             if info.is_main:
                 flat = {f"{s}/{k}": v for s, m in before.items() for k, v in m.items() if k != "n"}
                 log.write({"event": "eval_before", "step": 0, **flat, "raw": before})
-                self.trackers.log(flat, 0)
+                self.trackers.log(eval_scalars(before), 0)
         if info.is_main:
             self.log(
                 f"training {self.total_steps} steps, world size {info.world_size} "
@@ -428,8 +428,7 @@ class Trainer:
         summary: dict[str, Any] = {}
         if info.is_main:
             if after is not None:
-                self.trackers.log({f"{s}/{k}": v for s, m in after.items() for k, v in m.items() if k != "n"},
-                                  self.step)
+                self.trackers.log(eval_scalars(after), self.step)
             self.trackers.close()
             records = log.read()
             if after is not None:

@@ -1,8 +1,10 @@
 """Experiment trackers for ``raggedvl train --report-to``: TensorBoard, Weights & Biases, MLflow.
 
 Each is an optional extra (``pip install 'raggedvl[tensorboard]'``, ``[wandb]``, ``[mlflow]``);
-rank 0 sends every ``train`` record's numbers (loss, grad norm, per-group learning rates,
-samples/s, patches/s, peak memory) and the evaluation metrics, at the optimizer step.
+rank 0 sends every ``train`` record's numbers (``train/loss``, ``train/grad_norm``,
+``lr/<group>``, ``train/samples_per_s``, ``train/patches_per_s``, ``train/peak_memory_mib``) and
+the evaluations' retrieval metrics (:func:`eval_scalars`: ``dev/ndcg@5``, ``memorisation/ndcg@5``
+for the training pairs scored, ...), at the optimizer step.
 
 - tensorboard: event files in ``<output_dir>/tensorboard`` (``torch.utils.tensorboard``);
 - wandb: ``wandb.init(dir=<output_dir>, name=<run name>, config=<train config>)``; the project
@@ -41,6 +43,27 @@ def check_installed(names: tuple[str, ...]) -> None:
     for name in names:
         if importlib.util.find_spec(TRACKERS[name]) is None:
             raise ValueError(f"--report-to {name} needs the {TRACKERS[name]} package: pip install 'raggedvl[{name}]'")
+
+
+EVAL_TAGS = {"train": "memorisation", "dev": "dev"}
+"""Tracker tag prefix of each evaluated split (``Trainer.evaluate``'s keys): the training pairs
+scored show memorisation, kept apart from the ``train/`` numbers of the steps (the loss)."""
+EVAL_EXTRA = ("mean_rank", "random_mean_rank")
+"""Tracked besides ``raggedvl.evaluation.METRICS``: the first relevant document's mean rank and
+its value for a random ranking (the chance baseline)."""
+
+
+def eval_scalars(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The tracker scalars of one evaluation (``{split: metrics}``, as ``Trainer.evaluate``
+    returns): per split, ``<EVAL_TAGS[split]>/<metric>`` for the retrieval metrics
+    (``ndcg@k``, ``recall@k``, ``mrr@k``, ``map@k``) and ``EVAL_EXTRA``; counts (queries,
+    documents), standard errors and diagnostics stay in ``metrics.jsonl``. Imports torch (the
+    metric names); called by rank 0 of a run."""
+    from raggedvl.evaluation.metrics import METRICS
+
+    keep = (*METRICS, *EVAL_EXTRA)
+    return {f"{EVAL_TAGS.get(split, split)}/{name}": metrics[name]
+            for split, metrics in results.items() for name in keep if name in metrics}
 
 
 def _flat(config: dict[str, Any]) -> dict[str, Any]:

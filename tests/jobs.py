@@ -56,6 +56,14 @@ class JobResult:
         return f"{head}exit code {self.returncode}\n--- stdout\n{self.stdout[-chars:]}\n--- stderr\n{self.stderr[-chars:]}"
 
 
+def _default_sigint() -> None:
+    """In the child before it executes: SIGINT back to its default action. A test run started in
+    the background by a non-interactive shell (``cmd &``, nohup, some CI runners) inherits SIGINT
+    ignored, and Python then installs no KeyboardInterrupt handler, so a job would shrug off the
+    Ctrl-C a test sends it. The job runs in its own session, so no terminal's Ctrl-C reaches it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Job:
     """One started job; call ``poll()`` until it returns a ``JobResult`` (or ``wait()``)."""
 
@@ -71,7 +79,7 @@ class Job:
         self.ready_at: float | None = self.started if ready is None else None
         self.slow = 1.0
         self.proc = subprocess.Popen(list(map(str, cmd)), stdout=self._out, stderr=subprocess.STDOUT if merged else self._err, text=True,
-                                     env=env, cwd=cwd, start_new_session=True)
+                                     env=env, cwd=cwd, start_new_session=True, preexec_fn=_default_sigint)
         self.result: JobResult | None = None
 
     def _read(self) -> tuple[str, str]:

@@ -232,3 +232,24 @@ def test_state_dict_with_consumed_step_override_and_cap_round_trip():
     assert list(b) == steps[1:]
     with pytest.raises(ValueError, match="outside epoch 0"):
         b.load_state_dict({**state, "step": len(steps) + 1})
+
+
+@pytest.mark.parametrize("w", [1, 3])
+def test_indices_map_the_plan_to_the_kept_rows_and_enter_the_fingerprint(w):
+    """Rows left out (here 2, 5 and 9 of 0..11) are never drawn: the plan over the 9 kept rows is
+    the plain plan over 9 samples, mapped through ``indices``; a resume must keep the same rows."""
+    kept = [0, 1, 3, 4, 6, 7, 8, 10, 11]
+    costs = _costs(len(kept))
+    plain = _epoch(_ranks(costs, 3, w))
+    mapped = _epoch(_ranks(costs, 3, w, indices=kept))
+    assert mapped == [[[kept[i] for i in part] for part in step] for step in plain]
+    assert sorted(i for step in mapped for part in step for i in part) == kept  # every kept row once, full steps
+    assert all(sum(len(part) for part in step) == 3 for step in mapped)
+    state = _ranks(costs, 3, w, indices=kept)[0].state_dict()
+    assert state["num_samples"] == 9 and state["rows_sha256"] is not None
+    assert _ranks(costs, 3, w)[0].state_dict()["rows_sha256"] is None  # older states (no key) still load
+    with pytest.raises(ValueError, match="rows_sha256"):
+        _ranks(costs, 3, w, indices=[0, 1, 2, 4, 6, 7, 8, 10, 11])[0].load_state_dict(state)
+    for bad in ([0, 1], [1, 0, 2, 3, 4, 5, 6, 7, 8], [-1, 0, 1, 2, 3, 4, 5, 6, 7]):
+        with pytest.raises(ValueError, match="indices"):
+            BalancedDistributedBatchSampler(costs, 3, w, 0, indices=bad)

@@ -51,7 +51,7 @@ def test_summary_states_losses_counts_and_every_evaluation(tmp_path, capsys):
     assert f"chance loss (every document scoring the same): ln(4 pairs) = {math.log(4):.3f}" in text
     assert "Metrics are trec_eval's" in text  # evaluation ran: the note on the table's metrics
     assert "examples skipped for bad images (on_bad_image='skip'): 3" in text
-    assert "rejected by the size estimate (image header unreadable or out of limits): 1 of 16" in text
+    assert "rejected by the size estimate (image header unreadable or out of limits; never drawn): 1 of 16" in text
     assert out["rows"]["dev: random ranker (4 queries, 8 docs)"] == RANDOM
     assert list(out["rows"]) == [
         "train: random ranker (4 queries, 8 docs)", "train: before training", "train: after training",

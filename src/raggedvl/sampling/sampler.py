@@ -56,6 +56,11 @@ class BalancedDistributedBatchSampler:
             (:class:`raggedvl.sampling.mixture.Mixture`; its sizes must sum to N): each epoch's
             order is the mixture's seeded draws instead of a permutation. Part of the resume
             fingerprint.
+        indices: [N] ascending dataset indices, the row each sample stands for (default
+            ``0..N-1``): rows left out of training (the size estimate rejected their images) are
+            absent, so every step draws only rows in it; the plan and the yielded lists hold these
+            indices. A mixture's sizes then count each dataset's rows in ``indices``. Part of the
+            resume fingerprint (``rows_sha256``; None without ``indices``, as in older states).
 
     ``len()`` is the number of steps of the current epoch (constant unless the cap splits a
     step). The whole epoch is planned at its first ``len()``/iteration (about 1 ms of CPU per
@@ -68,7 +73,8 @@ class BalancedDistributedBatchSampler:
 
     Raises ``ValueError`` (before any work, naming the sample and the fix) for: W < 1, rank not
     in [0, W), G < W, N < W, N < G with ``drop_last``, a negative or non-finite cost or patch
-    count, a cap without ``patches``, or one sample whose patches exceed the cap.
+    count, a cap without ``patches``, one sample whose patches exceed the cap, or ``indices`` not
+    N ascending non-negative integers.
     """
 
     def __init__(
@@ -84,9 +90,18 @@ class BalancedDistributedBatchSampler:
         homogeneous: bool = False,
         bucket_steps: int = 32,
         mixture: Mixture | None = None,
+        indices: Sequence[int] | None = None,
     ) -> None:
         self.costs = _as_array("cost", costs)
         n = len(self.costs)
+        self.indices = None
+        if indices is not None:
+            rows = np.asarray(indices, dtype=np.int64).reshape(-1)
+            if len(rows) != n:
+                raise ValueError(f"indices has {len(rows)} entries but costs has {n}; give one dataset index per sample")
+            if n and (rows[0] < 0 or np.any(np.diff(rows) <= 0)):
+                raise ValueError("indices must be ascending distinct dataset indices >= 0 (the rows kept, in order)")
+            self.indices = rows
         if mixture is not None and mixture.num_samples != n:
             raise ValueError(f"the mixture's datasets hold {mixture.num_samples} rows {list(mixture.sizes)} but costs "
                              f"has {n}; give one cost per row of the concatenated datasets")
@@ -143,13 +158,18 @@ class BalancedDistributedBatchSampler:
         self.epoch = int(epoch)
 
     def plan(self) -> list[list[list[int]]]:
-        """The current epoch's steps for all ranks: [S][W] ascending index lists (cached)."""
+        """The current epoch's steps for all ranks: [S][W] ascending lists of dataset indices
+        (through ``indices`` when given) (cached)."""
         if self._plan_epoch != self.epoch:
-            self._plan = plan_epoch(
+            plan = plan_epoch(
                 self.costs, self.global_batch_size, self.world_size, seed=self.seed, epoch=self.epoch,
                 drop_last=self.drop_last, patches=self.patches, max_patches_per_rank=self.max_patches_per_rank,
                 homogeneous=self.homogeneous, bucket_steps=self.bucket_steps, mixture=self.mixture,
             )
+            if self.indices is not None:  # ascending positions -> ascending dataset rows
+                rows = self.indices.tolist()
+                plan = [[[rows[i] for i in part] for part in step] for step in plan]
+            self._plan = plan
             self._plan_epoch = self.epoch
         return self._plan
 
@@ -179,6 +199,7 @@ class BalancedDistributedBatchSampler:
             "bucket_steps": self.bucket_steps,
             "costs_sha256": digest.hexdigest()[:16],
             "mixture": None if self.mixture is None else self.mixture.state(),
+            "rows_sha256": None if self.indices is None else hashlib.sha256(self.indices.tobytes()).hexdigest()[:16],
         }
 
     def state_dict(self, step: int | None = None) -> dict[str, Any]:

@@ -36,13 +36,20 @@ class SampleCosts:
     ``seq_lens`` [N] int64 (text + markers + placeholder tokens), ``features`` [N, 4].
     ``skipped``: samples whose images were rejected under ``on_bad_image="skip"``, as
     ``{"sample", "name", "reason"}`` (``reason``: ``BadImageError.reason``, the short cause, without
-    the fix the error suggests); they are costed as their text alone (0 patches)."""
+    the fix the error suggests); they are costed as their text alone (0 patches), and a trainer
+    leaves them out of its sampler's plan (:meth:`kept`)."""
 
     costs: np.ndarray
     patches: np.ndarray
     seq_lens: np.ndarray
     features: np.ndarray
     skipped: list[dict[str, Any]] = field(default_factory=list)
+
+    def kept(self) -> np.ndarray:
+        """[N - len(skipped)] int64, ascending: the samples not in ``skipped``."""
+        keep = np.ones(len(self.costs), dtype=bool)
+        keep[[bad["sample"] for bad in self.skipped]] = False
+        return np.flatnonzero(keep)
 
 
 def _images_of(entry: Any, sample: str) -> list[Any]:

@@ -58,7 +58,8 @@ class TrainConfig:
                  "(YAML: a list) are mixed by dataset_weights")
     dataset_weights: list[float] | None = option(
         None, "sampling weight of each dataset, in the order given (normalised to sum 1; a global batch draws each "
-              "sample's dataset with these probabilities, seeded; none: every row equally likely)", at_least=0)
+              "sample's dataset with these probabilities, seeded; none: every row equally likely; 0: the dataset is "
+              "loaded and counts in an epoch's length but is never drawn, as the start line says)", at_least=0)
     train_split: str = option("train", "dataset split to train on")
     eval_split: str = option(
         "dev", "split to evaluate on (of eval_dataset when given, else of dataset); dev and validation find each other")
@@ -109,7 +110,8 @@ class TrainConfig:
               "training process; none: 1 on CUDA, 0 on CPU, where a worker competes with the training for the "
               "cores); batches are pinned for the GPU copy on CUDA", at_least=0)
     on_bad_image: Literal["error", "skip"] = option(
-        "error", "an unreadable image stops the run (error) or is skipped and counted in the summary (skip)")
+        "error", "an unreadable image stops the run (error) or is skipped and counted in the summary (skip: a pair "
+                 "whose image header is unreadable is left out of the sampler's plan at startup)")
     # objective
     loss: Literal["late_interaction", "pairwise", "infonce"] = option(
         "late_interaction", "contrastive loss: late_interaction or pairwise (multi-vector head), infonce (bi-encoder)")

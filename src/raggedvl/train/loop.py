@@ -54,7 +54,7 @@ from raggedvl.train.resume import check_resume_settings
 from raggedvl.rng import capture_rng_state, restore_rng_state
 from raggedvl.train.progress import PADDING_KEYS, Progress, batch_padding, peak_memory_mib
 from raggedvl.train.rundir import check_output_dir
-from raggedvl.train.setup import RunData, build_components, load_scheduler_state, make_scheduler
+from raggedvl.train.setup import RunData, build_components, load_scheduler_state, make_scheduler, training_pairs_text
 from raggedvl.train.startup import StartupClock
 from raggedvl.train.tracking import Trackers, eval_scalars, parse_report_to
 
@@ -342,7 +342,8 @@ class Trainer:
         if info.is_main and not resumed:
             log.write({"event": "config", **cfg.to_dict(), "world_size": info.world_size})
             log.write({"event": "size_estimate", "pairs": len(self.c.costs.costs), "patches": int(self.c.costs.patches.sum()),
-                       "rejected": [bad["name"] for bad in self.c.costs.skipped]})
+                       "rejected": [bad["name"] for bad in self.c.costs.skipped],  # never drawn
+                       "kept": len(self.c.costs.costs) - len(self.c.costs.skipped)})
         self.trackers = Trackers(parse_report_to(cfg.report_to), self.run_dir, cfg.to_dict(), resume=resumed) if info.is_main else None
         batches = self.batch_stream()  # the data workers collate the first batches during what follows
         before = None
@@ -359,7 +360,8 @@ class Trainer:
             self.log(
                 f"training {self.total_steps} steps, world size {info.world_size} "
                 f"({run_place(info.world_size, info.backend, info.device.type)}), "
-                f"global batch {cfg.global_batch_size}, {len(self.c.train_set)} training pairs"
+                f"global batch {cfg.global_batch_size}, "
+                f"{training_pairs_text(cfg, self.c.costs, getattr(self.c.train_set, 'part_sizes', None))}"
             )
         progress = Progress(self.total_steps, self.step, every=cfg.progress_every, enabled=info.is_main)
         loop_start, t_run = time.time(), time.perf_counter()

@@ -249,7 +249,7 @@ def write_summary(
         loss_line,
         *notes,
         f"examples skipped for bad images (on_bad_image={on_bad_image!r}): {skipped_examples}",
-        f"training pairs rejected by the size estimate (image header unreadable or out of limits): "
+        f"training pairs rejected by the size estimate (image header unreadable or out of limits; never drawn): "
         f"{rejected_pairs} of {estimated_pairs}",
         "",
         table,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from filelock import FileLock
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
@@ -149,7 +150,7 @@ def estimate_train_costs(cfg: TrainConfig, train_set, policy: ImagePolicy) -> Sa
     through the collator's own image ``policy``, so ``patches`` equal the collator's rows (a
     pair's document and its hard negatives together).
     Raises ``BadImageError`` naming the row under ``on_bad_image="error"``; under "skip" the
-    rejected pairs are listed in ``SampleCosts.skipped`` (and later dropped by the collator)."""
+    rejected pairs are listed in ``SampleCosts.skipped`` (and :func:`make_sampler` never draws them)."""
     k = train_set.negatives_per_row  # each row's images: the document, then its k hard negatives
     which = negatives_label(k)
     names = [train_set.row_name(i) + which for i in range(len(train_set))]
@@ -159,26 +160,56 @@ def estimate_train_costs(cfg: TrainConfig, train_set, policy: ImagePolicy) -> Sa
 
 def make_sampler(cfg: TrainConfig, costs: SampleCosts, info: DistInfo,
                  dataset_sizes: list[int] | None = None) -> BalancedDistributedBatchSampler:
-    """This rank's cost-balanced sampler; with ``cfg.dataset_weights``, the datasets (rows in
-    ``dataset_sizes``, concatenated in order) are drawn by weight (:class:`raggedvl.sampling.Mixture`).
-    Raises ``ValueError`` for fewer pairs than the global batch, or bad weights."""
-    n = len(costs.costs)
+    """This rank's cost-balanced sampler over the pairs the size estimate kept (``costs.kept()``:
+    a pair in ``costs.skipped`` is never drawn, so every step holds G readable pairs); with
+    ``cfg.dataset_weights``, the datasets (rows in ``dataset_sizes``, concatenated in order) are
+    drawn by weight (:class:`raggedvl.sampling.Mixture`, over each dataset's kept rows). A pure
+    function of the config and the data: every rank builds the same plan.
+    Raises ``ValueError`` for fewer kept pairs than the global batch, or bad weights (a dataset
+    with a positive weight whose every pair was rejected among them)."""
+    n_all = len(costs.costs)
+    kept = costs.kept()
+    n = len(kept)
     if n < cfg.global_batch_size:
+        rejected = f" ({n_all - n} more rejected for unreadable images)" if n < n_all else ""
         raise ValueError(
-            f"the training split has {n} pairs, fewer than global_batch_size {cfg.global_batch_size}; "
+            f"the training split has {n} pairs{rejected}, fewer than global_batch_size {cfg.global_batch_size}; "
             f"lower --global-batch-size or use more data (--max-train-samples)"
         )
     if cfg.sampler == "equal":  # equal sample counts per rank, for comparison: all costs equal
         weights = [1.0] * n
     else:
-        weights = costs.costs.tolist()
+        weights = costs.costs[kept].tolist()
     mixture = None
     if cfg.dataset_weights is not None:
-        mixture = Mixture.from_weights(dataset_sizes or [n], cfg.dataset_weights, names=cfg.datasets)
+        ends = np.cumsum(dataset_sizes or [n_all])
+        kept_sizes = np.diff(np.searchsorted(kept, ends, side="left"), prepend=0).tolist()
+        mixture = Mixture.from_weights(kept_sizes, cfg.dataset_weights, names=cfg.datasets)
     return BalancedDistributedBatchSampler(
         weights, cfg.global_batch_size, info.world_size, info.rank, seed=cfg.seed,
-        max_patches_per_rank=cfg.max_patches_per_rank, patches=costs.patches, mixture=mixture,
+        max_patches_per_rank=cfg.max_patches_per_rank, patches=costs.patches[kept], mixture=mixture,
+        indices=kept if n < n_all else None,
     )
+
+
+def training_pairs_text(cfg: TrainConfig, costs: SampleCosts, dataset_sizes: list[int] | None = None) -> str:
+    """The start line's count of training pairs: the pairs the sampler draws from (those the
+    size estimate kept), then in parentheses what the count leaves out or holds that is never
+    drawn: pairs rejected for unreadable images, and each dataset of ``dataset_sizes`` with
+    weight 0 in ``cfg.dataset_weights`` (its kept pairs are counted, as a mixture's epoch is one
+    draw per kept pair, but none of them is drawn). E.g. ``"56 training pairs (b.parquet: 16 of
+    them at weight 0, never drawn)"``."""
+    n_all = len(costs.costs)
+    kept = costs.kept()
+    notes = []
+    if cfg.dataset_weights is not None:
+        ends = np.cumsum(dataset_sizes or [n_all])
+        kept_sizes = np.diff(np.searchsorted(kept, ends, side="left"), prepend=0).tolist()
+        notes += [f"{name}: {size} of them at weight 0, never drawn"
+                  for name, size, w in zip(cfg.datasets, kept_sizes, cfg.dataset_weights) if w == 0]
+    if len(kept) < n_all:
+        notes.append(f"{n_all - len(kept)} more left out: image unreadable")
+    return f"{len(kept)} training pairs" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):

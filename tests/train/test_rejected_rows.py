@@ -4,6 +4,7 @@ mixed by weight; the start line counts what is drawn and names what is not (reje
 weight-0 dataset). No data or processor: the size estimate is given."""
 
 import numpy as np
+import pytest
 
 from raggedvl.parallel import DistInfo
 from raggedvl.sampling import SampleCosts
@@ -67,3 +68,11 @@ def test_a_zero_weight_dataset_is_named_on_the_start_line():
     costs = _costs(56, rejected=[0, 50])
     assert training_pairs_text(cfg, costs, [40, 16]) == (
         "54 training pairs (b.parquet: 15 of them at weight 0, never drawn; 2 more left out: image unreadable)")
+
+
+def test_a_weighted_dataset_whose_pairs_were_all_rejected_is_named():
+    cfg = TrainConfig(dataset=["a.parquet", "b.parquet"], dataset_weights=[1, 1], global_batch_size=4)
+    with pytest.raises(ValueError, match=r"b.parquet has weight 1 but the size estimate rejected all its 2 pairs .*weight 0"):
+        make_sampler(cfg, _costs(8, rejected=[6, 7]), _info(), dataset_sizes=[6, 2])
+    cfg = TrainConfig(dataset=["a.parquet", "b.parquet"], dataset_weights=[1, 0], global_batch_size=4)
+    assert make_sampler(cfg, _costs(8, rejected=[6, 7]), _info(), dataset_sizes=[6, 2]).mixture.sizes == (6, 0)

@@ -184,6 +184,10 @@ def make_sampler(cfg: TrainConfig, costs: SampleCosts, info: DistInfo,
     if cfg.dataset_weights is not None:
         ends = np.cumsum(dataset_sizes or [n_all])
         kept_sizes = np.diff(np.searchsorted(kept, ends, side="left"), prepend=0).tolist()
+        for name, size, left, w in zip(cfg.datasets, dataset_sizes or [n_all], kept_sizes, cfg.dataset_weights):
+            if w > 0 and size > 0 and left == 0:
+                raise ValueError(f"{name} has weight {w:g} but the size estimate rejected all its {size} pairs "
+                                 "(unreadable images, warned above); fix its images or give it weight 0")
         mixture = Mixture.from_weights(kept_sizes, cfg.dataset_weights, names=cfg.datasets)
     return BalancedDistributedBatchSampler(
         weights, cfg.global_batch_size, info.world_size, info.rank, seed=cfg.seed,

@@ -29,6 +29,7 @@ from transformers import AutoModelForImageTextToText, Qwen2VLForConditionalGener
 from raggedvl.data import RetrievalDataset, build_processor, build_rdocs
 from raggedvl.hf import RaggedTrainer, SFTCollator, apply_generation_lora
 from raggedvl.models import LoraSettings, tiny_backbone_config
+from raggedvl.parallel import shutdown
 
 PROMPT = "Give the title of each page, one per line.\n"
 
@@ -111,3 +112,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
+    # under torchrun the HF Trainer leaves its gloo/NCCL process group to interpreter exit, where
+    # gloo's worker threads can abort the process (SIGABRT, "terminate called without an active
+    # exception", pytorch/pytorch#179291): destroy it while Python is still whole
+    shutdown()

@@ -30,6 +30,7 @@ from raggedvl import RetrievalBenchmark, evaluate_benchmark
 from raggedvl.data import RetrievalCollator, RetrievalDataset, build_processor, build_rdocs
 from raggedvl.hf import RaggedTrainer, RetrievalWireCollator
 from raggedvl.models import LoraSettings, build_retriever
+from raggedvl.parallel import shutdown
 
 
 class Streaming(IterableDataset):
@@ -111,3 +112,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
+    # under torchrun the HF Trainer leaves its gloo/NCCL process group to interpreter exit, where
+    # gloo's worker threads can abort the process (SIGABRT, "terminate called without an active
+    # exception", pytorch/pytorch#179291): destroy it while Python is still whole
+    shutdown()

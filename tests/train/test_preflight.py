@@ -352,7 +352,7 @@ def test_checked_data_starts_the_ranks_without_torch(tmp_path):
 
 
 def test_what_the_launcher_cannot_check_without_torch_keeps_the_full_checks(tmp_path):
-    """needs_torch: --resume, a local --model folder and data check_data could not scan (a hub
+    """needs_torch: --resume and data check_data could not scan (a hub
     id, --eval-fraction, a BEIR folder as the evaluation set) send the launcher through the checks
     that import torch (checkpoints, datasets' loader) before any rank starts."""
     good = _parquet(tmp_path / "good.parquet")
@@ -370,9 +370,9 @@ def test_what_the_launcher_cannot_check_without_torch_keeps_the_full_checks(tmp_
     assert launch.check_data(TrainConfig(dataset=good, eval_dataset=str(beir), **no_eval)) == []  # not read
     assert launch.needs_torch(TrainConfig(dataset=good), []) == []
     assert launch.needs_torch(TrainConfig(dataset=good, resume=True), []) == ["--resume"]
-    (tmp_path / "model").mkdir()
-    assert launch.needs_torch(TrainConfig(model=str(tmp_path / "model")), ["x"]) == [
-        "x", f"--model {tmp_path / 'model'} (a local checkpoint)"]
+    (tmp_path / "model").mkdir()  # a local checkpoint: the ranks' loading checks its files
+    assert launch.needs_torch(TrainConfig(dataset=good, model=str(tmp_path / "model")), ["x"]) == ["x"]
+    assert launch.needs_torch(TrainConfig(dataset=good, model=str(tmp_path / "model")), []) == []
 
 
 def test_default_nproc_without_a_gpu_driver_is_2_without_torch():

@@ -9,14 +9,15 @@ From a plain shell, ``raggedvl train``:
    and every training image's header, documents and hard negatives (a corrupt image is named
    by row, id and file), then the world size against the global batch;
 2. with several processes, when step 1 checked everything (:func:`needs_torch`: no
-   ``--resume``, no local ``--model`` folder, data in local parquet files or the rdocs preset),
+   ``--resume``, data in local parquet files or the rdocs preset),
    replaces itself at once (``os.execve``) with torchrun's agent
    (``python -m raggedvl.parallel.agent``, torchrun's options): the ranks prepare the data
    themselves, as they always do (the image sizes from step 1's cache);
 3. otherwise imports torch and checks what needs it: the processor, the data the launcher
    could not scan (hub datasets, BEIR folders), overlap, with ``--resume`` that the checkpoint
    can continue with these settings and data (``raggedvl.train.resume``), a local checkpoint's
-   files; then with one process on one node (``--nproc-per-node 1``, or one CUDA device) trains
+   files (with several processes and nothing else to check, the ranks find a broken checkpoint
+   when they load it: the same one-line error, after their imports); then with one process on one node (``--nproc-per-node 1``, or one CUDA device) trains
    right there, reusing what it built (no torchrun, no second process), else execs the agent
    as in 2, so nothing of the launcher stays resident while the ranks run, and a failing rank
    is reported once, in one line.
@@ -244,16 +245,15 @@ def check_data(cfg) -> list[str]:
 def needs_torch(cfg, unchecked: Sequence[str]) -> list[str]:
     """Why the launcher must import torch and prepare the run's data itself before starting the
     ranks (empty: it may start them right after :func:`check_data`): ``--resume`` (the
-    checkpoint's settings and data), a local ``--model`` folder (its checkpoint files, read with
-    transformers), and whatever ``check_data`` could not check (``unchecked``). Otherwise the
-    ranks prepare the data themselves, as they always do, and a failure there is still one line."""
-    from pathlib import Path
-
+    checkpoint's settings and data) and whatever ``check_data`` could not check (``unchecked``).
+    Otherwise the ranks prepare the data and load the model themselves, as they always do, and
+    a failure there is still one line. A local ``--model`` folder is not a reason: checking its
+    files in the launcher (transformers and torch imports, 6 s of the 2-process start-up here)
+    would repeat what the ranks' loading checks anyway (``raggedvl.models.interop.load``: the
+    same errors, naming the file and the tensor)."""
     reasons = list(unchecked)
     if cfg.resume:
         reasons.append("--resume")
-    if Path(cfg.model).expanduser().is_dir():
-        reasons.append(f"--model {cfg.model} (a local checkpoint)")
     return reasons
 
 

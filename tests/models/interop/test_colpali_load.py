@@ -153,16 +153,44 @@ def test_biqwen2_and_pickle_only_checkpoints_are_refused(tmp_path):
         build_retriever(str(pickled))
 
 
-def test_raggedvl_train_refuses_a_broken_checkpoint_in_one_line_before_torchrun(tmp_path, capsys):
-    from raggedvl.cli import main
-
+def _wrong_projection(tmp_path):
     wrong = _copy(FULL, tmp_path / "wrong")
     _edit_weights(wrong, lambda t: t.update({"custom_text_proj.weight": torch.zeros(96, 64),
                                              "custom_text_proj.bias": torch.zeros(96)}))
-    assert main(["train", "--model", str(wrong), "--output-dir", str(tmp_path / "run")]) == 2
+    return wrong
+
+
+def test_raggedvl_train_refuses_a_broken_checkpoint_in_one_line_before_training(tmp_path, capsys):
+    """One process: the launcher (which trains in-process) checks the checkpoint's files first."""
+    from raggedvl.cli import main
+
+    wrong = _wrong_projection(tmp_path)
+    assert main(["train", "--model", str(wrong), "--nproc-per-node", "1", "--output-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr()
     assert "raggedvl: error:" in err.err and "custom_text_proj.weight' has shape [96, 64]" in err.err
-    assert "torch.distributed.run" not in err.out  # no process was started
+    assert "training" not in err.out and not (tmp_path / "run" / "metrics.jsonl").exists()  # before any step
+
+
+@pytest.mark.dist
+def test_two_processes_report_a_broken_checkpoint_once_in_one_line(tmp_path):
+    """Several processes: the launcher starts the ranks without importing torch (a local
+    checkpoint is not checked twice), and the ranks' loading refuses it with the same error,
+    reported once by the agent, exit code 2, no traceback."""
+    import os
+    import sys
+
+    from tests.jobs import run_job
+
+    wrong = _wrong_projection(tmp_path)
+    cmd = [sys.executable, "-m", "raggedvl.cli", "train", "--model", str(wrong), "--nproc-per-node", "2",
+           "--global-batch-size", "4", "--max-steps", "1", "--max-train-samples", "8", "--eval-before", "false",
+           "--eval-after", "false", "--output-dir", str(tmp_path / "run")]
+    out = run_job(cmd, ready=None, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 2, out.describe()
+    lines = [line for line in out.stderr.splitlines() if line.startswith("raggedvl:")]
+    assert len(lines) == 1 and "custom_text_proj.weight' has shape [96, 64]" in lines[0], out.describe()
+    assert "Traceback" not in out.stderr
+    assert "raggedvl.parallel.agent" in out.stdout  # the launcher execed the agent (it prints the command)
 
 
 def test_loading_an_adapter_prints_no_future_warning():

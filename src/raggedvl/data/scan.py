@@ -24,6 +24,7 @@ temporary file and ``os.replace``, so a rank reading it never sees a partial fil
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import os
@@ -185,10 +186,11 @@ def is_text_type(kind) -> bool:
     return pa.types.is_string(kind) or pa.types.is_large_string(kind)
 
 
-def _image_extensions() -> set[str]:
+@functools.cache
+def _image_extensions() -> frozenset[str]:
     from PIL import Image
 
-    return {ext.lower() for ext in Image.registered_extensions()}
+    return frozenset(ext.lower() for ext in Image.registered_extensions())
 
 
 def _names_an_image(value: str, base_dir: Path | None) -> bool:

@@ -182,8 +182,7 @@ def make_sampler(cfg: TrainConfig, costs: SampleCosts, info: DistInfo,
         weights = costs.costs[kept].tolist()
     mixture = None
     if cfg.dataset_weights is not None:
-        ends = np.cumsum(dataset_sizes or [n_all])
-        kept_sizes = np.diff(np.searchsorted(kept, ends, side="left"), prepend=0).tolist()
+        kept_sizes = _kept_per_dataset(kept, dataset_sizes or [n_all])
         for name, size, left, w in zip(cfg.datasets, dataset_sizes or [n_all], kept_sizes, cfg.dataset_weights):
             if w > 0 and size > 0 and left == 0:
                 raise ValueError(f"{name} has weight {w:g} but the size estimate rejected all its {size} pairs "
@@ -194,6 +193,12 @@ def make_sampler(cfg: TrainConfig, costs: SampleCosts, info: DistInfo,
         max_patches_per_rank=cfg.max_patches_per_rank, patches=costs.patches[kept], mixture=mixture,
         indices=kept if n < n_all else None,
     )
+
+
+def _kept_per_dataset(kept: np.ndarray, dataset_sizes: list[int]) -> list[int]:
+    """Kept pairs per dataset: ``kept`` (sorted row indices of the concatenated datasets) counted
+    within each dataset's rows (``dataset_sizes``, in order)."""
+    return np.diff(np.searchsorted(kept, np.cumsum(dataset_sizes), side="left"), prepend=0).tolist()
 
 
 def training_pairs_text(cfg: TrainConfig, costs: SampleCosts, dataset_sizes: list[int] | None = None) -> str:
@@ -207,8 +212,7 @@ def training_pairs_text(cfg: TrainConfig, costs: SampleCosts, dataset_sizes: lis
     kept = costs.kept()
     notes = []
     if cfg.dataset_weights is not None:
-        ends = np.cumsum(dataset_sizes or [n_all])
-        kept_sizes = np.diff(np.searchsorted(kept, ends, side="left"), prepend=0).tolist()
+        kept_sizes = _kept_per_dataset(kept, dataset_sizes or [n_all])
         notes += [f"{name}: {size} of them at weight 0, never drawn"
                   for name, size, w in zip(cfg.datasets, kept_sizes, cfg.dataset_weights) if w == 0]
     if len(kept) < n_all:

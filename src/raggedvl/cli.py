@@ -9,6 +9,8 @@ import argparse
 import sys
 from typing import Sequence
 
+from raggedvl.gpu_driver import skip_triton
+
 
 def _train(args, argv: Sequence[str]) -> int:
     from raggedvl.train.launch import launch_train
@@ -293,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     In a rank started by torchrun, a failure is also written to torchrun's error file, and in a
     rank of ``raggedvl.parallel.agent`` that record is all it leaves (the agent prints the first
     failing rank's line once)."""
+    skip_triton()  # before torch's compiler is imported: a machine without a GPU never uses Triton
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     commands = {"train": lambda: _train(args, argv[1:]), "eval": lambda: _eval(args, argv[1:]),

@@ -256,7 +256,7 @@ def _run_launcher(tmp_path, cases, *, before=""):
     of its own (torchrun's agent replaced by a line saying it would start); per case: (exit code
     or "exec", torch imported, transformers imported, stderr)."""
     code = ("import os, sys\nfrom raggedvl.cli import main\nfrom raggedvl.train import launch\n"
-            "launch.GPU_DRIVER_FILES = ('/nonexistent/gpu-driver',)\n"  # the same on a GPU machine
+            "import raggedvl.gpu_driver as gpu_driver; gpu_driver.GPU_DRIVER_FILES = ('/nonexistent/gpu-driver',)\n"  # the same on a GPU machine
             "class Started(Exception): pass\n"
             "def exec_agent(cmd, env_updates=None): raise Started(' '.join(cmd[cmd.index('--nproc-per-node'):][:2]))\n"
             "launch.exec_agent = exec_agent\n" + before +
@@ -376,7 +376,8 @@ def test_what_the_launcher_cannot_check_without_torch_keeps_the_full_checks(tmp_
 
 
 def test_default_nproc_without_a_gpu_driver_is_2_without_torch():
-    code = ("import sys; from raggedvl.train import launch; launch.GPU_DRIVER_FILES = ('/nonexistent/gpu',); "
+    code = ("import sys; from raggedvl import gpu_driver; from raggedvl.train import launch; "
+            "gpu_driver.GPU_DRIVER_FILES = ('/nonexistent/gpu',); "
             "print(launch.default_nproc(), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr

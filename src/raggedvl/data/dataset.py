@@ -37,6 +37,7 @@ from typing import Any
 
 from PIL import Image
 
+from raggedvl.data.arrow_cache import MappedTable, mapped_split
 from raggedvl.data.scan import (
     TEXT_SAMPLE_ROWS,
     check_columns,
@@ -109,30 +110,59 @@ class _SizesOrSources(Sequence):
 
 
 class _ImageColumn(Sequence):
-    """Lazy view of one image column of a ``datasets.Dataset`` (rows read on access, so image
-    bytes are never all held in memory); string paths are resolved against ``base_dir``.
-    Iteration (a size estimate's scan) reads ``ITER_ROWS`` rows per call, not one."""
+    """Lazy view of one image column of an Arrow table (rows read on access, so image bytes are
+    never all held in memory; a memory-mapped table's rows stay in the page cache); string paths
+    are resolved against ``base_dir``. Iteration (a size estimate's scan) reads ``ITER_ROWS`` rows
+    per call, not one. Pickles with its table (a ``MappedTable`` pickles as its path)."""
 
     ITER_ROWS = 256
 
-    def __init__(self, dataset, column: str, rows: list[int], base_dir: str | os.PathLike | None) -> None:
-        self.dataset = dataset.select_columns([column])  # row reads touch only this column
-        self.column, self.rows, self.base_dir = column, rows, base_dir
+    def __init__(self, table, column: str, rows: list[int], base_dir: str | os.PathLike | None) -> None:
+        self.table, self.column, self.rows, self.base_dir = table, column, rows, base_dir
+        self._values = None
+
+    @property
+    def values(self):
+        """The column (``pyarrow.ChunkedArray``)."""
+        if self._values is None:
+            self._values = _arrow(self.table).column(self.column)
+        return self._values
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_values": None}
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> Any:
-        return self._resolved(self.dataset[self.rows[index]][self.column])
+        return self._resolved(self.values[self.rows[index]].as_py())
 
     def __iter__(self):
+        import pyarrow as pa
+
         for start in range(0, len(self.rows), self.ITER_ROWS):
-            yield from map(self._resolved, self.dataset[self.rows[start:start + self.ITER_ROWS]][self.column])
+            part = self.values.take(pa.array(self.rows[start:start + self.ITER_ROWS], type=pa.int64()))
+            yield from map(self._resolved, part.to_pylist())
 
     def _resolved(self, value: Any) -> Any:
         if isinstance(value, str) and self.base_dir is not None:
             return str(Path(self.base_dir) / value)
         return value
+
+
+def _arrow(table):
+    """The ``pyarrow.Table`` of a ``MappedTable`` or of a table."""
+    return table.table if isinstance(table, MappedTable) else table
+
+
+def _arrow_of_hf(dataset):
+    """A ``datasets.Dataset``'s rows as the user sees them, as a ``pyarrow.Table`` (a selected or
+    shuffled view is flattened first), or ``dataset`` itself when it is already a table."""
+    if isinstance(dataset, MappedTable) or not hasattr(dataset, "features"):
+        return dataset
+    if getattr(dataset, "_indices", None) is not None:
+        dataset = dataset.flatten_indices()
+    return dataset.data.table
 
 
 def _negative_counts(dataset, column: str, rows: list[int], ids: list[str], where: str) -> int:
@@ -141,7 +171,7 @@ def _negative_counts(dataset, column: str, rows: list[int], ids: list[str], wher
     ``ValueError`` naming the first row that has none, holds no image, or differs from row 0."""
     import pyarrow.compute as pc
 
-    chunked = dataset.data.table.column(column) if hasattr(dataset.data, "table") else dataset.data.column(column)
+    chunked = _arrow(dataset).column(column)
     kind = chunked.type
     if check_negatives_type(kind, column, where):
         lengths = pc.list_value_length(chunked).to_numpy(zero_copy_only=False)
@@ -354,9 +384,11 @@ class RetrievalDataset(Sequence):
         option_prefix: str = "",
         **kwargs,
     ) -> "RetrievalDataset":
-        """Wrap a ``datasets.Dataset`` with a query column and an image column (the datasets
-        ``Image`` feature, or strings holding paths relative to ``base_dir``), and optionally a
-        hard-negatives column (one image or a list of images per row, the same count in each).
+        """Wrap a ``datasets.Dataset`` (or a ``pyarrow.Table``, or a ``MappedTable`` from
+        ``raggedvl.data.arrow_cache``) with a query column and an image column (the datasets
+        ``Image`` feature, encoded bytes, or strings holding paths relative to ``base_dir``), and
+        optionally a hard-negatives column (one image or a list of images per row, the same
+        count in each).
         ``sizes``: each row's image (width, height) when known (``raggedvl.data.scan``'s cache;
         None: read the header when needed), so that a size estimate reads no image;
         ``negative_sizes``: likewise, per row the list of its hard negatives' sizes.
@@ -365,43 +397,34 @@ class RetrievalDataset(Sequence):
         Raises ``ValueError`` for a missing column, and for an image or hard-negatives column
         that holds text, e.g. the queries (``raggedvl.data.scan.check_not_text``).
 
-        Images are read undecoded (``Image(decode=False)``), row by row on access, and decoded
-        by this package's hardened loader. Ids come from ``id_column`` or are ``"<split>-<row>"``.
+        Rows are read from the Arrow data, undecoded (an ``Image`` value is its
+        ``{"bytes", "path"}`` storage), row by row on access, and decoded by this package's
+        hardened loader. Ids come from ``id_column`` or are ``"<split>-<row>"``.
         """
-        import datasets
-
+        source = _arrow_of_hf(dataset)  # what the columns keep a reference to (a MappedTable pickles small)
+        table = _arrow(source)
+        columns = list(table.column_names)
         where = kwargs.pop("where", None) or f"dataset split {split!r}"
-        check_columns(dataset.column_names, where, query_column=query_column, image_column=image_column,
+        check_columns(columns, where, query_column=query_column, image_column=image_column,
                       id_column=id_column, negatives_column=negatives_column, option_prefix=option_prefix)
         for column, key, or_none in ((image_column, option_prefix + "image_column", ""),
                                      (negatives_column, "negatives_column", ", or leave it out")):
-            if column is not None and is_text_type(dataset.data.schema.field(column).type):  # paths, or text?
-                check_not_text(dataset.select_columns([column])[:TEXT_SAMPLE_ROWS][column], column=column,
-                               flag="--" + key.replace("_", "-"), where=where, columns=dataset.column_names,
+            if column is not None and is_text_type(table.schema.field(column).type):  # paths, or text?
+                check_not_text(table.column(column).slice(0, TEXT_SAMPLE_ROWS).to_pylist(), column=column,
+                               flag="--" + key.replace("_", "-"), where=where, columns=columns,
                                base_dir=base_dir, query_column=query_column, or_none=or_none)
-        if isinstance(dataset.features[image_column], datasets.Image):
-            dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
-        if negatives_column is not None:
-            feature = dataset.features[negatives_column]
-            if isinstance(feature, datasets.Image):
-                dataset = dataset.cast_column(negatives_column, datasets.Image(decode=False))
-            elif isinstance(getattr(feature, "feature", None), datasets.Image):  # a list of images
-                dataset = dataset.cast_column(negatives_column, datasets.List(datasets.Image(decode=False)))
-        # whole columns as lists: indexing datasets' lazy Column row by row costs a view per row
-        queries = dataset.select_columns([query_column])[:][query_column]
-        ids = ([str(v) for v in dataset.select_columns([id_column])[:][id_column]] if id_column
+        queries = table.column(query_column).to_pylist()
+        ids = ([str(v) for v in table.column(id_column).to_pylist()] if id_column
                else [f"{split}-{i}" for i in range(len(queries))])
         keep, skipped = kept_rows(queries, ids, where, on_empty_query, limit)
         records = [{"query": queries[i], "id": ids[i], "row": i} for i in keep]
         negatives, k = None, 0
         if negatives_column is not None:
-            if getattr(dataset, "_indices", None) is not None:  # a selected / shuffled view: rows as the user sees them
-                dataset = dataset.flatten_indices()
-            k = _negative_counts(dataset, negatives_column, keep, [ids[i] for i in keep], where)
-            negatives = _RowLists(_ImageColumn(dataset, negatives_column, keep, None), base_dir)
+            k = _negative_counts(table, negatives_column, keep, [ids[i] for i in keep], where)
+            negatives = _RowLists(_ImageColumn(source, negatives_column, keep, None), base_dir)
             if negative_sizes is not None:
                 kwargs["negative_inputs"] = _KnownOrSources([negative_sizes[i] for i in keep], negatives)
-        result = cls(records, _ImageColumn(dataset, image_column, keep, base_dir), split, where=where,
+        result = cls(records, _ImageColumn(source, image_column, keep, base_dir), split, where=where,
                      on_empty_query=on_empty_query, negative_sources=negatives, negatives_per_row=k,
                      sizes=None if sizes is None else [sizes[i] for i in keep], **kwargs)
         result.skipped_rows = skipped
@@ -528,19 +551,25 @@ class RetrievalDataset(Sequence):
             raise
 
 
-def _load_hf_split(name_or_path: str | os.PathLike, split: str, **load_kwargs):
-    """``(datasets.Dataset, base_dir)`` of one split, with ``datasets``' own split inference for
-    local files and folders. Local parquet is read one row group at a time (no pre-buffering of
-    the file's column chunks), so converting it to ``datasets``' Arrow cache holds a row group's
-    bytes, not the file's (a 1.2 GB file: 330 MiB of anonymous memory at peak instead of 1.5 GiB)."""
+def _load_split(name_or_path: str | os.PathLike, split: str, cache_dir: str | os.PathLike | None = None, **load_kwargs):
+    """``(rows, base_dir)`` of one split. A local parquet file or folder of parquet files
+    (``raggedvl.data.scan.parquet_split``: ``datasets``' split rules) is read as one memory-mapped
+    Arrow table (``raggedvl.data.arrow_cache``; no ``datasets`` import); anything else, or
+    parquet files whose schemas differ, through ``datasets.load_dataset`` (a ``datasets.Dataset``;
+    local parquet read one row group at a time, without pre-buffering column chunks)."""
+    path = Path(name_or_path)
+    if path.is_file() and path.suffix != ".parquet":
+        raise ValueError(f"{path}: a single file must be .parquet (or pass a folder ``datasets`` can read)")
+    if path.exists() and not load_kwargs:
+        found = parquet_split(path, split)
+        mapped = None if found is None else mapped_split(found.files, cache_dir)
+        if mapped is not None:
+            return mapped, found.base_dir
     import datasets
     import pyarrow.dataset as ds
 
-    path = Path(name_or_path)
     row_group_reads = {"fragment_scan_options": ds.ParquetFragmentScanOptions(pre_buffer=False)}
     if path.is_file():
-        if path.suffix != ".parquet":
-            raise ValueError(f"{path}: a single file must be .parquet (or pass a folder ``datasets`` can read)")
         splits = datasets.load_dataset("parquet", data_files={file_split(path): str(path)},
                                        **{**row_group_reads, **load_kwargs})
         return splits[pick_split(list(splits), split, str(path))], path.parent
@@ -585,8 +614,9 @@ def load_retrieval_dataset(
     ``raggedvl.data.scan.SPLIT_ALIASES``) find each other. A missing split is a ``ValueError`` listing those present.
     ``limit`` keeps a stable hash sample of that many rows. ``negatives_column`` names a column
     of hard negatives (one image or a list of images per row; not for rdocs manifests, which have
-    none). ``option_prefix``: see ``RetrievalDataset.from_hf``. Extra ``load_kwargs`` go to
-    ``datasets.load_dataset``.
+    none). ``option_prefix``: see ``RetrievalDataset.from_hf``. Local parquet is read as one
+    memory-mapped Arrow table in the cache under ``cache_dir`` (``raggedvl.data.arrow_cache``),
+    without ``datasets``; extra ``load_kwargs`` send every source through ``datasets.load_dataset``.
     """
     if on_empty_query not in EMPTY_QUERY_POLICIES:
         raise ValueError(f"on_empty_query must be one of {EMPTY_QUERY_POLICIES}, got {on_empty_query!r}")
@@ -603,15 +633,19 @@ def load_retrieval_dataset(
     if (path / "manifest.jsonl").is_file():
         return RetrievalDataset.from_manifest(path, split, limit=limit, **common)
 
-    hf, base = _load_hf_split(name_or_path, split, **load_kwargs)
+    rows, base = _load_split(name_or_path, split, cache_dir, **load_kwargs)
     return RetrievalDataset.from_hf(
-        hf, split, query_column=query_column, image_column=image_column, id_column=id_column,
+        rows, split, query_column=query_column, image_column=image_column, id_column=id_column,
         negatives_column=negatives_column, limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}",
-        sizes=_cached_sizes(name_or_path, split, image_column, len(hf)), option_prefix=option_prefix,
+        sizes=_cached_sizes(name_or_path, split, image_column, _num_rows(rows)), option_prefix=option_prefix,
         negative_sizes=(None if negatives_column is None
-                        else _cached_negative_sizes(name_or_path, split, negatives_column, len(hf))),
+                        else _cached_negative_sizes(name_or_path, split, negatives_column, _num_rows(rows))),
         **common,
     )
+
+
+def _num_rows(rows) -> int:
+    return _arrow(rows).num_rows if isinstance(rows, MappedTable) else len(rows)
 
 
 def _cached_sizes(name_or_path: str | os.PathLike, split: str, image_column: str,

@@ -36,6 +36,8 @@ import shlex
 import sys
 from typing import Any, NoReturn, Sequence
 
+from raggedvl.gpu_driver import has_gpu_driver
+
 TORCHRUN_HELP = {  # name: (metavar, help)
     "nproc_per_node": ("N", "processes on this node: a number, or gpu (one per CUDA device), auto (one per accelerator, "
                       "else one per CPU core) or cpu (one per CPU core), as torchrun reads them "
@@ -63,15 +65,11 @@ def add_torchrun_arguments(parser) -> None:
         group.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar=metavar, help=text)
 
 
-GPU_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidia0", "/dev/kfd")
-"""Files present where an NVIDIA (CUDA) or AMD (ROCm) GPU driver is loaded."""
-
-
 def default_nproc() -> int:
     """The default ``--nproc-per-node``: the number of CUDA devices, else 2. Without a GPU
-    driver (none of ``GPU_DRIVER_FILES``) that is 2 at once, without importing torch (seconds);
+    driver (``raggedvl.gpu_driver.has_gpu_driver``) that is 2 at once, without importing torch (seconds);
     with one, torch counts the devices."""
-    if not any(os.path.exists(f) for f in GPU_DRIVER_FILES):
+    if not has_gpu_driver():
         return 2
     import torch
 

@@ -18,7 +18,7 @@ import torch
 from filelock import FileLock
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
-from raggedvl.data import RetrievalCollator, RetrievalDataset, build_processor, build_rdocs, load_retrieval_dataset
+from raggedvl.data import RetrievalCollator, RetrievalDataset, build_processor, load_retrieval_dataset
 from raggedvl.data.concat import concat_datasets
 from raggedvl.data.splits import find_overlap, hash_split
 from raggedvl.data.cache import cache_root
@@ -60,6 +60,8 @@ def _rdocs_source(cfg: TrainConfig) -> Path:
     root = cache_root(cfg.data_cache)
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / "rdocs.lock")):
+        from raggedvl.data.rdocs import build_rdocs  # pypdfium2: only where the embedded data is built
+
         return build_rdocs(root, train_limit=cfg.max_train_samples, dev_limit=cfg.max_eval_samples)
 
 
@@ -87,7 +89,7 @@ def load_splits(cfg: TrainConfig, *, warn: bool = True,
             train_limit = None  # the build already holds max_train_samples pairs
         else:
             source, train_limit = name, cfg.max_train_samples
-        train = load_retrieval_dataset(source, split=cfg.train_split, on_empty_query=cfg.on_empty_query,
+        train = load_retrieval_dataset(source, split=cfg.train_split, on_empty_query=cfg.on_empty_query, cache_dir=cfg.data_cache,
                                        negatives_column=cfg.negatives_column, **common)
         if cfg.eval_fraction is not None:
             train, held_out = hash_split(train, cfg.eval_fraction)

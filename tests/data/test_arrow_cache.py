@@ -11,9 +11,7 @@ import subprocess
 import sys
 
 import datasets
-import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 from PIL import Image
 
 from raggedvl.data import RetrievalDataset, load_retrieval_dataset

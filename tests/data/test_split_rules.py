@@ -2,15 +2,21 @@
 importing datasets; whenever it decides, the same splits and files, in the same order, as
 ``DataFilesDict.from_patterns(get_data_patterns(folder))``."""
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from datasets import data_files as hf
 from packaging import version
 
 from raggedvl.data import split_rules
+from raggedvl.data.scan import file_split, folder_splits, parquet_split
 from raggedvl.data.split_rules import resolve_splits
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,6 +196,7 @@ def test_whenever_the_rules_decide_they_give_datasets_splits_and_order(tmp_path)
         decided += 1
         listing = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
         assert _items(ours) == _items(_datasets_splits(folder)), listing
+        assert _items(folder_splits(folder)) == _items(ours)
     assert decided >= 150 and undecided >= 40, (
         decided,
         undecided,
@@ -295,6 +302,9 @@ def test_other_layouts_are_left_to_datasets(tmp_path, layout):
         (tmp_path / "x" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "x" / name).write_bytes(b"")
     assert resolve_splits(tmp_path / "x") is None
+    assert _items(_outcome(folder_splits, tmp_path / "x")) == _items(
+        _outcome(_datasets_splits, tmp_path / "x")
+    )
 
 
 def test_a_link_to_a_folder_and_glob_characters_are_left_to_datasets(tmp_path):
@@ -311,3 +321,52 @@ def test_an_unverified_datasets_leaves_every_folder_to_datasets(tmp_path, monkey
     (tmp_path / "train.parquet").write_bytes(b"")
     monkeypatch.setattr(split_rules, "_versions_verified", lambda: False)
     assert resolve_splits(tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    "name,split",
+    [
+        ("dev.parquet", "validation"),
+        ("my-validation-pairs.parquet", "validation"),
+        ("test_00.parquet", "test"),
+        ("pairs.parquet", "train"),
+        ("TRAIN.parquet", "train"),
+        ("Eval-set.parquet", "test"),
+    ],
+)
+def test_a_single_file_is_named_by_the_keywords(name, split):
+    assert file_split(name) == split
+
+
+def test_a_flat_folder_split_imports_no_datasets(tmp_path):
+    for name, rows in [
+        ("train-00000.parquet", 3),
+        ("train-00001.parquet", 2),
+        ("dev.parquet", 1),
+    ]:
+        pq.write_table(
+            pa.table({"query": ["q"] * rows, "image": ["a.png"] * rows}),
+            str(tmp_path / name),
+        )
+    code = (
+        "import sys\n"
+        "from raggedvl.data.scan import file_split, parquet_split\n"
+        f"train = parquet_split({str(tmp_path)!r}, 'train')\n"
+        f"dev = parquet_split({str(tmp_path)!r}, 'dev')\n"
+        "assert [f.name for f in train.files] == ['train-00000.parquet', 'train-00001.parquet'], train.files\n"
+        "assert train.file_rows == (3, 2) and dev.num_rows == 1\n"
+        "assert file_split('my-dev.parquet') == 'validation'\n"
+        "assert 'datasets' not in sys.modules, 'datasets was imported'\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    # and the same files as datasets' own resolution
+    files = parquet_split(tmp_path, "train").files
+    assert [str(f) for f in files] == _datasets_splits(tmp_path)["train"]

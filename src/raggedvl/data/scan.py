@@ -4,7 +4,8 @@ size from its header, read in parallel and cached beside the data.
 
 ``parquet_split`` finds the parquet files of one split of a ``.parquet`` file or a folder (a
 folder's splits inferred by ``datasets``' own file-name rules, so rows come in the order
-``datasets.load_dataset`` gives them). ``image_sizes`` reads each row's image header (PIL, lazy
+``datasets.load_dataset`` gives them; ``split_rules`` applies them without importing
+``datasets`` for the common layouts). ``image_sizes`` reads each row's image header (PIL, lazy
 open: no pixel decoded) in worker processes over the files' row groups, and caches the result
 in ``<data folder>/.raggedvl/sizes-<key>.npz``, the key a hash of each file's resolved path,
 byte size and modification time, of the column and of ``SCAN_VERSION``, so a changed file is scanned again
@@ -70,17 +71,39 @@ def pick_split(available: Sequence[str], split: str, where: str) -> str:
 
 def file_split(path: str | os.PathLike) -> str:
     """The split a single data file's NAME gives it, by ``datasets``' own keywords
-    (``datasets.data_files.SPLIT_KEYWORDS``: a keyword at the start of the name or between
-    non-word characters): ``dev.parquet`` and ``my-validation-pairs.parquet`` are "validation",
+    (``split_rules.SPLIT_KEYWORDS``, a copy of ``datasets.data_files.SPLIT_KEYWORDS``: a keyword
+    at the start of the name or between non-word characters, case ignored):
+    ``dev.parquet`` and ``my-validation-pairs.parquet`` are "validation",
     ``test_00.parquet`` is "test", and a name without a keyword (``pairs.parquet``) is "train",
     as ``datasets`` splits the files of a folder."""
-    from datasets.data_files import NON_WORDS_CHARS, SPLIT_KEYWORDS
+    from raggedvl.data.split_rules import NON_WORDS_CHARS, SPLIT_KEYWORDS
 
     name = Path(path).name.lower()
     for split, keywords in SPLIT_KEYWORDS.items():
         if any(re.search(f"(^|[{NON_WORDS_CHARS}]){keyword}[{NON_WORDS_CHARS}]", name) for keyword in keywords):
             return str(split)
     return "train"
+
+
+def folder_splits(folder: str | os.PathLike) -> dict[str, list[str]] | None:
+    """Split name -> files of a local folder as ``datasets`` infers them from the file names
+    (``DataFilesDict.from_patterns(get_data_patterns(folder))``, same splits and files in the
+    same order): decided without importing ``datasets`` for the layouts
+    ``split_rules.resolve_splits`` knows (a folder of files; hub shards in ``data/``), else by
+    ``datasets``. None when ``datasets`` finds no data file or rejects a split name."""
+    from raggedvl.data.split_rules import resolve_splits
+
+    found = resolve_splits(folder)
+    if found is not None:
+        return found
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    resolved = str(Path(folder).resolve())
+    try:
+        found = DataFilesDict.from_patterns(get_data_patterns(resolved), base_path=resolved)
+    except (FileNotFoundError, ValueError):
+        return None
+    return {str(name): list(files) for name, files in found.items()}  # NamedSplit -> str
 
 
 @dataclass(frozen=True)
@@ -122,13 +145,10 @@ def parquet_split(name_or_path: str | os.PathLike, split: str) -> ParquetSplit |
         files, base, splits = [path], path.parent, {file_split(path): [path]}
     elif (path.is_dir() and not (path / "manifest.jsonl").exists() and not (path / "README.md").exists()
           and not is_beir_layout(path)):
-        from datasets.data_files import DataFilesDict, get_data_patterns
-
-        try:
-            found = DataFilesDict.from_patterns(get_data_patterns(str(path.resolve())), base_path=str(path.resolve()))
-        except (FileNotFoundError, ValueError):
+        found = folder_splits(path)
+        if found is None:
             return None
-        splits = {str(name): [Path(f) for f in files] for name, files in found.items()}  # NamedSplit -> str
+        splits = {name: [Path(f) for f in files] for name, files in found.items()}
         base = path
     else:
         return None

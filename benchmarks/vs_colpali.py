@@ -47,7 +47,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from colpali_bench import colpali_side, raggedvl_side, summary  # noqa: E402
+from colpali_bench import colpali_side, isolated, raggedvl_side, summary  # noqa: E402
 from colpali_bench.settings import RunSettings, default_model  # noqa: E402
 from colpali_bench.workloads import WORKLOADS, build_workload, describe, load_sizes  # noqa: E402
 
@@ -155,6 +155,9 @@ def run_one(side: str, s: RunSettings, data_dir: Path, run_dir: Path, args) -> d
     from colpali_bench.procmon import run_monitored
 
     run_dir.mkdir(parents=True, exist_ok=False)
+    held = isolated.held_heavy_modules()
+    if held:  # a page shared with this process would lower the job's PSS (colpali_bench/isolated.py)
+        raise RuntimeError(f"the benchmark process has imported {held}: memory figures would be understated")
     train = str(data_dir / "train.parquet")
     if side == "colpali":
         spec_path = run_dir / "spec.json"
@@ -186,7 +189,8 @@ def run_one(side: str, s: RunSettings, data_dir: Path, run_dir: Path, args) -> d
     rec.update({f"loss_{k}": float(v) for k, v in rec["loss"].items() if k in ("first5", "last10", "min", "at_chance")})
     rec["s_per_step"] = s.global_batch / rec["samples_per_s"] if rec["samples_per_s"] else float("nan")
     rec["outside_s"] = rec["wall_s"] - rec["loop_s"]
-    padding = parsed.get("padding") or raggedvl_side.token_padding(s, train, extra=raggedvl_extra(args, s))
+    padding = parsed.get("padding") or isolated.call("colpali_bench.raggedvl_side.token_padding", s, train,
+                                                      extra=raggedvl_extra(args, s), env=child_env())
     rec["padding"] = padding
     pct = summary.padding_pct(padding)
     rec.update({"pixel_pad_pct": pct["pixel_rows"], "doc_pad_pct": pct["doc_tokens"], "query_pad_pct": pct["query_tokens"]})
@@ -299,16 +303,21 @@ def main(argv=None) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     lines = header(args)
     print("\n".join(lines), flush=True)
-    args.raggedvl_model, note = raggedvl_side.adapt_processor(args.model, work, WORKLOADS["uniform"].max_pixels)
-    head = raggedvl_side.head_matches_checkpoint(args.raggedvl_model, WORKLOADS["uniform"].max_pixels)
-    lines += [f"raggedvl's processor: {note}", f"raggedvl's projection head: {head}"]
+    # everything that imports torch, transformers or datasets runs in a child process (isolated.py)
+    args.raggedvl_model, note = isolated.call("colpali_bench.raggedvl_side.adapt_processor", args.model, work,
+                                              WORKLOADS["uniform"].max_pixels, env=child_env())
+    head = isolated.call("colpali_bench.raggedvl_side.head_matches_checkpoint", args.raggedvl_model,
+                         WORKLOADS["uniform"].max_pixels, env=child_env())
+    lines += [f"raggedvl's processor: {note}", f"raggedvl's projection head: {head}",
+              "measuring process: holds no torch, transformers, datasets or pyarrow (no page shared with a job)"]
     print("\n".join(lines[-2:]), flush=True)
     configs = configurations(args)
     needed = {s.workload for s in configs} | ({"heavy"} if "c" in args.workload else set())
-    data = {name: build_workload(name, work / "workloads", train_pairs=args.train_pairs, dev_pairs=args.dev_pairs)
+    data = {name: Path(isolated.call("colpali_bench.workloads.build_workload", name, work / "workloads",
+                                      train_pairs=args.train_pairs, dev_pairs=args.dev_pairs, env=child_env()))
             for name in sorted(needed)}
     for name in sorted(needed):
-        lines += ["", describe(data[name])]
+        lines += ["", isolated.call("colpali_bench.workloads.describe", data[name], env=child_env())]
     results: dict[str, dict[str, list]] = {s.label: {"colpali": [], "raggedvl": []} for s in configs}
     for rep in range(args.repeats):
         for i, s in enumerate(configs):
@@ -334,13 +343,17 @@ def main(argv=None) -> int:
             dev = str(data[s.workload] / "dev.parquet")
             row = {}
             if "colpali" in first:
-                row["colpali-engine"] = {"before": colpali_side.evaluate(args.model, dev, s.max_pixels),
-                                         "after": colpali_side.evaluate(first["colpali"]["run_dir"] + "/final", dev, s.max_pixels)
-                                         if first["colpali"] else None}
+                row["colpali-engine"] = {
+                    "before": isolated.call("colpali_bench.colpali_side.evaluate", args.model, dev, s.max_pixels, env=child_env()),
+                    "after": isolated.call("colpali_bench.colpali_side.evaluate", first["colpali"]["run_dir"] + "/final", dev,
+                                           s.max_pixels, env=child_env()) if first["colpali"] else None}
             if "raggedvl" in first:
-                row["raggedvl"] = {"before": raggedvl_side.evaluate(args.raggedvl_model, None, dev, s.max_pixels, s.seed),
-                                   "after": raggedvl_side.evaluate(args.raggedvl_model, first["raggedvl"]["run_dir"] + "/run", dev,
-                                                                   s.max_pixels, s.seed) if first["raggedvl"] else None}
+                row["raggedvl"] = {
+                    "before": isolated.call("colpali_bench.raggedvl_side.evaluate", args.raggedvl_model, None, dev, s.max_pixels,
+                                            s.seed, env=child_env()),
+                    "after": isolated.call("colpali_bench.raggedvl_side.evaluate", args.raggedvl_model,
+                                           first["raggedvl"]["run_dir"] + "/run", dev, s.max_pixels, s.seed, env=child_env())
+                    if first["raggedvl"] else None}
             evals[s.label] = row
         extra["eval"] = evals
         lines += ["### dev retrieval (repeat 1; same MaxSim and metric code for both, trec_eval tie order)", "",

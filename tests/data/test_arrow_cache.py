@@ -68,12 +68,15 @@ def test_folder_of_parquet_reads_as_datasets_does(tmp_path, monkeypatch):
     assert len(list((tmp_path / "cache" / "arrow").glob("*.arrow"))) == 2  # one table per split
 
 
-def test_local_parquet_needs_no_datasets_import(tmp_path):
+def test_local_parquet_needs_no_datasets_import(tmp_path):  # training pairs, an evaluation set, a corpus to encode
     folder = tmp_path / "data"
     folder.mkdir()
     _write(folder / "train.parquet", 0, 4, negatives=False)
     code = ("import sys; from raggedvl.data import load_retrieval_dataset\n"
+            "from raggedvl.evaluation.benchmark import load_benchmark, load_corpus\n"
             f"ds = load_retrieval_dataset({str(folder)!r}, 'train', id_column='doc_id')\n"
+            f"bench, docs = load_benchmark({str(folder)!r}, 'train'), load_corpus({str(folder)!r}, 'train')\n"
+            "assert len(bench.queries) == len(docs) == 4, (len(bench.queries), len(docs))\n"
             "print(len(ds), ds[3]['image'].size, 'datasets' in sys.modules, 'pandas' in sys.modules)")
     env = {**os.environ, "RAGGEDVL_CACHE": str(tmp_path / "cache")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -114,17 +114,20 @@ def load_corpus(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_
                 **load_kwargs) -> RetrievalDataset:
     """The documents of a benchmark or dataset, each distinct image once (for indexing): the
     ``corpus`` of a BEIR layout, else the distinct images of the rows (the ``query_column`` must
-    exist; rows with an empty query are kept)."""
-    import datasets
-
+    exist; rows with an empty query are kept). Local pairs are read without ``datasets``."""
     path = Path(name_or_path)
-    if is_beir_layout(path) or (not path.exists() and str(name_or_path) != "rdocs"
-                                and "corpus" in datasets.get_dataset_config_names(str(name_or_path))):
+    if is_beir_layout(path) or (not path.exists() and str(name_or_path) != "rdocs" and _hub_has_corpus(name_or_path)):
         return _corpus_documents(name_or_path, split, on_bad_image, **load_kwargs)
     rows = load_retrieval_dataset(name_or_path, split, on_bad_image=on_bad_image, on_empty_query="keep",
                                   query_column=query_column, image_column=image_column, id_column=id_column,
                                   **load_kwargs)
     return rows.select(sorted(set(distinct_images(rows))))
+
+
+def _hub_has_corpus(name: str | os.PathLike) -> bool:
+    import datasets
+
+    return "corpus" in datasets.get_dataset_config_names(str(name))
 
 
 def _column(columns: Sequence[str], wanted: Sequence[str], table: str) -> str:

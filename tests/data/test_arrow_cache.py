@@ -115,3 +115,19 @@ def test_differing_schemas_are_left_to_datasets(tmp_path, monkeypatch):
     ds = load_retrieval_dataset(folder, "train", id_column="doc_id")
     assert not isinstance(ds.image_sources.table, MappedTable)  # datasets read it
     assert ds.ids() == ["d0", "d1", "d1"] and ds[2]["image"].size == (21, 11)
+
+
+def test_cut_short_cache_file_is_converted_again(tmp_path, monkeypatch):
+    """A cache file that lost its end (a crash after the rename, a full disk, a hand edit) is
+    rebuilt, not mapped: before, every later run stopped with pyarrow's "Not an Arrow file"."""
+    monkeypatch.setenv("RAGGEDVL_CACHE", str(tmp_path / "cache"))
+    data = _write(tmp_path / "train.parquet", 0, 5, negatives=False)
+    first = mapped_split([data])
+    expected = first.table.to_pylist()
+    whole = open(first.path, "rb").read()
+    for cut in (whole[: len(whole) // 2], b""):
+        with open(first.path, "wb") as f:
+            f.write(cut)
+        again = mapped_split([data])
+        assert again.path == first.path  # the same key: the data did not change
+        assert again.table.to_pylist() == expected

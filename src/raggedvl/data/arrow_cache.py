@@ -60,6 +60,22 @@ def _key(files) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
+def _complete(path: Path) -> bool:
+    """Whether ``path`` is an Arrow IPC file whose footer reads (a file cut short by a crash or
+    a full disk, or overwritten by hand, is converted again rather than failing every run with
+    pyarrow's "Not an Arrow file")."""
+    import pyarrow as pa
+
+    if not path.is_file():
+        return False
+    try:
+        with pa.memory_map(str(path), "r") as source:
+            pa.ipc.open_file(source)
+    except (pa.ArrowInvalid, OSError):
+        return False
+    return True
+
+
 def _schema(files):
     """The files' common Arrow schema (the first file's, its metadata kept), or None when
     another file's columns or types differ (``datasets`` then reads the split: it unifies)."""
@@ -98,7 +114,7 @@ def mapped_split(files, cache_dir: str | os.PathLike | None = None) -> MappedTab
     files = [Path(f) for f in files]
     folder = cache_root(cache_dir) / "arrow"
     path = folder / f"{_key(files)}.arrow"
-    if path.is_file():
+    if _complete(path):
         return MappedTable(path)
     schema = _schema(files)
     if schema is None:
@@ -106,7 +122,7 @@ def mapped_split(files, cache_dir: str | os.PathLike | None = None) -> MappedTab
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with FileLock(str(path) + ".lock"):
-            if not path.is_file():
+            if not _complete(path):
                 _convert(files, schema, path)
     except OSError:
         return None

@@ -12,10 +12,12 @@ import sys
 
 import datasets
 import pyarrow.parquet as pq
+import pytest
 from PIL import Image
 
 from raggedvl.data import RetrievalDataset, load_retrieval_dataset
 from raggedvl.data.arrow_cache import MappedTable, mapped_split
+from raggedvl.data.scan import UnreadableParquet, image_sizes, parquet_split
 
 
 def _png(size, value) -> bytes:
@@ -131,3 +133,29 @@ def test_cut_short_cache_file_is_converted_again(tmp_path, monkeypatch):
         again = mapped_split([data])
         assert again.path == first.path  # the same key: the data did not change
         assert again.table.to_pylist() == expected
+
+
+def _damaged(path):
+    """``path`` rewritten with one uncompressed-size-preserving hole: bytes in the middle of its
+    data pages zeroed (the footer still reads)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 3
+    data[middle:middle + 200] = bytes(200)
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("damage", ["cut short", "damaged pages"])
+def test_unreadable_parquet_is_one_error_naming_the_file(tmp_path, monkeypatch, damage):
+    monkeypatch.setenv("RAGGEDVL_CACHE", str(tmp_path / "cache"))
+    path = _write(tmp_path / "train.parquet", 0, 12, negatives=False, row_group_size=4)
+    if damage == "cut short":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        _damaged(path)
+    with pytest.raises(UnreadableParquet, match=r"train\.parquet: cannot read this parquet file .*re-write or remove it"):
+        load_retrieval_dataset(path, "train", id_column="doc_id")
+    if damage == "damaged pages":  # the launcher's header scan reads the same pages
+        with pytest.raises(UnreadableParquet, match=r"train\.parquet: cannot read"):
+            image_sizes(parquet_split(path, "train"), "image", workers=1)
+    assert not list((tmp_path / "cache" / "arrow").glob("*.arrow"))  # nothing half-written is kept

@@ -24,6 +24,7 @@ temporary file and ``os.replace``, so a rank reading it never sees a partial fil
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import hashlib
@@ -132,13 +133,42 @@ class ParquetSplit:
         raise IndexError(f"row {row} is beyond the {self.num_rows} rows of {self.where}")
 
 
+class UnreadableParquet(ValueError):
+    """A parquet file that pyarrow cannot read (cut short, damaged pages, not parquet); the
+    message names the file and the fix."""
+
+
+@contextlib.contextmanager
+def reading_parquet(file: str | os.PathLike):
+    """Turns pyarrow's errors while reading ``file`` (``ArrowException``, or an ``OSError``
+    without an errno: "Parquet magic bytes not found", "Corrupt snappy compressed data") into
+    ``UnreadableParquet`` naming the file; errors of the disk itself pass through."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except UnreadableParquet:
+        raise
+    except (pa.ArrowException, OSError) as exc:
+        if isinstance(exc, OSError) and not isinstance(exc, pa.ArrowException) and exc.errno is not None:
+            raise
+        raise UnreadableParquet(f"{file}: cannot read this parquet file ({' '.join(str(exc).split())}); re-write "
+                                "or remove it (pyarrow.parquet.read_table must read it)") from exc
+
+
+def _metadata(file: Path):
+    import pyarrow.parquet as pq
+
+    with reading_parquet(file):
+        return pq.ParquetFile(file).metadata
+
+
 def parquet_split(name_or_path: str | os.PathLike, split: str) -> ParquetSplit | None:
     """The split ``split`` of a local ``.parquet`` file (its one split, named by
     :func:`file_split`; ``split`` aliases as in ``pick_split``) or of a folder of parquet files; None for
     anything else (an rdocs manifest, an image folder, a folder with a dataset card, a hub id),
     which only the full loader reads, and a BEIR layout (:func:`is_beir_layout`). Raises ``ValueError`` naming the splits present when the
     split is missing."""
-    import pyarrow.parquet as pq
 
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".parquet":
@@ -155,7 +185,7 @@ def parquet_split(name_or_path: str | os.PathLike, split: str) -> ParquetSplit |
     files = splits[pick_split(list(splits), split, str(name_or_path))]
     if not files or any(f.suffix != ".parquet" for f in files):
         return None
-    metadata = [pq.ParquetFile(f).metadata for f in files]
+    metadata = [_metadata(f) for f in files]
     return ParquetSplit(tuple(files), base, tuple(metadata[0].schema.to_arrow_schema().names),
                         tuple(m.num_rows for m in metadata), f"{name_or_path} split {split!r}")
 
@@ -258,10 +288,11 @@ def check_image_column(split: ParquetSplit, column: str, *, flag: str, query_col
     not). Raises ``ValueError`` as that does."""
     import pyarrow.parquet as pq
 
-    file = pq.ParquetFile(split.files[0])
-    if not is_text_type(file.schema_arrow.field(column).type):
-        return
-    batch = next(file.iter_batches(batch_size=TEXT_SAMPLE_ROWS, columns=[column]), None)
+    with reading_parquet(split.files[0]):
+        file = pq.ParquetFile(split.files[0])
+        if not is_text_type(file.schema_arrow.field(column).type):
+            return
+        batch = next(file.iter_batches(batch_size=TEXT_SAMPLE_ROWS, columns=[column]), None)
     values = [] if batch is None else batch.column(0).to_pylist()[:TEXT_SAMPLE_ROWS]
     check_not_text(values, column=column, flag=flag, where=split.where, columns=split.columns,
                    base_dir=split.base_dir, query_column=query_column, or_none=or_none)
@@ -272,7 +303,11 @@ def read_column(split: ParquetSplit, column: str) -> list[Any]:
     columns: queries, ids)."""
     import pyarrow.parquet as pq
 
-    return [v for f in split.files for v in pq.read_table(f, columns=[column]).column(column).to_pylist()]
+    values: list[Any] = []
+    for f in split.files:
+        with reading_parquet(f):
+            values += pq.read_table(f, columns=[column]).column(column).to_pylist()
+    return values
 
 
 @dataclass
@@ -324,7 +359,8 @@ def _scan_part(task: tuple[str, int, str, str, str | None]) -> tuple[list[Any], 
     import pyarrow.parquet as pq
 
     file, group, column, base_dir, item = task
-    values = pq.ParquetFile(file).read_row_group(group, columns=[column]).column(column).to_pylist()
+    with reading_parquet(file):
+        values = pq.ParquetFile(file).read_row_group(group, columns=[column]).column(column).to_pylist()
     sizes, errors = [], {}
     for i, value in enumerate(values):
         if item is None:
@@ -411,13 +447,12 @@ def image_sizes(split: ParquetSplit, column: str, *, workers: int | None = None,
     holds one image or a list of images per row, each named ``"<row>, <item> <j>"`` in
     messages (``j`` from 0); sizes [N, K, 2] and ``counts``. Raises nothing for unreadable
     images: they are in ``ImageSizes.errors``."""
-    import pyarrow.parquet as pq
 
     cached = cached_image_sizes(split, column, item=item)
     if cached is not None:
         return cached
     tasks = [(str(f), g, column, str(split.base_dir), item) for f in split.files
-             for g in range(pq.ParquetFile(f).metadata.num_row_groups)]
+             for g in range(_metadata(f).num_row_groups)]
     workers = min(workers or _cpus(), len(tasks))
     if workers > 1 and split.num_rows >= PARALLEL_ROWS:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:

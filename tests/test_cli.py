@@ -258,3 +258,22 @@ def test_every_flag_a_message_names_exists_with_that_value():
                 wrong.append(f"{path}:{line}: {flag} {value}: not one of {choices[0]}")
     assert found > 50  # the scan sees the messages
     assert not wrong, wrong
+
+
+def test_run_ends_without_teardown_after_atexit_and_flushed_output():
+    """``raggedvl.cli.run`` (the console script and ``python -m raggedvl.cli``): the exit code of
+    ``main``, atexit handlers run, buffered stdout (a pipe) and stderr reach the reader."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, sys\n"
+            "atexit.register(print, 'atexit ran')\n"
+            "print('buffered line')\n"
+            "sys.argv = ['raggedvl', 'search', '/nonexistent-ckpt', '--index', '/nonexistent', '--query', 'q']\n"
+            "from raggedvl.cli import run\n"
+            "run()\n"
+            "print('not reached')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert out.stdout.splitlines() == ["buffered line", "atexit ran"]
+    assert out.stderr.strip().splitlines() == ["raggedvl: error: checkpoint '/nonexistent-ckpt': no such folder (the folder '/' exists)"]

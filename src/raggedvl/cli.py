@@ -1,13 +1,15 @@
 """``raggedvl`` command line: ``train``, ``eval``, ``encode``, ``search``, ``export``, ``data``.
 
-``main(argv)`` is the whole CLI (it returns the exit code), so tests call it in-process.
+``main(argv)`` is the whole CLI (it returns the exit code), so tests call it in-process;
+``run()`` is the command's entry point (console script, ``python -m raggedvl.cli``): ``main``,
+then exit without the interpreter's 2-3 s teardown of torch and transformers.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from raggedvl.gpu_driver import skip_triton
 
@@ -350,5 +352,17 @@ def _interrupted(exc: BaseException) -> int:
     return 128 + signal.SIGINT
 
 
+def run() -> NoReturn:
+    """The ``raggedvl`` command (console script and ``python -m raggedvl.cli``, the ranks' entry
+    too): :func:`main`, then the process ends without the interpreter's teardown
+    (``raggedvl.parallel.agent.exit_now``: atexit handlers run and stdout / stderr are flushed
+    first; every file raggedvl writes is closed when it is written). An exception that escapes
+    ``main`` (a bug, not bad input) takes Python's normal way out, traceback included."""
+    code = main()
+    from raggedvl.parallel.agent import exit_now
+
+    exit_now(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -30,6 +30,7 @@ class ProcPeak:
     role: str
     cmd: str
     peak_rss: int = 0
+    ppid: int = -1
 
 
 @dataclass
@@ -64,7 +65,10 @@ def process_tree(root_pid: int) -> list[psutil.Process]:
 
 
 def _is_torchrun(cmdline: list[str]) -> bool:
-    return "torch.distributed.run" in cmdline or any(c.endswith("/torchrun") for c in cmdline[:2])
+    """torchrun's agent: ``torch.distributed.run``, the ``torchrun`` script, or raggedvl's own
+    wrapper of it (``raggedvl.parallel.agent``, which ``raggedvl train`` execs into: same pid)."""
+    return ("torch.distributed.run" in cmdline or "raggedvl.parallel.agent" in cmdline
+            or any(c.endswith("/torchrun") for c in cmdline[:2]))
 
 
 def _role(proc: psutil.Process, root_pid: int, cmdline: list[str], torchrun_pids: set[int]) -> str:
@@ -102,6 +106,17 @@ class _Sampler(threading.Thread):
                     continue
                 if _is_torchrun(fresh[proc.pid]):
                     self._torchrun.add(proc.pid)
+        root = self.memory.procs.get(self.root_pid)
+        if root is not None and self.root_pid not in self._torchrun:  # a launcher that exec'd into the agent
+            try:
+                if _is_torchrun(psutil.Process(self.root_pid).cmdline()):
+                    self._torchrun.add(self.root_pid)
+                    root.role, root.cmd = "torchrun", " ".join(psutil.Process(self.root_pid).cmdline())
+                    for entry in self.memory.procs.values():  # ranks seen before the exec was noticed
+                        if entry.ppid == self.root_pid:
+                            entry.role = "worker"
+            except psutil.Error:
+                pass
         pss_sum = 0
         for proc in procs:
             try:
@@ -110,7 +125,7 @@ class _Sampler(threading.Thread):
                 if entry is None:
                     cmdline = fresh.get(proc.pid) or proc.cmdline()
                     role = _role(proc, self.root_pid, cmdline, self._torchrun)
-                    entry = self.memory.procs[proc.pid] = ProcPeak(proc.pid, role, " ".join(cmdline))
+                    entry = self.memory.procs[proc.pid] = ProcPeak(proc.pid, role, " ".join(cmdline), ppid=proc.ppid())
                 entry.peak_rss = max(entry.peak_rss, info.rss)
                 pss_sum += getattr(info, "pss", info.rss)
             except psutil.Error:

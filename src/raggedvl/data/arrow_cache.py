@@ -21,12 +21,10 @@ is.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 
-from raggedvl.data.scan import reading_parquet
+from raggedvl.data.scan import files_key, reading_parquet
 
 ARROW_VERSION = 1  # in the cache key
 BATCH_ROWS = 64  # a batch of 1 MB page images: ~64 MB held while converting
@@ -55,14 +53,6 @@ class MappedTable:
 
     def __setstate__(self, state: dict) -> None:
         self.path, self._table = state["path"], None
-
-
-def _key(files) -> str:
-    parts: list = [ARROW_VERSION]
-    for f in files:
-        stat = Path(f).stat()
-        parts.append([str(Path(f).resolve()), stat.st_size, stat.st_mtime_ns])
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
 def _complete(path: Path) -> bool:
@@ -126,7 +116,7 @@ def mapped_split(files, cache_dir: str | os.PathLike | None = None) -> MappedTab
 
     files = [Path(f) for f in files]
     folder = cache_root(cache_dir) / "arrow"
-    path = folder / f"{_key(files)}.arrow"
+    path = folder / f"{files_key(files, ARROW_VERSION)}.arrow"
     if _complete(path):
         return MappedTable(path)
     schema = _schema(files)

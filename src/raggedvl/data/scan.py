@@ -376,12 +376,18 @@ def _scan_part(task: tuple[str, int, str, str, str | None]) -> tuple[list[Any], 
     return sizes, errors
 
 
-def _fingerprint(split: ParquetSplit, column: str, item: str | None = None) -> str:
-    parts = [SCAN_VERSION, column, item]
-    for f in split.files:
+def files_key(files: Sequence[str | os.PathLike], *parts: Any) -> str:
+    """A cache key (24 hex digits) of ``parts`` and each file's resolved path, byte size and
+    modification time: a changed file gives a new key (the size cache here, the Arrow cache)."""
+    stamped = list(parts)
+    for f in map(Path, files):
         stat = f.stat()
-        parts.append([str(f.resolve()), stat.st_size, stat.st_mtime_ns])
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
+        stamped.append([str(f.resolve()), stat.st_size, stat.st_mtime_ns])
+    return hashlib.sha256(json.dumps(stamped).encode()).hexdigest()[:24]
+
+
+def _fingerprint(split: ParquetSplit, column: str, item: str | None = None) -> str:
+    return files_key(split.files, SCAN_VERSION, column, item)
 
 
 def _cache_paths(split: ParquetSplit, column: str, item: str | None = None) -> list[Path]:

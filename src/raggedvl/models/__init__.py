@@ -14,6 +14,7 @@ from .dummy_vision import (
 from .tiny import TinySizes, special_token_ids, tiny_backbone_config
 from .heads import EmbeddingOutput, RetrievalHead, pool_hidden
 from .lora import LoraSettings, apply_generation_lora, apply_lora
+from .patch_embed import WholePatchConv3d, install_linear_patch_embed
 from .recipe import TINY_TRAINING_DEFAULTS, TrainingRecipe
 from .retriever import Retriever, RetrieverConfig
 
@@ -28,6 +29,7 @@ __all__ = [
     "RetrieverConfig",
     "TinySizes",
     "TrainingRecipe",
+    "WholePatchConv3d",
     "apply_generation_lora",
     "apply_lora",
     "build_retriever",
@@ -35,6 +37,7 @@ __all__ = [
     "dummy_vision_term",
     "family_of",
     "install_dummy_vision",
+    "install_linear_patch_embed",
     "load_backbone",
     "missing_modalities",
     "pool_hidden",

@@ -1,4 +1,5 @@
-"""The retriever module: a Qwen-VL backbone, a retrieval head and the dummy vision pass.
+"""The retriever module: a Qwen-VL backbone, a retrieval head and the dummy vision pass; the
+backbone's patch embedding runs as one matrix product (``raggedvl.models.patch_embed``).
 
 Shape legend: B samples, L tokens per sample (padded), H backbone hidden size, D embedding dim,
 P patch rows (``pixel_values``), I images.
@@ -45,6 +46,7 @@ from .heads import EmbeddingOutput, RetrievalHead
 from .lora import LoraSettings, apply_lora
 from .packed_attention import set_packed_attention
 from .packing import pack_batch, unpack_hidden
+from .patch_embed import install_linear_patch_embed
 from .weights import save_tensors, write_json
 
 CONFIG_NAME = "raggedvl_retriever.json"
@@ -117,6 +119,7 @@ class Retriever(nn.Module):
             backbone = apply_lora(backbone, self.config.lora)
         self.backbone = backbone
         install_dummy_vision(backbone, self.config.expected_modalities)
+        install_linear_patch_embed(backbone)
         hidden = self.base_model.config.text_config.hidden_size
         self.head = RetrievalHead(hidden, self.config.dim, self.config.head, self.config.pooling, self.config.eps)
         self.packing = False

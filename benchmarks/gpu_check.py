@@ -17,7 +17,8 @@ is left, and the next part starts on time; the whole run stays inside ``--budget
    autocast). Counts and every skip reason go into the table; the log is ``pytest_gpu.log``.
 2. checks (60 s): ``benchmarks/gpu/checks.py``: DataParallel scatter on 2 logical replicas of
    one device (outputs and gradients vs unsplit), ``RaggedDataParallel(device_ids=[0, 0])``,
-   bf16 autocast vs fp32, sdpa (vision tower on ``cu_seqlens``) / flash-attn vs eager.
+   bf16 autocast vs fp32, sdpa (vision tower on ``cu_seqlens``) / flash-attn vs eager, packed vs
+   padded rows, the patch embedding as a matrix product vs the Conv3d (values and time).
 3. timing (the rest): ``benchmarks/gpu/workload.py``: optimizer steps of the tiny and a
    mid-size ColQwen-style model (text hidden 1024 x 8 layers, vision depth 8), ragged vs
    pad-per-image batches, plain vs GradCache, padded vs packed token rows (``--packing``; with

@@ -12,6 +12,8 @@ What one GPU can and cannot show (written into the report):
   ``device_ids=[0, 0]`` (two replicas on one GPU) is tried and reported as found;
 - can: packed rows (padding-free sequences) against the padded batch, with per-sequence SDPA
   and, when flash-attn is installed, flash-attention's varlen kernel;
+- can: the patch embedding as a matrix product against the Conv3d it replaces (values and
+  time, fp32 and bf16);
 - cannot: NCCL between processes (NCCL refuses two ranks on one GPU, and at world size 1
   ``all_gather_variable`` issues no collective), DDP/FSDP2 across GPUs (``wrap_model`` leaves a
   1-rank model unwrapped). Those run in the ``gpu`` tests when 2 GPUs are present, and on
@@ -186,11 +188,59 @@ def check_packing(device) -> tuple[str, str]:
     return ("pass" if ok else "FAIL"), detail
 
 
+def check_patch_embed(device) -> tuple[str, str]:
+    """The patch embedding as a matrix product (``WholePatchConv3d``) against transformers'
+    ``Conv3d`` on this device: forward + weight gradient of Qwen2-VL-2B's tower width (D 1,280,
+    8,000 patch rows; 256 rows at D 32 on CPU), fp32 and, on CUDA, bf16: relative differences of
+    outputs and weight gradients, and milliseconds per call (median of 5 after a warm-up)."""
+    import copy
+    import statistics
+    import time
+
+    import torch
+    from torch import nn
+
+    from raggedvl.models import WholePatchConv3d
+
+    rows, dim = (8_000, 1_280) if device.type == "cuda" else (256, 32)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    parts, ok = [], True
+    for dtype in ([torch.float32, torch.bfloat16] if device.type == "cuda" else [torch.float32]):
+        torch.manual_seed(0)
+        conv = nn.Conv3d(3, dim, kernel_size=(2, 14, 14), stride=(2, 14, 14), bias=False).to(device, dtype)
+        fast = copy.deepcopy(conv)
+        fast.__class__ = WholePatchConv3d
+        x = torch.randn(rows, 3, 2, 14, 14, device=device, dtype=dtype)
+        grad_out = torch.randn(rows, dim, 1, 1, 1, device=device, dtype=dtype)
+        times: dict[str, list[float]] = {"conv": [], "matmul": []}
+        outs = {}
+        for i in range(6):
+            for name, module in (("conv", conv), ("matmul", fast)):
+                module.weight.grad = None
+                sync()
+                start = time.perf_counter()
+                out = module(x)
+                out.backward(grad_out)
+                sync()
+                if i:
+                    times[name].append((time.perf_counter() - start) * 1000)
+                outs[name] = (out.detach().float(), module.weight.grad.float())
+        rel_out = float((outs["conv"][0] - outs["matmul"][0]).abs().max() / outs["conv"][0].abs().max())
+        rel_grad = float((outs["conv"][1] - outs["matmul"][1]).abs().max() / outs["conv"][1].abs().max())
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        ok = ok and rel_out < tol and rel_grad < tol
+        c, m = statistics.median(times["conv"]), statistics.median(times["matmul"])
+        parts.append(f"{str(dtype).removeprefix('torch.')}: conv {c:.2f} ms, matmul {m:.2f} ms ({c / m:.2f}x), "
+                     f"rel diff out {rel_out:.1e}, grad {rel_grad:.1e}")
+    return ("pass" if ok else "FAIL"), f"{rows:,} rows x D {dim:,}; " + "; ".join(parts)
+
+
 CHECKS = [
     ("DataParallel scatter, 2 logical replicas on one device", check_logical_replicas, False),
     ("RaggedDataParallel device_ids=[0, 0]", check_data_parallel_same_gpu, True),
     ("bf16 autocast vs fp32", check_bf16_autocast, True),
     ("attention: sdpa / flash-attn vs eager", check_attention, False),
     ("packing: packed vs padded rows", check_packing, False),
+    ("patch embedding: matrix product vs Conv3d (fp32, bf16)", check_patch_embed, False),
 ]
 """(name, function, needs CUDA)."""

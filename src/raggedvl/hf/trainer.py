@@ -158,7 +158,8 @@ class RaggedTrainer(Trainer):
             parameter gathers. A retriever carries its own (``RetrieverConfig``). With
             ``model_init`` instead of ``model``, call ``install_dummy_vision`` in it. The model's
             patch embedding becomes a matrix product (:func:`raggedvl.models.install_linear_patch_embed`:
-            same weights and outputs, 2.5-4x faster than the Conv3d on CPU); a retriever has it already.
+            same weights and outputs, 3-4x faster than the Conv3d on CPU); a retriever has it already;
+            with ``model_init``, call it there too.
 
     Raises ``ValueError`` for an unknown task, a loss of the wrong kind or with parameters, a
     non-positive timeout, and for ``grad_cache_budget`` with SFT, below 1, with fp16 loss

@@ -8,12 +8,11 @@ Every Qwen-VL family (``PatchEmbed`` of Qwen2-VL, ``Qwen2_5_VisionPatchEmbed``,
 ``Qwen3VLVisionPatchEmbed``) embeds patches with ``nn.Conv3d(C, D, kernel_size=(T, p, p),
 stride=(T, p, p))`` applied to the rows viewed as [P, C, T, p, p]: the kernel covers the whole
 input and never slides, so the convolution is exactly ``x [P, K] @ W.view(D, K).T (+ bias)``
-with the same weight tensor. The convolution kernels pay for a generality this shape does not
-use (oneDNN reorders the input to a blocked layout, and its weight-gradient kernel is slow
-here): forward + backward on one CPU thread, 20,000 rows at D 32 (the tiny preset) took 240 ms
-as a convolution and 90 ms as a matrix product; 4,000 rows at D 1,280 (Qwen2-VL-2B's tower)
-1.65-1.9 s against 0.42-0.51 s (``benchmarks/patch_embed.py``, BENCHMARKS.md "Patch embedding").
-Both agree to float32 rounding (summation order only: ~4e-6 relative on outputs and weight
+with the same weight tensor. The general convolution kernels are slower on this shape, the
+weight gradient most: forward + backward on one CPU thread, 7,200 rows at D 32 (one step of the tiny preset
+on 8 pages) took 121 ms as a convolution and 41 ms as a matrix product; 4,000 rows at D 1,280
+(Qwen2-VL-2B's tower) 1.81 s against 0.45 s (``benchmarks/patch_embed.py``, BENCHMARKS.md
+section 18). Both agree to float32 rounding (summation order only: ~4e-6 relative on outputs and weight
 gradients; float64 to ~1e-15).
 
 :func:`install_linear_patch_embed` turns such a convolution into a :class:`WholePatchConv3d`

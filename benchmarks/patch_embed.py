@@ -6,7 +6,9 @@ Forward + backward (weight gradient; pixel rows take none, as in training) of on
 embedding, [P, 1176] pixel rows -> [P, D], the two variants interleaved, `--repeats` timed calls
 each after one warm-up, median. Rows: the tiny preset's tower (D 32) at a step's worth of
 patches of workload (a) and (b) of BENCHMARKS.md section 9, and Qwen2-VL-2B's tower (D 1,280).
-Prints milliseconds, the ratio and the largest difference of outputs and weight gradients.
+Prints milliseconds, the ratio and the largest differences of outputs and weight gradients
+(relative to the convolution's largest value). ``compare`` is also the GPU check's
+(``benchmarks/gpu/checks.py``).
 """
 
 from __future__ import annotations
@@ -28,13 +30,35 @@ SHAPES = [  # (label, patch rows P, embed dim D)
 ]
 
 
-def _timed(module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, sync) -> float:
-    module.weight.grad = None
-    sync()
-    start = time.perf_counter()
-    module(x).backward(grad_out)
-    sync()
-    return time.perf_counter() - start
+def compare(rows: int, dim: int, device, dtype, repeats: int = 5) -> dict[str, float]:
+    """transformers' patch Conv3d and ``WholePatchConv3d`` (same weight) on ``rows`` random
+    pixel rows at embed dim ``dim``: median milliseconds of forward + backward over ``repeats``
+    interleaved calls after one warm-up, and the largest differences of outputs and weight
+    gradients, relative to the convolution's largest value."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    conv = nn.Conv3d(3, dim, kernel_size=(2, 14, 14), stride=(2, 14, 14), bias=False).to(device, dtype)
+    fast = copy.deepcopy(conv)
+    fast.__class__ = WholePatchConv3d
+    x = torch.randn(rows, 3, 2, 14, 14, device=device, dtype=dtype)
+    grad_out = torch.randn(rows, dim, 1, 1, 1, device=device, dtype=dtype)
+    times: dict[str, list[float]] = {"conv": [], "matmul": []}
+    results = {}
+    for i in range(repeats + 1):  # the first round warms up
+        for name, module in (("conv", conv), ("matmul", fast)):
+            module.weight.grad = None
+            sync()
+            start = time.perf_counter()
+            out = module(x)
+            out.backward(grad_out)
+            sync()
+            if i:
+                times[name].append((time.perf_counter() - start) * 1000)
+            results[name] = (out.detach().float(), module.weight.grad.float())
+    (out_c, grad_c), (out_m, grad_m) = results["conv"], results["matmul"]
+    return {"conv_ms": statistics.median(times["conv"]), "matmul_ms": statistics.median(times["matmul"]),
+            "out_rel_diff": float((out_c - out_m).abs().max() / out_c.abs().max()),
+            "grad_rel_diff": float((grad_c - grad_m).abs().max() / grad_c.abs().max())}
 
 
 def main() -> None:
@@ -44,29 +68,14 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(f"torch {torch.__version__}, {device}, {args.dtype}, {torch.get_num_threads()} thread(s), "
           f"median of {args.repeats}\n")
-    print("| shape | rows P | D | Conv3d ms | matrix product ms | conv / matmul | max abs diff out | max rel diff grad |")
+    print("| shape | rows P | D | Conv3d ms | matrix product ms | conv / matmul | max rel diff out | max rel diff grad |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for label, rows, dim in SHAPES:
-        torch.manual_seed(0)
-        conv = nn.Conv3d(3, dim, kernel_size=(2, 14, 14), stride=(2, 14, 14), bias=False).to(device, dtype)
-        fast = copy.deepcopy(conv)
-        fast.__class__ = WholePatchConv3d
-        x = torch.randn(rows, 3, 2, 14, 14, device=device, dtype=dtype)
-        grad_out = torch.randn(rows, dim, 1, 1, 1, device=device, dtype=dtype)
-        times = {"conv": [], "fast": []}
-        for module in (conv, fast):  # warm-up
-            _timed(module, x, grad_out, sync)
-        for _ in range(args.repeats):
-            times["conv"].append(_timed(conv, x, grad_out, sync))
-            times["fast"].append(_timed(fast, x, grad_out, sync))
-        c, f = (statistics.median(times[k]) * 1000 for k in ("conv", "fast"))
-        with torch.no_grad():
-            out_diff = (conv(x) - fast(x)).abs().max().item()
-        grad_diff = ((conv.weight.grad - fast.weight.grad).abs().max() / conv.weight.grad.abs().max()).item()
-        print(f"| {label} | {rows:,} | {dim:,} | {c:.1f} | {f:.1f} | {c / f:.2f} | {out_diff:.1e} | {grad_diff:.1e} |")
+        r = compare(rows, dim, device, dtype, args.repeats)
+        print(f"| {label} | {rows:,} | {dim:,} | {r['conv_ms']:.1f} | {r['matmul_ms']:.1f} | "
+              f"{r['conv_ms'] / r['matmul_ms']:.2f} | {r['out_rel_diff']:.1e} | {r['grad_rel_diff']:.1e} |")
 
 
 if __name__ == "__main__":

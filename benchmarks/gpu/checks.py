@@ -190,50 +190,23 @@ def check_packing(device) -> tuple[str, str]:
 
 def check_patch_embed(device) -> tuple[str, str]:
     """The patch embedding as a matrix product (``WholePatchConv3d``) against transformers'
-    ``Conv3d`` on this device: forward + weight gradient of Qwen2-VL-2B's tower width (D 1,280,
-    8,000 patch rows; 256 rows at D 32 on CPU), fp32 and, on CUDA, bf16: relative differences of
-    outputs and weight gradients, and milliseconds per call (median of 5 after a warm-up)."""
-    import copy
-    import statistics
-    import time
-
+    ``Conv3d`` on this device (``benchmarks/patch_embed.py``'s ``compare``): forward + weight
+    gradient at Qwen2-VL-2B's tower width (D 1,280, 8,000 patch rows; 256 rows at D 32 on CPU),
+    fp32 and, on CUDA, bf16: relative differences of outputs and weight gradients, and
+    milliseconds per call."""
     import torch
-    from torch import nn
-
-    from raggedvl.models import WholePatchConv3d
+    from patch_embed import compare  # benchmarks/ is on sys.path (gpu_check.py's own folder)
 
     rows, dim = (8_000, 1_280) if device.type == "cuda" else (256, 32)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     parts, ok = [], True
     for dtype in ([torch.float32, torch.bfloat16] if device.type == "cuda" else [torch.float32]):
-        torch.manual_seed(0)
-        conv = nn.Conv3d(3, dim, kernel_size=(2, 14, 14), stride=(2, 14, 14), bias=False).to(device, dtype)
-        fast = copy.deepcopy(conv)
-        fast.__class__ = WholePatchConv3d
-        x = torch.randn(rows, 3, 2, 14, 14, device=device, dtype=dtype)
-        grad_out = torch.randn(rows, dim, 1, 1, 1, device=device, dtype=dtype)
-        times: dict[str, list[float]] = {"conv": [], "matmul": []}
-        outs = {}
-        for i in range(6):
-            for name, module in (("conv", conv), ("matmul", fast)):
-                module.weight.grad = None
-                sync()
-                start = time.perf_counter()
-                out = module(x)
-                out.backward(grad_out)
-                sync()
-                if i:
-                    times[name].append((time.perf_counter() - start) * 1000)
-                outs[name] = (out.detach().float(), module.weight.grad.float())
-        rel_out = float((outs["conv"][0] - outs["matmul"][0]).abs().max() / outs["conv"][0].abs().max())
-        rel_grad = float((outs["conv"][1] - outs["matmul"][1]).abs().max() / outs["conv"][1].abs().max())
+        r = compare(rows, dim, device, dtype)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        ok = ok and rel_out < tol and rel_grad < tol
-        c, m = statistics.median(times["conv"]), statistics.median(times["matmul"])
-        parts.append(f"{str(dtype).removeprefix('torch.')}: conv {c:.2f} ms, matmul {m:.2f} ms ({c / m:.2f}x), "
-                     f"rel diff out {rel_out:.1e}, grad {rel_grad:.1e}")
+        ok = ok and r["out_rel_diff"] < tol and r["grad_rel_diff"] < tol
+        parts.append(f"{str(dtype).removeprefix('torch.')}: conv {r['conv_ms']:.2f} ms, matmul {r['matmul_ms']:.2f} ms "
+                     f"({r['conv_ms'] / r['matmul_ms']:.2f}x), rel diff out {r['out_rel_diff']:.1e}, "
+                     f"grad {r['grad_rel_diff']:.1e}")
     return ("pass" if ok else "FAIL"), f"{rows:,} rows x D {dim:,}; " + "; ".join(parts)
-
 
 CHECKS = [
     ("DataParallel scatter, 2 logical replicas on one device", check_logical_replicas, False),

@@ -9,10 +9,9 @@ Every Qwen-VL family (``PatchEmbed`` of Qwen2-VL, ``Qwen2_5_VisionPatchEmbed``,
 stride=(T, p, p))`` applied to the rows viewed as [P, C, T, p, p]: the kernel covers the whole
 input and never slides, so the convolution is exactly ``x [P, K] @ W.view(D, K).T (+ bias)``
 with the same weight tensor. The general convolution kernels are slower on this shape, the
-weight gradient most: forward + backward on one CPU thread, 7,200 rows at D 32 (one step of the tiny preset
-on 8 pages) took 121 ms as a convolution and 41 ms as a matrix product; 4,000 rows at D 1,280
-(Qwen2-VL-2B's tower) 1.81 s against 0.45 s (``benchmarks/patch_embed.py``, BENCHMARKS.md
-section 18). Both agree to float32 rounding (summation order only: ~4e-6 relative on outputs and weight
+weight gradient most: forward + backward on one CPU thread costs 2.6-3.2x less as a matrix
+product at the tiny preset's step sizes (D 32) and 4.0-4.4x less at Qwen2-VL-2B's tower width
+(D 1,280) (``benchmarks/patch_embed.py``, BENCHMARKS.md section 18). Both agree to float32 rounding (summation order only: ~4e-6 relative on outputs and weight
 gradients; float64 to ~1e-15).
 
 :func:`install_linear_patch_embed` turns such a convolution into a :class:`WholePatchConv3d`

@@ -4,8 +4,10 @@
 
 Forward + backward (weight gradient; pixel rows take none, as in training) of one patch
 embedding, [P, 1176] pixel rows -> [P, D], the two variants interleaved, `--repeats` timed calls
-each after one warm-up, median. Rows: the tiny preset's tower (D 32) at a step's worth of
-patches of workload (a) and (b) of BENCHMARKS.md section 9, and Qwen2-VL-2B's tower (D 1,280).
+each after one warm-up, median. Rows: the tower of colpali-engine's tiny fixture (D 32, the
+checkpoint of BENCHMARKS.md section 9) at a step's worth of patches of its workloads (a) and
+(b), raggedvl's tiny preset (D 64, `raggedvl train`'s default job) and Qwen2-VL-2B's tower
+(D 1,280).
 Prints milliseconds, the ratio and the largest differences of outputs and weight gradients
 (relative to the convolution's largest value). ``compare`` is also the GPU check's
 (``benchmarks/gpu/checks.py``).
@@ -24,8 +26,9 @@ from torch import nn
 from raggedvl.models import WholePatchConv3d
 
 SHAPES = [  # (label, patch rows P, embed dim D)
-    ("tiny tower, one step of workload (a): 8 pages", 7_200, 32),
-    ("tiny tower, one rank's step of workload (b)", 16_600, 32),
+    ("colpali fixture's tower (D 32), one step of workload (a): 8 pages", 7_200, 32),
+    ("colpali fixture's tower (D 32), one rank's step of workload (b)", 16_600, 32),
+    ("tiny preset's tower (D 64), one step of the default job: 8 pages", 4_000, 64),
     ("Qwen2-VL-2B tower (D 1,280), 4 pages", 4_000, 1_280),
 ]
 

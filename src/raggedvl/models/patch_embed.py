@@ -9,10 +9,13 @@ Every Qwen-VL family (``PatchEmbed`` of Qwen2-VL, ``Qwen2_5_VisionPatchEmbed``,
 stride=(T, p, p))`` applied to the rows viewed as [P, C, T, p, p]: the kernel covers the whole
 input and never slides, so the convolution is exactly ``x [P, K] @ W.view(D, K).T (+ bias)``
 with the same weight tensor. The general convolution kernels are slower on this shape, the
-weight gradient most: forward + backward on one CPU thread costs 2.6-3.2x less as a matrix
-product at the tiny preset's step sizes (D 32) and 4.0-4.4x less at Qwen2-VL-2B's tower width
-(D 1,280) (``benchmarks/patch_embed.py``, BENCHMARKS.md section 18). Both agree to float32 rounding (summation order only: ~4e-6 relative on outputs and weight
-gradients; float64 to ~1e-15).
+weight gradient most: forward + backward on one CPU thread costs 2.6-3.8x less as a matrix
+product at the tiny models' step sizes (D 32 and 64) and 4.0-4.4x less at Qwen2-VL-2B's tower width
+(D 1,280) (``benchmarks/patch_embed.py``, BENCHMARKS.md section 18). Both agree to float32 rounding (summation order only: ~4e-6 relative on outputs and
+weight gradients; float64 to ~1e-15), so a model that runs the convolution (transformers,
+colpali-engine, peft on an exported folder) gives embeddings within ~3e-7 of raggedvl's, not
+bit-equal. In bf16 on CPU the matrix product is the more accurate of the two (weight gradient
+0.4 % off a float64 reference, the convolution's 13-17 %, at D 64 and D 1,280).
 
 :func:`install_linear_patch_embed` turns such a convolution into a :class:`WholePatchConv3d`
 (a ``nn.Conv3d`` subclass, the same object with the same parameters): ``state_dict`` keys,
@@ -35,9 +38,9 @@ class WholePatchConv3d(nn.Conv3d):
     [P, D, 1, 1, 1], as the convolution's. Any other input runs the convolution."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 5 or tuple(x.shape[1:]) != (self.in_channels, *self.kernel_size):
-            return super().forward(x)
-        out = F.linear(x.reshape(x.shape[0], -1), self.weight.reshape(self.out_channels, -1), self.bias)
+        if x.dim() != 5 or x.shape[1] != self.in_channels or list(x.shape[2:]) != list(self.kernel_size):
+            return self._conv_forward(x, self.weight, self.bias)  # nn.Conv3d.forward (TorchScript has no super())
+        out = F.linear(x.flatten(1), self.weight.flatten(1), self.bias)
         return out.view(x.shape[0], self.out_channels, 1, 1, 1)
 
 
@@ -51,9 +54,10 @@ def is_whole_patch_conv(conv: nn.Module) -> bool:
 def install_linear_patch_embed(model: nn.Module) -> int:
     """Switch the patch embedding of every Qwen-VL vision tower inside ``model`` (the ``proj``
     Conv3d of each module whose class name ends in ``PatchEmbed``) to :class:`WholePatchConv3d`
-    (module docstring). Idempotent. Returns how many are matrix products now (0 for a model
-    without one, or whose ``proj`` is something else, e.g. a peft LoRA layer: left alone). Call
-    it before wrapping the model for DDP / FSDP2 or compiling it."""
+    (module docstring). Idempotent. Returns how many patch embeddings have a
+    :class:`WholePatchConv3d` as their ``proj`` now; one whose ``proj`` is another module (e.g. a
+    peft LoRA layer, even around a switched convolution) is left alone and not counted. Call it
+    before wrapping the model for DDP / FSDP2 or compiling it."""
     switched = 0
     for module in model.modules():
         proj = getattr(module, "proj", None)

@@ -20,7 +20,7 @@ grid from a file's header (no pixel is decoded) and ``ImagePolicy.prepare`` prod
 exactly that size; the processor then leaves the size unchanged. The pixels are those
 colpali-engine and transformers' ``ColQwen2Processor`` feed their models where torchvision is
 installed (the usual GPU setup): document embeddings equal colpali-engine 0.3.18's recorded ones
-(0 to 3e-7, where PIL's bicubic gives 1.4e-4). An orientation stored after the pixel data (a PNG
+(within 3.2e-7, where PIL's bicubic gives 1.4e-4). An orientation stored after the pixel data (a PNG
 ``eXIf`` chunk after ``IDAT``) is not read by either path.
 
 Input forms (``ImageSource``): a path (str or ``os.PathLike``), encoded bytes, a ``{"bytes",

@@ -44,7 +44,7 @@ class WholePatchConv3d(nn.Conv3d):
         return out.view(x.shape[0], self.out_channels, 1, 1, 1)
 
 
-def is_whole_patch_conv(conv: nn.Module) -> bool:
+def _is_whole_patch_conv(conv: nn.Module) -> bool:
     """True for a plain ``nn.Conv3d`` (or an already switched one) whose kernel equals its
     stride, with no padding, dilation or groups: a matrix product on one-window inputs."""
     return (type(conv) in (nn.Conv3d, WholePatchConv3d) and tuple(conv.kernel_size) == tuple(conv.stride)
@@ -61,7 +61,7 @@ def install_linear_patch_embed(model: nn.Module) -> int:
     switched = 0
     for module in model.modules():
         proj = getattr(module, "proj", None)
-        if type(module).__name__.endswith("PatchEmbed") and proj is not None and is_whole_patch_conv(proj):
+        if type(module).__name__.endswith("PatchEmbed") and proj is not None and _is_whole_patch_conv(proj):
             proj.__class__ = WholePatchConv3d
             switched += 1
     return switched

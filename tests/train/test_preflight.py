@@ -351,6 +351,24 @@ def test_checked_data_starts_the_ranks_without_torch(tmp_path):
                                         ("exec:--nproc-per-node=2", False, False)], results
 
 
+def test_reading_local_parquet_imports_neither_pandas_nor_pyarrow_dataset(tmp_path):
+    """The launcher's checks and the training set's loading read local parquet through
+    ``pq.ParquetFile`` and the memory-mapped Arrow cache: ``pq.read_table`` would import
+    ``pyarrow.dataset`` and with it pandas, ~50 MiB resident for the whole of a 1-process run,
+    which trains in the launching process (BENCHMARKS.md, "vs colpali-engine")."""
+    good = _parquet(tmp_path / "good.parquet")
+    code = ("import sys\n"
+            "from raggedvl.data.dataset import load_retrieval_dataset\n"
+            "from raggedvl.train import launch\n"
+            "from raggedvl.train.config import TrainConfig\n"
+            f"cfg = TrainConfig(dataset={good!r}, id_column='doc_id', eval_before=False, eval_after=False)\n"
+            "unchecked = launch.check_data(cfg)\n"
+            f"data = load_retrieval_dataset({good!r}, id_column='doc_id', cache_dir={str(tmp_path / 'cache')!r})\n"
+            "print(unchecked, len(data), 'pyarrow.dataset' in sys.modules, 'pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.stdout.split() == ["[]", "8", "False", "False"], out.stdout + out.stderr
+
+
 def test_what_the_launcher_cannot_check_without_torch_keeps_the_full_checks(tmp_path):
     """needs_torch: --resume and data check_data could not scan (a hub
     id, --eval-fraction, a BEIR folder as the evaluation set) send the launcher through the checks

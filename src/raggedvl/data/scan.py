@@ -300,13 +300,14 @@ def check_image_column(split: ParquetSplit, column: str, *, flag: str, query_col
 
 def read_column(split: ParquetSplit, column: str) -> list[Any]:
     """One column of the split as Python values, all files concatenated (for the small text
-    columns: queries, ids)."""
+    columns: queries, ids). Reads through ``pq.ParquetFile``: ``pq.read_table`` would import
+    ``pyarrow.dataset`` and with it pandas (~50 MiB resident in the training process)."""
     import pyarrow.parquet as pq
 
     values: list[Any] = []
     for f in split.files:
-        with reading_parquet(f):
-            values += pq.read_table(f, columns=[column]).column(column).to_pylist()
+        with reading_parquet(f), pq.ParquetFile(f) as parquet:
+            values += parquet.read(columns=[column]).column(column).to_pylist()
     return values
 
 

@@ -2,8 +2,14 @@
 
 Every ``interval_s`` the monitor walks the command's process and all its descendants and reads
 each one's RSS and PSS (``/proc/PID/smaps_rollup``; PSS divides shared pages among the
-processes that map them, so the sum over processes is the job's real footprint). It keeps, per
-process, the peak RSS and a role, and the peak over samples of the summed PSS.
+processes that map them, so the sum over processes is the job's real footprint) and the
+kernel's own peak RSS (``VmHWM`` of ``/proc/PID/status``: exact up to the last sample, however
+short the peak). It keeps, per process, the peak RSS (the larger of the sampled RSS and VmHWM)
+and a role, and the peak over samples of the summed PSS.
+
+The summed PSS has no kernel high-water mark: it is the largest sampled sum, so a peak shorter
+than the interval (e.g. one training step's activations) may be missed; a 1-process job's
+summed PSS is at most its process's peak RSS.
 
 Roles: ``torchrun`` (a ``torch.distributed.run`` process), ``worker`` (a child of torchrun, or
 the command itself when it trains in-process), ``launcher`` (the command when it starts
@@ -62,6 +68,18 @@ def process_tree(root_pid: int) -> list[psutil.Process]:
         return [root, *root.children(recursive=True)]
     except psutil.Error:
         return []
+
+
+def _high_water_mark(pid: int) -> int:
+    """``pid``'s peak resident set since it started or last exec'd (bytes; ``VmHWM``), 0 if unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _is_torchrun(cmdline: list[str]) -> bool:
@@ -126,7 +144,7 @@ class _Sampler(threading.Thread):
                     cmdline = fresh.get(proc.pid) or proc.cmdline()
                     role = _role(proc, self.root_pid, cmdline, self._torchrun)
                     entry = self.memory.procs[proc.pid] = ProcPeak(proc.pid, role, " ".join(cmdline), ppid=proc.ppid())
-                entry.peak_rss = max(entry.peak_rss, info.rss)
+                entry.peak_rss = max(entry.peak_rss, info.rss, _high_water_mark(proc.pid))
                 pss_sum += getattr(info, "pss", info.rss)
             except psutil.Error:
                 continue

@@ -7,6 +7,9 @@ Definitions (both sides alike):
   save, teardown);
 - padding: padded slots / all slots, summed over every rank's batches (pixel rows of
   ``pixel_values``; document and query tokens);
+- peak RSS per process: the kernel's high-water mark (VmHWM), read at every memory sample;
+  whole-job summed PSS: the largest sum over the job's processes at one sample, every 0.5 s
+  (``procmon``: a peak shorter than that may be missed);
 - loss: the global-batch loss per step; "at ln G" counts steps whose loss is within 5e-5 of
   ln(global batch), i.e. equal to it at 4 decimals (the collapsed value).
 """

@@ -128,6 +128,7 @@ class Trainer:
         self.model = wrap_model(self.c.model.to(info.device), strategy=cfg.strategy, device=info.device)
         groups = unwrap_model(self.model).parameter_groups(cfg.lr, cfg.head_lr, cfg.weight_decay)
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer.zero_grad(set_to_none=True)  # train_step expects none: it frees them after each step
         self.steps_per_epoch = len(self.c.sampler)
         self.total_steps = cfg.max_steps or cfg.epochs * self.steps_per_epoch
         self.scheduler = make_scheduler(self.optimizer, cfg, self.total_steps)
@@ -267,7 +268,6 @@ class Trainer:
         self.model.train()
         t1 = time.perf_counter()
         if self.cfg.grad_cache:  # chunked encode, one loss, replayed backward (raggedvl.gradcache)
-            self.optimizer.zero_grad(set_to_none=True)
             cached = grad_cache_step(self.model, queries, docs, loss_fn, budget=self.cfg.grad_cache_budget,
                                      autocast=self.autocast)
             loss, t2 = cached.loss, t1 + cached.encode_s
@@ -278,12 +278,14 @@ class Trainer:
             t2 = time.perf_counter()
             loss = loss_fn(q, d)
             doc_cosine = _doc_cosine(d)
-            self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
         # the norm before clipping (0: measured, not clipped); FSDP2 returns a DTensor. A tensor: read below
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
+        # freed now, not before the next backward: the next forward's activations never sit beside
+        # a full set of last step's gradients (parameter-sized; the peak is at the forward/backward turn)
+        self.optimizer.zero_grad(set_to_none=True)
         lrs = self.scheduler.get_last_lr()  # the rates this step used; after step() they are the next step's
         self.scheduler.step()
         n_skipped = len(batch.get("skipped", ()))

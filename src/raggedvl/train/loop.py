@@ -244,6 +244,7 @@ class Trainer:
                 self.sampler_position = indices.positions.popleft()
                 self.epoch = self.sampler_position[0]
                 yield batch
+                del batch  # not alive while the next one is collated (see run)
 
         return claimed()
 
@@ -375,6 +376,7 @@ class Trainer:
             for hook in self.step_hooks:
                 hook(info.rank, self.step)
             r = self.train_step(batch)
+            del batch  # free its pixel rows before the next batch is collated (with --data-workers 0, here)
             self.step += 1
             samples_done += sum(p.n_local for p in r.ranks)
             patches_done += sum(p.padding["pixel_rows"] for p in r.ranks)

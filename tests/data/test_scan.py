@@ -111,6 +111,28 @@ def test_a_folder_split_follows_datasets_file_order_and_names_the_file(tmp_path)
         parquet_split(folder, "test")
 
 
+def test_a_file_whose_columns_differ_from_the_first_is_named_not_a_traceback(tmp_path):
+    """read_column reads each file with pq.ParquetFile: a later file of the split without the
+    column (the split's columns are the first file's), or with it twice, is a ValueError naming
+    the file and its columns (the launcher's one line), not pyarrow's KeyError."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    first = _write(folder / "train-00000-of-00002.parquet", SIZES[:3])
+    renamed = folder / "train-00001-of-00002.parquet"
+    pq.write_table(pq.read_table(_write(renamed, SIZES[3:5])).rename_columns(["question", "image"]), str(renamed))
+    assert scan.read_column(parquet_split(first, "train"), "query") == ["q0", "q1", "q2"]
+    with pytest.raises(ValueError) as missing:
+        scan.read_column(parquet_split(folder, "train"), "query")
+    assert str(missing.value).startswith(f"{renamed} has no column 'query' (columns: ['question', 'image']), "
+                                         f"which {first} has")
+    twice = tmp_path / "twice.parquet"
+    pq.write_table(pa.table([pa.array(["a"]), pa.array(["b"]), pa.array([b"x"])], names=["query", "query", "image"]),
+                   str(twice))
+    with pytest.raises(ValueError, match=r"holds 2 columns named 'query' \(columns: \['query', 'query', 'image'\]\); "
+                                         "rename or drop the duplicates"):
+        scan.read_column(parquet_split(twice, "train"), "query")
+
+
 def test_the_loader_takes_the_cached_sizes_so_costs_read_no_image(tmp_path):
     path = _write(tmp_path / "pairs.parquet", SIZES, corrupt=(3,))
     unscanned = load_retrieval_dataset(str(path), on_bad_image="skip")

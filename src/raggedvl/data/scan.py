@@ -301,12 +301,23 @@ def check_image_column(split: ParquetSplit, column: str, *, flag: str, query_col
 def read_column(split: ParquetSplit, column: str) -> list[Any]:
     """One column of the split as Python values, all files concatenated (for the small text
     columns: queries, ids). Reads through ``pq.ParquetFile``: ``pq.read_table`` would import
-    ``pyarrow.dataset`` and with it pandas (~50 MiB resident in the training process)."""
+    ``pyarrow.dataset`` and with it pandas (~50 MiB resident in the training process).
+
+    Raises ``ValueError`` naming the file and its columns when a file lacks ``column`` (the
+    split's columns are those of its first file) or holds it more than once, and
+    ``UnreadableParquet`` for a file pyarrow cannot read."""
     import pyarrow.parquet as pq
 
     values: list[Any] = []
     for f in split.files:
         with reading_parquet(f), pq.ParquetFile(f) as parquet:
+            names = parquet.schema_arrow.names
+            if column not in names:  # the split's columns are its first file's
+                raise ValueError(f"{f} has no column {column!r} (columns: {names}), which {split.files[0]} has: every "
+                                 "parquet file of a split must hold the same columns; re-write or remove this file")
+            if names.count(column) > 1:
+                raise ValueError(f"{f} holds {names.count(column)} columns named {column!r} (columns: {names}); "
+                                 "rename or drop the duplicates")
             values += parquet.read(columns=[column]).column(column).to_pylist()
     return values
 

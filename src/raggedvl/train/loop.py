@@ -11,6 +11,7 @@ checkpoints; all ranks run the same number of steps (the sampler guarantees it).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from raggedvl.parallel import (
     barrier,
     full_state_dicts,
     init_distributed,
+    is_distributed,
     load_full_state_dicts,
     report_failure,
     shutdown,
@@ -513,6 +515,18 @@ def _doc_cosine(docs) -> torch.Tensor:
         return mean_pairwise_cosine(emb, as_tensor=True)
 
 
+def release_wrapped_model(trainer: Trainer) -> None:
+    """Free ``trainer``'s DDP / FSDP2 wrapper while the process group is still registered.
+    DDP's reducer holds a reference to the group; freed after ``destroy_process_group`` it is
+    the last one, and ``~ProcessGroupGloo`` then joins gloo's threads while holding the GIL
+    that a finishing gloo work item waits for: the rank hangs after its summary (seen once in
+    33 two-process runs; pytorch/pytorch#56297). Freed here, ``destroy_process_group`` drops
+    the group's last reference itself."""
+    trainer.model = None
+    if is_distributed():
+        gc.collect()  # DDP's wrapper sits in reference cycles (its hooks)
+
+
 def train(cfg: TrainConfig, *, data: RunData | None = None, clock: StartupClock | None = None) -> dict[str, Any]:
     """Run one training job in this process (one rank of a torchrun job, or a single process).
 
@@ -551,6 +565,7 @@ def train(cfg: TrainConfig, *, data: RunData | None = None, clock: StartupClock 
     finally:
         if trainer is not None:
             trainer.watchdog.stop()
+            release_wrapped_model(trainer)
         shutdown()
         if sigint is not None:
             restore_sigint(sigint)

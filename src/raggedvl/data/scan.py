@@ -168,7 +168,8 @@ def parquet_split(name_or_path: str | os.PathLike, split: str) -> ParquetSplit |
     :func:`file_split`; ``split`` aliases as in ``pick_split``) or of a folder of parquet files; None for
     anything else (an rdocs manifest, an image folder, a folder with a dataset card, a hub id),
     which only the full loader reads, and a BEIR layout (:func:`is_beir_layout`). Raises ``ValueError`` naming the splits present when the
-    split is missing."""
+    split is missing, and naming the file and its columns when a file holds a column name twice
+    or other columns than the split's first file (``datasets`` could not read such a split either)."""
 
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".parquet":
@@ -186,8 +187,17 @@ def parquet_split(name_or_path: str | os.PathLike, split: str) -> ParquetSplit |
     if not files or any(f.suffix != ".parquet" for f in files):
         return None
     metadata = [_metadata(f) for f in files]
-    return ParquetSplit(tuple(files), base, tuple(metadata[0].schema.to_arrow_schema().names),
-                        tuple(m.num_rows for m in metadata), f"{name_or_path} split {split!r}")
+    columns = [m.schema.to_arrow_schema().names for m in metadata]
+    for f, names in zip(files, columns):
+        if len(set(names)) < len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"{f} holds columns named {twice} more than once (columns: {names}); rename or drop the "
+                             "duplicates")
+        if set(names) != set(columns[0]):
+            raise ValueError(f"{f} has the columns {names}, {files[0]} has {columns[0]}: every parquet file of a split "
+                             "must hold the same columns; re-write or remove this file")
+    return ParquetSplit(tuple(files), base, tuple(columns[0]), tuple(m.num_rows for m in metadata),
+                        f"{name_or_path} split {split!r}")
 
 
 def beir_part(root: Path, stem: str) -> Path | None:
@@ -300,24 +310,15 @@ def check_image_column(split: ParquetSplit, column: str, *, flag: str, query_col
 
 def read_column(split: ParquetSplit, column: str) -> list[Any]:
     """One column of the split as Python values, all files concatenated (for the small text
-    columns: queries, ids). Reads through ``pq.ParquetFile``: ``pq.read_table`` would import
-    ``pyarrow.dataset`` and with it pandas (~50 MiB resident in the training process).
-
-    Raises ``ValueError`` naming the file and its columns when a file lacks ``column`` (the
-    split's columns are those of its first file) or holds it more than once, and
-    ``UnreadableParquet`` for a file pyarrow cannot read."""
+    columns: queries, ids; every file holds each column once: :func:`parquet_split`). Reads
+    through ``pq.ParquetFile``: ``pq.read_table`` would import ``pyarrow.dataset`` and with it
+    pandas (~50 MiB resident in the training process). Raises ``UnreadableParquet`` for a file
+    pyarrow cannot read."""
     import pyarrow.parquet as pq
 
     values: list[Any] = []
     for f in split.files:
         with reading_parquet(f), pq.ParquetFile(f) as parquet:
-            names = parquet.schema_arrow.names
-            if column not in names:  # the split's columns are its first file's
-                raise ValueError(f"{f} has no column {column!r} (columns: {names}), which {split.files[0]} has: every "
-                                 "parquet file of a split must hold the same columns; re-write or remove this file")
-            if names.count(column) > 1:
-                raise ValueError(f"{f} holds {names.count(column)} columns named {column!r} (columns: {names}); "
-                                 "rename or drop the duplicates")
             values += parquet.read(columns=[column]).column(column).to_pylist()
     return values
 

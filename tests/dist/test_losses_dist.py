@@ -5,7 +5,9 @@ float64 encoder and backpropagates its loss share L_r. The single-process refere
 concatenated global batch with an identical unwrapped copy and evaluates the naive loss of
 ``tests/losses/reference.py``. Claims: sum_r L_r / W equals the reference loss and every
 parameter gradient after DDP's average equals the reference gradient, within 1e-10.
-Cases C05 (one different pair per rank) and C06 (700 vs 300 document vectors).
+Cases C05 (one different pair per rank) and C06 (700 vs 300 document vectors); the "false
+negatives" cases pass document and query keys with duplicates across ranks, and the reference
+removes the same (query, candidate) pairs, found by explicit loops.
 """
 
 import copy
@@ -46,10 +48,10 @@ class _Pipeline(nn.Module):
             n = n * nm[..., None]
         return q, qm, d, dm, n, nm
 
-    def forward(self, qf, df, nf, masks=None):
+    def forward(self, qf, df, nf, masks=None, **keys):
         if masks is None:
-            return self.loss(*self.embed(qf, df, nf))
-        return self.loss(*self.embed(qf, df, nf, masks))
+            return self.loss(*self.embed(qf, df, nf), **keys)
+        return self.loss(*self.embed(qf, df, nf, masks), **keys)
 
 
 def _k(cfg, rank):
@@ -84,16 +86,44 @@ def _make_loss(cfg, gather):
     return PairwiseLoss(gather_across_ranks=gather)
 
 
-def _reference_loss(model, cfg, global_feats, global_masks):
+def _keys(cfg, world):
+    """Per-rank document and query keys with duplicates inside and across ranks: positive g has
+    page g % 3, hard negative j page (2 j) % 5 (pages 0-2 are also positives), queries g and g + 1
+    share their text when g is even. None when the case has no keys."""
+    if not cfg.get("keys"):
+        return None
+    per_rank, start, neg_start = [], 0, 0
+    for r in range(world):
+        n, m = cfg["counts"][r], cfg["counts"][r] * _k(cfg, r)
+        g = torch.arange(start, start + n)
+        per_rank.append(dict(doc_keys=g % 3, query_keys=g // 2,
+                             neg_keys=(2 * torch.arange(neg_start, neg_start + m)) % 5))
+        start, neg_start = start + n, neg_start + m
+    return per_rank
+
+
+def _reference_mask(cfg, keys):
+    if keys is None:
+        return {}
+    pos, negs, queries = (torch.cat([k[name] for k in keys]) for name in ("doc_keys", "neg_keys", "query_keys"))
+    mask = ref.relevance_mask(pos, torch.cat([pos, negs]), queries)
+    if not mask.any():
+        raise AssertionError(f"{cfg['name']}: test data too weak, nothing to mask")
+    return dict(mask=mask, d2q_mask=ref.document_relevance_mask(pos, queries))
+
+
+def _reference_loss(model, cfg, global_feats, global_masks, masks=None):
+    masks = masks or {}
     if cfg["loss"] == "infonce":
         q, d, n = model.embed(*global_feats)
         n = n if n.shape[0] else None
-        return ref.info_nce(q, d, n, scale=model.loss.logit_scale(), symmetric=cfg.get("symmetric", False))
+        return ref.info_nce(q, d, n, scale=model.loss.logit_scale(), symmetric=cfg.get("symmetric", False), **masks)
     q, qm, d, dm, n, nm = model.embed(*global_feats, global_masks)
     n, nm = (n, nm) if n.shape[0] else (None, None)
+    mask = masks.get("mask")
     if cfg["loss"] == "late":
-        return ref.late_interaction(q, qm, d, dm, n, nm, temperature=0.3)
-    return ref.pairwise(q, qm, d, dm, n, nm)
+        return ref.late_interaction(q, qm, d, dm, n, nm, temperature=0.3, mask=mask)
+    return ref.pairwise(q, qm, d, dm, n, nm, mask=mask)
 
 
 def _global_batch(cfg, world):
@@ -123,14 +153,25 @@ def _check(rank, world, cfg):
     if not _k(cfg, rank):
         feats = [feats[0], feats[1], None]
         masks = None if masks is None else [masks[0], masks[1], None]
+    keys = _keys(cfg, world)
+    local_keys = {} if keys is None else dict(keys[rank])
+    if keys is not None and not _k(cfg, rank):
+        local_keys.pop("neg_keys")
     ddp = DistributedDataParallel(model)
-    local = ddp(*feats) if masks is None else ddp(*feats, masks)
+    local = ddp(*feats, **local_keys) if masks is None else ddp(*feats, masks, **local_keys)
     local.backward()
-    expected = _reference_loss(reference, cfg, global_feats, global_masks)
+    ref_masks = _reference_mask(cfg, keys)
+    expected = _reference_loss(reference, cfg, global_feats, global_masks, ref_masks)
     expected.backward()
     grad_err = max(
         (p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), reference.parameters())
     )
+    if ref_masks:  # this rank's count of masked pairs = the reference mask's rows of its queries
+        start = sum(cfg["counts"][:rank])
+        expected_count = int(ref_masks["mask"][start:start + cfg["counts"][rank]].sum())
+        if int(model.loss.false_negatives) != expected_count:
+            raise AssertionError(f"{cfg['name']}: rank {rank} counted {int(model.loss.false_negatives)} "
+                                 f"false negatives, the reference {expected_count}")
     return cfg["name"], local.item(), expected.item(), grad_err
 
 
@@ -180,6 +221,9 @@ W2 = [
     _cfg("pairwise negs", "pairwise", [2, 1], 1, doc_len=[6, 3], neg_len=[2, 5]),
     _cfg("infonce negs on rank 0 only", "infonce", [1, 2], [2, 0]),
     _cfg("late interaction negs on rank 1 only", "late", [2, 2], [0, 1], doc_len=[4, 6], neg_len=[0, 3]),
+    _cfg("infonce symmetric false negatives", "infonce", [3, 2], 1, symmetric=True, keys=True),
+    _cfg("late interaction false negatives", "late", [2, 3], 2, doc_len=[5, 9], neg_len=[4, 7], keys=True),
+    _cfg("pairwise false negatives", "pairwise", [3, 2], [1, 0], doc_len=[6, 3], neg_len=[2, 0], keys=True),
 ]
 W3 = [
     _cfg("infonce negs", "infonce", [3, 1, 2], 2),
@@ -189,6 +233,8 @@ W3 = [
     _cfg("late interaction negs", "late", [3, 1, 2], 2, doc_len=[6, 11, 3], neg_len=[3, 8, 1]),
     _cfg("pairwise", "pairwise", [3, 1, 2], 0, doc_len=[4, 2, 7]),
     _cfg("pairwise negs", "pairwise", [3, 1, 2], 2, doc_len=[4, 2, 7], neg_len=[5, 5, 2]),
+    _cfg("infonce false negatives", "infonce", [3, 1, 2], [1, 0, 2], keys=True),
+    _cfg("late interaction false negatives", "late", [3, 1, 2], 1, doc_len=[6, 11, 3], neg_len=[3, 8, 1], keys=True),
 ]
 
 

@@ -19,18 +19,43 @@ def maxsim(q, qmask, d, dmask):
     return best.sum(dim=-1)
 
 
-def _ce_mean(logits, labels):
+def relevance_mask(pos_keys, cand_keys, query_keys=None):
+    """False negatives by explicit loops: ``[N, C]`` bool, True where candidate c is a document
+    relevant to query i (its own positive's key, or a positive key of any query with the same
+    query key) and c is not query i's own positive column i."""
+    n, c = len(pos_keys), len(cand_keys)
+    mask = torch.zeros(n, c, dtype=torch.bool)
+    for i in range(n):
+        same = [j for j in range(n) if (query_keys is None and j == i)
+                or (query_keys is not None and int(query_keys[j]) == int(query_keys[i]))]
+        relevant = {int(pos_keys[j]) for j in same}
+        for col in range(c):
+            mask[i, col] = col != i and int(cand_keys[col]) in relevant
+    return mask
+
+
+def document_relevance_mask(pos_keys, query_keys=None):
+    """Document-to-query false negatives by loops: ``[N, N]``, True where document i (query i's
+    positive) is relevant to query j != i."""
+    full = relevance_mask(pos_keys, pos_keys, query_keys)  # [query j, document i]
+    return full.T.clone()
+
+
+def _ce_mean(logits, labels, mask=None):
+    if mask is not None:
+        logits = logits.masked_fill(mask, float("-inf"))
     picked = logits[torch.arange(len(labels)), labels]
     return (torch.logsumexp(logits, dim=1) - picked).mean()
 
 
-def info_nce(q, d, negs=None, scale=50.0, symmetric=False):
-    """Mean InfoNCE of N queries over [N positives, M negatives]; optional doc->query term."""
+def info_nce(q, d, negs=None, scale=50.0, symmetric=False, mask=None, d2q_mask=None):
+    """Mean InfoNCE of N queries over [N positives, M negatives]; optional doc->query term;
+    ``mask`` [N, N+M] / ``d2q_mask`` [N, N]: candidates removed from the denominators."""
     cands = d if negs is None else torch.cat([d, negs])
     labels = torch.arange(q.shape[0])
-    loss = _ce_mean(q @ cands.T * scale, labels)
+    loss = _ce_mean(q @ cands.T * scale, labels, mask)
     if symmetric:
-        loss = 0.5 * (loss + _ce_mean(d @ q.T * scale, labels))
+        loss = 0.5 * (loss + _ce_mean(d @ q.T * scale, labels, d2q_mask))
     return loss
 
 
@@ -43,17 +68,19 @@ def _li_scores(q, qmask, d, dmask, negs, nmask, normalize):
     return scores
 
 
-def late_interaction(q, qmask, d, dmask, negs=None, nmask=None, temperature=0.02, normalize=True):
+def late_interaction(q, qmask, d, dmask, negs=None, nmask=None, temperature=0.02, normalize=True, mask=None):
     scores = _li_scores(q, qmask, d, dmask, negs, nmask, normalize)
-    return _ce_mean(scores / temperature, torch.arange(q.shape[0]))
+    return _ce_mean(scores / temperature, torch.arange(q.shape[0]), mask)
 
 
-def pairwise(q, qmask, d, dmask, negs=None, nmask=None, normalize=False):
+def pairwise(q, qmask, d, dmask, negs=None, nmask=None, normalize=False, mask=None):
     scores = _li_scores(q, qmask, d, dmask, negs, nmask, normalize)
     n = q.shape[0]
     pos = scores[torch.arange(n), torch.arange(n)]
     others = scores.clone()
     others[torch.arange(n), torch.arange(n)] = float("-inf")
+    if mask is not None:
+        others = others.masked_fill(mask, float("-inf"))
     return torch.nn.functional.softplus(others.max(dim=1).values - pos).mean()
 
 

@@ -20,6 +20,8 @@ replays each micro-batch's backward with the cached embedding gradients.
 
 from raggedvl.losses.functional import (
     cross_entropy_terms,
+    document_false_negative_mask,
+    false_negative_mask,
     global_mean_share,
     pairwise_terms,
     positive_labels,
@@ -37,6 +39,8 @@ __all__ = [
     "RetrievalLoss",
     "check_late_interaction_inputs",
     "cross_entropy_terms",
+    "document_false_negative_mask",
+    "false_negative_mask",
     "global_mean_share",
     "late_interaction_scores",
     "loss_with_negatives",

@@ -65,12 +65,15 @@ def cross_entropy_terms(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits, labels, reduction="none")
 
 
-def pairwise_terms(scores: torch.Tensor, labels: torch.Tensor, *, allow_no_negative: bool = False) -> torch.Tensor:
+def pairwise_terms(scores: torch.Tensor, labels: torch.Tensor, *, allow_no_negative: bool = False,
+                   exclude: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row pairwise terms ``[n]``: ``softplus(max_{c != label} scores[i, c] - scores[i, label])``.
 
     The hardest negative of each query is the best-scoring candidate other than its own positive
-    (ColPali's ``ColbertPairwiseCELoss``, Faysse et al. 2024). With fewer than 2 candidates there
-    is no negative: ``ValueError`` (the candidate count is global, so every rank raises), or, with
+    (ColPali's ``ColbertPairwiseCELoss``, Faysse et al. 2024) and the candidates ``exclude`` marks
+    (bool ``[n, C]``, e.g. :func:`false_negative_mask`); a query whose candidates are all
+    excluded gets a term of 0 with zero gradient. With fewer than 2 candidates there is no
+    negative: ``ValueError`` (the candidate count is global, so every rank raises), or, with
     ``allow_no_negative`` (a batch whose repeats were dropped), terms of 0 with zero gradient.
     """
     n_cand = scores.shape[1]
@@ -83,6 +86,8 @@ def pairwise_terms(scores: torch.Tensor, labels: torch.Tensor, *, allow_no_negat
         )
     positive = scores.gather(1, labels[:, None]).squeeze(1)
     own = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, labels[:, None], True)
+    if exclude is not None:
+        own = own | exclude
     hardest = scores.masked_fill(own, float("-inf")).amax(dim=1)
     return F.softplus(hardest - positive)
 
@@ -97,3 +102,66 @@ def global_mean_share(terms: torch.Tensor, world_size: int, global_count: int) -
     if global_count < 1:
         raise ValueError(f"the global batch is empty (N={global_count}); nothing to average")
     return terms.sum() * (world_size / global_count)
+
+
+def false_negative_mask(
+    labels: torch.Tensor,
+    positive_keys: torch.Tensor,
+    candidate_keys: torch.Tensor,
+    *,
+    query_keys: torch.Tensor | None = None,
+    all_query_keys: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which candidates are the same document as one of a query's relevant documents: ``[n, C]`` bool.
+
+    ``labels`` [n] int64: each local query's own positive column. ``positive_keys`` [N] int64:
+    the document key of every positive of the global batch (column j is global query j's
+    positive). ``candidate_keys`` [C] int64: the key of every candidate column (the N positives,
+    then the hard negatives). Two candidates with equal keys are the same document (a corpus id
+    or a hash of the page content). A query's relevant documents are its own positive and, when
+    query keys are given, the positives of every query of the global batch with the same key
+    (``query_keys`` [n] for the local queries, ``all_query_keys`` [N] for the global batch:
+    equal keys = the same query text, e.g. several pages answer one question).
+
+    ``mask[i, c]`` is True when candidate c is one of query i's relevant documents and not its
+    own label column: such a candidate is a false negative, to be removed from the query's
+    softmax denominator (in-batch false-negative filtering, as in colpali-engine's contrastive
+    losses and sentence-transformers' no-duplicates sampling; positive-aware negatives,
+    Moreira et al., "NV-Retriever", 2024). Pure: no communication. Raises ``ValueError`` for
+    mismatched lengths.
+    """
+    n, total = labels.shape[0], positive_keys.shape[0]
+    if (query_keys is None) != (all_query_keys is None):
+        raise ValueError("pass query_keys and all_query_keys together (or neither)")
+    if query_keys is None:
+        relevant = positive_keys[labels][:, None] == candidate_keys[None, :]
+    else:
+        if query_keys.shape[0] != n or all_query_keys.shape[0] != total:
+            raise ValueError(
+                f"query_keys has {query_keys.shape[0]} rows for {n} queries and all_query_keys "
+                f"{all_query_keys.shape[0]} for {total} positives; pass one key per query"
+            )
+        same_query = (query_keys[:, None] == all_query_keys[None, :]).to(torch.float32)
+        same_page = (positive_keys[:, None] == candidate_keys[None, :]).to(torch.float32)
+        relevant = (same_query @ same_page) > 0  # integer counts, exact in float32 below 2**24
+    return relevant.scatter(1, labels[:, None], False)
+
+
+def document_false_negative_mask(
+    labels: torch.Tensor,
+    positive_keys: torch.Tensor,
+    all_query_keys: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """For the document-to-query direction: which of the N queries each local positive is relevant
+    to, besides its own query: ``[n, N]`` bool.
+
+    ``labels`` [n]: the global index of each local positive (= its own query). ``positive_keys``
+    [N] and ``all_query_keys`` [N] (optional) as in :func:`false_negative_mask`: document
+    ``labels[i]`` is relevant to query j when some query l with query j's key has a positive with
+    the document's key. Pure: no communication.
+    """
+    same_page = positive_keys[labels][:, None] == positive_keys[None, :]
+    if all_query_keys is not None:
+        same_query = (all_query_keys[:, None] == all_query_keys[None, :]).to(torch.float32)
+        same_page = (same_page.to(torch.float32) @ same_query) > 0
+    return same_page.scatter(1, labels[:, None], False)

@@ -25,17 +25,31 @@ the local batch. Samples marked False (accelerate's repeats that complete the la
 negative on any rank, their embeddings get zero gradient, and N is the number of real samples
 of all ranks, so the identity above holds for the real global batch. Pass ``valid`` on every
 rank or on none.
+
+False negatives: ``doc_keys`` (int64 ``[n]``, keyword-only, optional) names the document of each
+positive and ``neg_keys`` (int64 ``[n*k]``) that of each hard negative; equal keys are the same
+document (a corpus id, or a hash of the page content). ``query_keys`` (int64 ``[n]``, optional)
+names each query's text: queries with equal keys are one query with all their positives
+relevant. With keys, a candidate that is one of a query's relevant documents (another query's
+positive or any hard negative, on any rank) is removed from that query's softmax denominator
+(:func:`raggedvl.losses.functional.false_negative_mask`) instead of being pushed away; the
+keys cost one more ``all_gather_variable`` (no gradient). After each call ``false_negatives``
+holds the number of masked (local query, candidate) pairs, an int64 0-dim tensor: sum it over
+ranks for the global batch. Pass keys on every rank or on none.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from raggedvl.losses.functional import (
     cross_entropy_terms,
+    document_false_negative_mask,
+    false_negative_mask,
     global_mean_share,
     pairwise_terms,
     positive_labels,
@@ -58,6 +72,55 @@ def _negatives_per_query(n: int, neg_rows: int) -> int:
     return neg_rows // n if n else 0
 
 
+def _check_keys(n: int, neg_rows: int, doc_keys, neg_keys, query_keys) -> None:
+    """Local checks of the document and query keys (before any collective)."""
+    if doc_keys is None:
+        if neg_keys is not None or query_keys is not None:
+            raise ValueError("neg_keys and query_keys need doc_keys: pass the key of every positive too")
+        return
+    expected = {"doc_keys": (doc_keys, n), "neg_keys": (neg_keys, neg_rows), "query_keys": (query_keys, n)}
+    for name, (keys, rows) in expected.items():
+        if keys is None:
+            if name == "neg_keys" and neg_rows:
+                raise ValueError(f"neg_keys is missing for {neg_rows} hard negatives; pass one key per hard negative")
+            continue
+        if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or tuple(keys.shape) != (rows,):
+            got = f"{keys.dtype} {list(keys.shape)}" if isinstance(keys, torch.Tensor) else type(keys).__name__
+            raise ValueError(f"{name} must be an int64 tensor [{rows}] (one key per row), got {got}")
+
+
+class _GatheredKeys(NamedTuple):
+    positives: torch.Tensor  # [N]
+    candidates: torch.Tensor  # [N + M]: positives, then hard negatives, rank-ordered
+    local_queries: torch.Tensor | None  # [n]
+    queries: torch.Tensor | None  # [N]
+
+
+def _gather_keys(doc_keys, neg_keys, query_keys, counts, world, group) -> _GatheredKeys:
+    """All ranks' keys in candidate order; one ``all_gather_variable`` of the packed local keys."""
+    neg_keys = doc_keys.new_zeros(0) if neg_keys is None else neg_keys
+    parts = [doc_keys] + ([] if query_keys is None else [query_keys])
+    if world == 1:
+        return _GatheredKeys(doc_keys, torch.cat([doc_keys, neg_keys]), query_keys, query_keys)
+    packed = all_gather_variable(torch.cat(parts + [neg_keys]), group=group, tag="keys")
+    positives, queries, negatives = [], [], []
+    for n_r, start, size in zip(counts, packed.offsets, packed.counts):
+        segment = packed.values[start:start + size]
+        positives.append(segment[:n_r])
+        if query_keys is not None:
+            queries.append(segment[n_r:2 * n_r])
+        negatives.append(segment[len(parts) * n_r:])
+    positives = torch.cat(positives)
+    return _GatheredKeys(
+        positives, torch.cat([positives] + negatives), query_keys,
+        None if query_keys is None else torch.cat(queries),
+    )
+
+
+def _rows_of(keys, rows):
+    return None if keys is None else keys[rows.to(keys.device)]
+
+
 def _check_temperature(temperature: float) -> None:
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (logits are divided by it), got {temperature}")
@@ -68,6 +131,7 @@ class _CrossRankLoss(nn.Module):
         super().__init__()
         self.gather_across_ranks = gather_across_ranks
         self.group = group
+        self.false_negatives = torch.zeros((), dtype=torch.int64)
 
     def _world(self) -> tuple[int, int]:
         if not self.gather_across_ranks:
@@ -133,7 +197,8 @@ class InfoNCELoss(_CrossRankLoss):
             return 1.0 / self.temperature
         return self.log_logit_scale.clamp(max=math.log(self.max_logit_scale)).exp()
 
-    def forward(self, query_emb, doc_emb, neg_emb=None, *, valid=None):
+    def forward(self, query_emb, doc_emb, neg_emb=None, *, valid=None, doc_keys=None, neg_keys=None,
+                query_keys=None):
         if query_emb.dim() != 2 or tuple(query_emb.shape) != tuple(doc_emb.shape):
             raise ValueError(
                 f"InfoNCELoss needs query_emb and doc_emb of the same shape [n, D]; got "
@@ -148,9 +213,11 @@ class InfoNCELoss(_CrossRankLoss):
                 f"dtypes differ: query {query_emb.dtype}, doc {doc_emb.dtype}, neg {neg_emb.dtype}"
             )
         k = _negatives_per_query(query_emb.shape[0], neg_emb.shape[0])
+        _check_keys(query_emb.shape[0], neg_emb.shape[0], doc_keys, neg_keys, query_keys)
         if valid is not None:  # repeats leave before any gather: never a query nor a candidate
             pairs, negs = real_rows(valid.to(query_emb.device), query_emb.shape[0], k)
             query_emb, doc_emb, neg_emb = query_emb[pairs], doc_emb[pairs], neg_emb[negs]
+            doc_keys, query_keys, neg_keys = _rows_of(doc_keys, pairs), _rows_of(query_keys, pairs), _rows_of(neg_keys, negs)
         rank, world = self._world()
         docs = all_gather_variable(doc_emb, group=self.group, tag="positives") if world > 1 else None
         all_docs = docs.values if docs else doc_emb
@@ -165,9 +232,20 @@ class InfoNCELoss(_CrossRankLoss):
         scale = self.logit_scale()
         labels = positive_labels(counts, rank, device=query_emb.device)
         logits = query_emb @ torch.cat([all_docs, all_negs]).T * scale
+        d2q = doc_emb @ all_queries.T * scale if self.symmetric else None
+        if doc_keys is not None:
+            keys = _gather_keys(doc_keys, neg_keys, query_keys, counts, world, self.group)
+            masked = false_negative_mask(labels, keys.positives, keys.candidates,
+                                         query_keys=keys.local_queries, all_query_keys=keys.queries)
+            self.false_negatives = masked.sum()
+            logits = logits.masked_fill(masked, float("-inf"))
+            if d2q is not None:
+                d2q = d2q.masked_fill(document_false_negative_mask(labels, keys.positives, keys.queries), float("-inf"))
+        else:
+            self.false_negatives = torch.zeros((), dtype=torch.int64)
         terms = cross_entropy_terms(logits, labels)
         if self.symmetric:
-            terms = 0.5 * (terms + cross_entropy_terms(doc_emb @ all_queries.T * scale, labels))
+            terms = 0.5 * (terms + cross_entropy_terms(d2q, labels))
         return global_mean_share(terms, world, sum(counts))
 
 
@@ -177,10 +255,12 @@ class _MultiVectorLoss(_CrossRankLoss):
         self.normalize_by_query_length = normalize_by_query_length
         self.block_elements = block_elements
 
-    def _terms(self, scores: torch.Tensor, labels: torch.Tensor, repeats_dropped: bool) -> torch.Tensor:
+    def _terms(self, scores: torch.Tensor, labels: torch.Tensor, repeats_dropped: bool,
+               masked: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, query_emb, query_mask, doc_emb, doc_mask, neg_emb=None, neg_mask=None, *, valid=None):
+    def forward(self, query_emb, query_mask, doc_emb, doc_mask, neg_emb=None, neg_mask=None, *, valid=None,
+                doc_keys=None, neg_keys=None, query_keys=None):
         n, dim = query_emb.shape[0], query_emb.shape[-1]
         if doc_emb.dim() != 3 or doc_emb.shape[0] != n:
             raise ValueError(
@@ -195,10 +275,12 @@ class _MultiVectorLoss(_CrossRankLoss):
         # local checks of every tensor before any collective (raises ValueError/TypeError)
         check_late_interaction_inputs(query_emb, query_mask, doc_emb, doc_mask)
         check_late_interaction_inputs(query_emb, query_mask, neg_emb, neg_mask, doc_name="hard negatives")
+        _check_keys(n, neg_emb.shape[0], doc_keys, neg_keys, query_keys)
         if valid is not None:  # repeats leave before any gather: never a query nor a candidate
             pairs, negs = real_rows(valid.to(query_emb.device), n, k)
             query_emb, query_mask, doc_emb, doc_mask = query_emb[pairs], query_mask[pairs], doc_emb[pairs], doc_mask[pairs]
             neg_emb, neg_mask = neg_emb[negs], neg_mask[negs]
+            doc_keys, query_keys, neg_keys = _rows_of(doc_keys, pairs), _rows_of(query_keys, pairs), _rows_of(neg_keys, negs)
         rank, world = self._world()
         counts = [query_emb.shape[0]]
         if world > 1:
@@ -218,7 +300,15 @@ class _MultiVectorLoss(_CrossRankLoss):
         if self.normalize_by_query_length:
             scores = scores / query_mask.sum(dim=1, keepdim=True).clamp(min=1).to(scores.dtype)
         labels = positive_labels(counts, rank, device=query_emb.device)
-        return global_mean_share(self._terms(scores, labels, valid is not None), world, sum(counts))
+        masked = None
+        if doc_keys is not None:
+            keys = _gather_keys(doc_keys, neg_keys, query_keys, counts, world, self.group)
+            masked = false_negative_mask(labels, keys.positives, keys.candidates,
+                                         query_keys=keys.local_queries, all_query_keys=keys.queries)
+            self.false_negatives = masked.sum()
+        else:
+            self.false_negatives = torch.zeros((), dtype=torch.int64)
+        return global_mean_share(self._terms(scores, labels, valid is not None, masked), world, sum(counts))
 
 
 class LateInteractionLoss(_MultiVectorLoss):
@@ -255,8 +345,11 @@ class LateInteractionLoss(_MultiVectorLoss):
         _check_temperature(temperature)
         self.temperature = temperature
 
-    def _terms(self, scores, labels, repeats_dropped):
-        return cross_entropy_terms(scores / self.temperature, labels)
+    def _terms(self, scores, labels, repeats_dropped, masked):
+        logits = scores / self.temperature
+        if masked is not None:
+            logits = logits.masked_fill(masked, float("-inf"))
+        return cross_entropy_terms(logits, labels)
 
 
 class PairwiseLoss(_MultiVectorLoss):
@@ -281,5 +374,5 @@ class PairwiseLoss(_MultiVectorLoss):
     ) -> None:
         super().__init__(normalize_by_query_length, gather_across_ranks, group, block_elements)
 
-    def _terms(self, scores, labels, repeats_dropped):
-        return pairwise_terms(scores, labels, allow_no_negative=repeats_dropped)
+    def _terms(self, scores, labels, repeats_dropped, masked):
+        return pairwise_terms(scores, labels, allow_no_negative=repeats_dropped, exclude=masked)

@@ -93,7 +93,8 @@ def _identical_pages(root, n_train=12, n_dev=4):
 def test_a_collapsed_run_warns_and_stops_when_asked(tmp_path, capsys):
     data = _identical_pages(tmp_path / "data")
     common = dict(dataset=str(data), max_train_samples=None, max_eval_samples=None, global_batch_size=4, max_steps=8,
-                  warmup_steps=1, eval_before=False, eval_after=False, checkpoint_every=100, collapse_patience=3)
+                  warmup_steps=1, eval_before=False, eval_after=False, checkpoint_every=100, collapse_patience=3,
+                  false_negatives="keep")  # identical pages are one document: masked, no negative would be left
     summary = train(TrainConfig(**common, output_dir=str(tmp_path / "warn")))
     out = capsys.readouterr()
     assert summary["collapsed"] and not summary["stopped_by_collapse"]

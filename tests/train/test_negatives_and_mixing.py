@@ -137,7 +137,8 @@ def test_with_hard_negatives_the_chance_loss_counts_them_every_step(tmp_path, sm
     run = tmp_path / "run"
     summary = train(TrainConfig(dataset=path, negatives_column="negs", max_steps=3, global_batch_size=4, warmup_steps=1,
                                 eval_before=False, eval_after=False, collapse_patience=2, checkpoint_every=100,
-                                output_dir=str(run), data_cache=str(small_data_cache)))
+                                output_dir=str(run), data_cache=str(small_data_cache),
+                                false_negatives="keep"))  # identical pages: masked, no candidate would be left
     records = _records(run)
     steps = [r for r in records if r.get("event") == "train"]
     assert [r["step"] for r in steps] == [1, 2, 3]

@@ -30,7 +30,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch
+
 from raggedvl.batch import RaggedBatch
+from raggedvl.data.keys import image_key, text_key
 from raggedvl.families import processor_batch_format
 from raggedvl.images import BadImageError, BadImagePolicy, ImagePolicy, check_bad_image_policy
 from raggedvl.prompts import DEFAULT_PROMPTS, DOC_TEMPLATE, IMAGE_BLOCK, QUERY_AUGMENTATION, QUERY_TEMPLATE, RetrievalPrompts
@@ -57,6 +60,10 @@ class RetrievalCollator:
     each), ``ids`` (B example ids, in order), ``skipped`` (list of ``{"id", "reason"}``, the reason
     the short cause, ``BadImageError.reason``), and,
     when the examples hold hard negatives, ``negatives`` (RaggedBatch, B*k rows, query-major).
+    ``doc_keys`` [B], ``neg_keys`` [B*k] and ``query_keys`` [B] (int64) name each positive's and
+    hard negative's page (an example's ``doc_key`` / ``negative_keys``, else the key of the
+    decoded image) and each query's text (:mod:`raggedvl.data.keys`): the losses' false-negative
+    keys.
 
     Raises:
         ValueError: an example without ``query``/``image``, an empty query or one containing a
@@ -87,7 +94,7 @@ class RetrievalCollator:
         self.image_policy = ImagePolicy.from_processor(processor)
 
     def _prepare(self, examples: Sequence[dict[str, Any]], with_query: bool = True):
-        kept, images, negatives, skipped = [], [], [], []
+        kept, images, negatives, skipped, keys = [], [], [], [], []
         k = _negatives_per_example(examples) if with_query else 0
         for position, example in enumerate(examples):
             ident = str(example.get("id", position))
@@ -108,6 +115,7 @@ class RetrievalCollator:
                 for j, neg in enumerate(example["negatives"] if k else ()):
                     part = f"hard negative {j}"
                     negs.append(self.image_policy.prepare(neg, name=f"{part} of example {ident!r}"))
+                neg_keys = example.get("negative_keys") or [image_key(neg) for neg in negs]
             except BadImageError as exc:
                 if self.on_bad_image == "error":
                     raise
@@ -117,9 +125,11 @@ class RetrievalCollator:
             kept.append((ident, query))
             images.append(image)
             negatives.extend(negs)
+            doc_key = example.get("doc_key")
+            keys.append((image_key(image) if doc_key is None else doc_key, list(neg_keys)))
         if not kept:
             raise ValueError(f"every example of this batch was rejected: {skipped}")
-        return kept, images, negatives, skipped
+        return kept, images, negatives, skipped, keys
 
     def _check_doc_lengths(self, ids: list[str], features) -> None:
         if self.max_length is None:
@@ -155,14 +165,17 @@ class RetrievalCollator:
     def collate_documents(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """``{"docs", "ids", "skipped"}`` for examples holding an ``image`` (any query is ignored):
         the document side of :meth:`__call__`."""
-        kept, images, _, skipped = self._prepare(examples, with_query=False)
+        kept, images, _, skipped, _ = self._prepare(examples, with_query=False)
         ids = [ident for ident, _ in kept]
         return {"docs": self._collate_images(ids, images), "ids": ids, "skipped": skipped}
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        kept, images, negatives, skipped = self._prepare(examples)
+        kept, images, negatives, skipped, keys = self._prepare(examples)
         ids = [ident for ident, _ in kept]
-        out = {"queries": self.collate_queries([q for _, q in kept]), "ids": ids, "skipped": skipped}
+        out = {"queries": self.collate_queries([q for _, q in kept]), "ids": ids, "skipped": skipped,
+               "doc_keys": torch.tensor([doc for doc, _ in keys], dtype=torch.int64),
+               "neg_keys": torch.tensor([n for _, negs in keys for n in negs], dtype=torch.int64),
+               "query_keys": torch.tensor([text_key(q) for _, q in kept], dtype=torch.int64)}
         if not negatives:
             return {**out, "docs": self._collate_images(ids, images)}
         k = len(negatives) // len(ids)

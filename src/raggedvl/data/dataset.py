@@ -4,7 +4,10 @@ Items are dicts ``{"query": str, "image": PIL.Image (RGB, decoded on access), "i
 plus metadata (rdocs: split, pdf, page, pages, view, dpi, width, height, source). Query i's
 relevant document is item i's image. With a hard-negatives column (``negatives_column=``) an
 item also holds ``"negatives"``: a list of k PIL images, the same k for every row (the losses
-score k hard negatives per query), decoded on access like the image.
+score k hard negatives per query), decoded on access like the image. Every item carries
+``"doc_key"`` (and with negatives ``"negative_keys"``): the document key of its page
+(:func:`raggedvl.data.keys.bytes_key` of the stored bytes), which the losses use to keep a page
+from being a negative of a query it answers.
 
 Bad input policy:
 - a missing ``query`` / ``image`` column (or manifest key): ValueError at construction, naming
@@ -47,6 +50,7 @@ from raggedvl.data.scan import (
     parquet_split,
     pick_split,
 )
+from raggedvl.data.keys import bytes_key, image_key
 from raggedvl.images import BadImageError, BadImagePolicy, check_bad_image_policy, load_image, read_size
 
 
@@ -441,13 +445,16 @@ class RetrievalDataset(Sequence):
         name = self.row_name(index)
         part = None  # the hard negative being read, if any
         try:
-            record["image"] = load_image(self.image_sources[index], max_source_pixels=self.max_source_pixels, name=name)
+            source = self.image_sources[index]
+            record["image"] = load_image(source, max_source_pixels=self.max_source_pixels, name=name)
+            record["doc_key"] = _page_key(source, record["image"])
             if self.negative_sources is not None:
-                negatives = []
+                negatives, keys = [], []
                 for j, source in enumerate(self.negative_sources[index]):
                     part = f"hard negative {j}"
                     negatives.append(load_image(source, max_source_pixels=self.max_source_pixels, name=f"{name}: {part}"))
-                record["negatives"] = negatives
+                    keys.append(_page_key(source, negatives[-1]))
+                record["negatives"], record["negative_keys"] = negatives, keys
         except BadImageError as exc:
             if self.on_bad_image == "error":
                 raise
@@ -512,20 +519,8 @@ class RetrievalDataset(Sequence):
         return list(self._digests)
 
     def _digest(self, index: int) -> str:
-        source = self.image_sources[index]
         try:
-            if isinstance(source, dict):
-                data = source.get("bytes")
-                if data is None:
-                    data = Path(source["path"]).read_bytes()
-            elif isinstance(source, (bytes, bytearray)):
-                data = bytes(source)
-            elif isinstance(source, (str, os.PathLike)):
-                data = Path(source).read_bytes()
-            elif isinstance(source, Image.Image):
-                data = source.tobytes() + repr((source.mode, source.size)).encode()
-            else:
-                raise TypeError(f"unsupported image source {type(source).__name__}")
+            data = _source_bytes(self.image_sources[index])
         except (OSError, KeyError, TypeError) as exc:
             if self.on_bad_image == "skip":
                 return "unreadable:" + hashlib.sha256(str(self.records[index]["id"]).encode()).hexdigest()
@@ -549,6 +544,30 @@ class RetrievalDataset(Sequence):
             if self.on_bad_image == "skip":
                 return None
             raise
+
+
+def _source_bytes(source: Any) -> bytes:
+    """The stored bytes of an image source (a path, bytes, a ``{"bytes", "path"}`` dict, or a
+    PIL image's mode, size and pixels). Raises ``OSError`` / ``KeyError`` / ``TypeError``."""
+    if isinstance(source, dict):
+        data = source.get("bytes")
+        return Path(source["path"]).read_bytes() if data is None else data
+    if isinstance(source, (bytes, bytearray)):
+        return bytes(source)
+    if isinstance(source, (str, os.PathLike)):
+        return Path(source).read_bytes()
+    if isinstance(source, Image.Image):
+        return source.tobytes() + repr((source.mode, source.size)).encode()
+    raise TypeError(f"unsupported image source {type(source).__name__}")
+
+
+def _page_key(source: Any, image: Image.Image) -> int:
+    """A page's document key (:mod:`raggedvl.data.keys`): its stored bytes, or its decoded pixels
+    for a source without stored bytes."""
+    try:
+        return bytes_key(_source_bytes(source))
+    except (OSError, KeyError, TypeError):
+        return image_key(image)
 
 
 def _load_split(name_or_path: str | os.PathLike, split: str, cache_dir: str | os.PathLike | None = None, **load_kwargs):

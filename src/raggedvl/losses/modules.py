@@ -35,7 +35,10 @@ positive or any hard negative, on any rank) is removed from that query's softmax
 (:func:`raggedvl.losses.functional.false_negative_mask`) instead of being pushed away; the
 keys cost one more ``all_gather_variable`` (no gradient). After each call ``false_negatives``
 holds the number of masked (local query, candidate) pairs, an int64 0-dim tensor: sum it over
-ranks for the global batch. Pass keys on every rank or on none.
+ranks for the global batch; ``candidates_kept`` holds each local query's number of candidates
+left in its denominator (int64 ``[n]``; None without keys), from which the loss value at equal
+scores follows (the mean of ``ln candidates_kept`` for the softmax losses). Pass keys on every
+rank or on none.
 """
 
 from __future__ import annotations
@@ -132,6 +135,14 @@ class _CrossRankLoss(nn.Module):
         self.gather_across_ranks = gather_across_ranks
         self.group = group
         self.false_negatives = torch.zeros((), dtype=torch.int64)
+        self.candidates_kept: torch.Tensor | None = None
+
+    def _count(self, masked: torch.Tensor | None) -> None:
+        if masked is None:
+            self.false_negatives, self.candidates_kept = torch.zeros((), dtype=torch.int64), None
+            return
+        self.false_negatives = masked.sum()
+        self.candidates_kept = masked.shape[1] - masked.sum(dim=1)
 
     def _world(self) -> tuple[int, int]:
         if not self.gather_across_ranks:
@@ -237,12 +248,12 @@ class InfoNCELoss(_CrossRankLoss):
             keys = _gather_keys(doc_keys, neg_keys, query_keys, counts, world, self.group)
             masked = false_negative_mask(labels, keys.positives, keys.candidates,
                                          query_keys=keys.local_queries, all_query_keys=keys.queries)
-            self.false_negatives = masked.sum()
+            self._count(masked)
             logits = logits.masked_fill(masked, float("-inf"))
             if d2q is not None:
                 d2q = d2q.masked_fill(document_false_negative_mask(labels, keys.positives, keys.queries), float("-inf"))
         else:
-            self.false_negatives = torch.zeros((), dtype=torch.int64)
+            self._count(None)
         terms = cross_entropy_terms(logits, labels)
         if self.symmetric:
             terms = 0.5 * (terms + cross_entropy_terms(d2q, labels))
@@ -305,9 +316,9 @@ class _MultiVectorLoss(_CrossRankLoss):
             keys = _gather_keys(doc_keys, neg_keys, query_keys, counts, world, self.group)
             masked = false_negative_mask(labels, keys.positives, keys.candidates,
                                          query_keys=keys.local_queries, all_query_keys=keys.queries)
-            self.false_negatives = masked.sum()
+            self._count(masked)
         else:
-            self.false_negatives = torch.zeros((), dtype=torch.int64)
+            self._count(None)
         return global_mean_share(self._terms(scores, labels, valid is not None, masked), world, sum(counts))
 
 

@@ -116,6 +116,10 @@ class TrainConfig:
     loss: Literal["late_interaction", "pairwise", "infonce"] = option(
         "late_interaction", "contrastive loss: late_interaction or pairwise (multi-vector head), infonce (bi-encoder)")
     temperature: float = option(0.02, "softmax temperature: logits = score / temperature", above=0)
+    false_negatives: Literal["mask", "keep"] = option(
+        "mask", "a candidate page that is one of the query's own pages (the same stored image as its positive, or "
+                "a page of another query with the same text; on any rank) is removed from the query's softmax "
+                "(mask) or kept as a negative (keep); metrics.jsonl counts the masked pairs per step")
     # optimisation
     global_batch_size: int = option(
         8, "samples per optimizer step over all ranks (the in-batch negatives pool)", at_least=1)

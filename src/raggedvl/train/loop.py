@@ -71,6 +71,8 @@ class RankStep:
     negatives: int  # hard negatives encoded (rows of the collator's "negatives"; 0 without them)
     padding: dict[str, int]  # batch_padding(...) of this rank's batch
     peak_memory_mib: float  # progress.peak_memory_mib of this rank so far
+    false_negatives: int  # (query, candidate) pairs of this rank's queries the loss masked (0 with keep)
+    log_candidates: float  # sum over this rank's queries of ln(candidates left after masking); nan with keep
 
 
 @dataclass
@@ -91,6 +93,21 @@ class StepResult:
     def hard_negatives(self) -> int:
         """Hard negatives in this step, all ranks: each is a candidate for every query."""
         return sum(p.negatives for p in self.ranks)
+
+    def chance_loss(self, loss: str) -> float:
+        """The loss at equal scores for this step's candidates: ``chance_loss`` of its pairs and
+        hard negatives, or, where false negatives were masked, the mean over queries of
+        ln(candidates left) for the softmax losses."""
+        if not self.pairs:
+            return math.nan
+        if loss != "pairwise" and not any(math.isnan(p.log_candidates) for p in self.ranks):
+            return sum(p.log_candidates for p in self.ranks) / self.pairs
+        return chance_loss(loss, self.pairs, self.hard_negatives)
+
+    @property
+    def false_negatives(self) -> int:
+        """(query, candidate) pairs of the global batch removed from the loss as false negatives."""
+        return sum(p.false_negatives for p in self.ranks)
 
 
 _NAN = float("nan")
@@ -143,6 +160,7 @@ class Trainer:
         self.epoch = 0
         self.sampler_position = (0, 0)  # (epoch, steps of it consumed) after the last trained batch
         self.skipped = 0  # examples dropped by on_bad_image="skip" on all ranks in this process's run
+        self.false_negatives = 0  # (query, page) pairs the loss masked, all ranks, in this process's run
         # bf16 autocast: by default on CUDA; on CPU only when asked for explicitly (slow there).
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and info.device.type == "cuda")
         self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
@@ -265,8 +283,15 @@ class Trainer:
             docs = RaggedBatch.concat([docs, batch["negatives"]])  # same length: split from one processor call
         docs = docs.to(self.info.device, non_blocking=True)
 
+        keys = {}
+        if self.cfg.false_negatives == "mask":
+            keys = {name: batch[name].to(self.info.device, non_blocking=True)
+                    for name in ("doc_keys", "neg_keys", "query_keys")}
+            if batch.get("negatives") is None:
+                keys.pop("neg_keys")
+
         def loss_fn(q, d):
-            return loss_with_negatives(self.c.loss, q, d, n_docs)
+            return loss_with_negatives(self.c.loss, q, d, n_docs, **keys)
 
         self.model.train()
         t1 = time.perf_counter()
@@ -294,17 +319,24 @@ class Trainer:
         n_skipped = len(batch.get("skipped", ()))
         n_negatives = batch["negatives"].num_samples if batch.get("negatives") is not None else 0
         host = [queries.num_samples, t2 - t1, n_skipped, n_negatives, *(padding[k] for k in PADDING_KEYS),
-                peak_memory_mib(self.info.device)]
+                peak_memory_mib(self.info.device), *self._false_negative_stats()]
         device_values = [loss.detach(), norm.detach(), _NAN if doc_cosine is None else doc_cosine]
         stats = torch.cat([torch.stack([torch.as_tensor(v, dtype=torch.float64, device=norm.device) for v in device_values]),
                            torch.tensor(host, dtype=torch.float64).to(norm.device, non_blocking=True)])
         gathered = all_gather_floats(stats)
-        ranks = [RankStep(int(g[3]), g[4], int(g[5]), int(g[6]), {k: int(v) for k, v in zip(PADDING_KEYS, g[7:-1])},
-                          g[-1]) for g in gathered]
+        ranks = [RankStep(int(g[3]), g[4], int(g[5]), int(g[6]), {k: int(v) for k, v in zip(PADDING_KEYS, g[7:-3])},
+                          g[-3], int(g[-2]), g[-1]) for g in gathered]
         # L_r = (W/N) sum of local terms, so the global loss is the mean of L_r over ranks.
         global_loss = sum(g[0] for g in gathered) / len(gathered)
         mine = gathered[self.info.rank]
         return StepResult(global_loss, mine[1], time.perf_counter() - t0, ranks, list(lrs), mine[2])
+
+    def _false_negative_stats(self) -> tuple[int, float]:
+        """The last loss call's masked pairs and sum of ln(candidates kept) over this rank's queries."""
+        loss = self.c.loss.loss
+        if loss.candidates_kept is None:
+            return 0, _NAN
+        return int(loss.false_negatives), float(torch.log(loss.candidates_kept.double()).sum())
 
     def _vision_balance(self) -> dict[str, Any]:
         """With --rebalance-vision: the last document encode's tower max/mean rank load before
@@ -383,10 +415,11 @@ class Trainer:
             samples_done += sum(p.n_local for p in r.ranks)
             patches_done += sum(p.padding["pixel_rows"] for p in r.ranks)
             self.skipped += sum(p.skipped for p in r.ranks)
+            self.false_negatives += r.false_negatives
             elapsed = max(1e-9, time.perf_counter() - t_run)
             rate = samples_done / elapsed
             # the step's own chance value: its pairs and hard negatives (a last, smaller step; skipped pairs)
-            chance = chance_loss(cfg.loss, r.pairs, r.hard_negatives) if r.pairs else math.nan
+            chance = r.chance_loss(cfg.loss)
             if info.is_main:
                 lrs = r.lrs
                 progress.update(self.step, loss=r.loss, lr=lrs[0], samples_per_s=rate)
@@ -401,7 +434,7 @@ class Trainer:
                         "event": "train", "step": self.step, "epoch": self.epoch, "time": time.time(), "loss": r.loss,
                         "lr": lrs[0], "lr_groups": dict(zip(groups, lrs)), "grad_norm": r.grad_norm,
                         "global_batch_size": cfg.global_batch_size, "hard_negatives": r.hard_negatives,
-                        "chance_loss": chance, "samples_per_s": rate,
+                        "false_negatives": r.false_negatives, "chance_loss": chance, "samples_per_s": rate,
                         "patches_per_s": patches_done / elapsed, "step_s": r.step_s,
                         "rank_samples": [p.n_local for p in r.ranks], "rank_encode_s": [p.encode_s for p in r.ranks],
                         "peak_memory_mib": [round(p.peak_memory_mib, 1) for p in r.ranks],
@@ -448,13 +481,21 @@ class Trainer:
                 world_size=info.world_size, place=run_place(info.world_size, info.backend, info.device.type),
                 loss=cfg.loss, on_bad_image=cfg.on_bad_image, skipped_examples=self.skipped,
                 rejected_pairs=len(self.c.costs.skipped), estimated_pairs=len(self.c.costs.costs),
-                notes=self._collapse_notes() + ([f"training rows left out for an empty or non-string query "
+                notes=self._collapse_notes() + self._false_negative_notes() + ([f"training rows left out for an empty or non-string query "
                                                   f"(on_empty_query='skip'): {len(self.empty_query_rows)}"]
                                                  if cfg.on_empty_query == "skip" else []),
             )
-            summary.update(collapsed=self.collapse.fired, stopped_by_collapse=self.stopped_by_collapse)
+            summary.update(collapsed=self.collapse.fired, stopped_by_collapse=self.stopped_by_collapse,
+                           false_negatives=self.false_negatives)
         barrier()
         return summary
+
+    def _false_negative_notes(self) -> list[str]:
+        if self.cfg.false_negatives == "keep":
+            return ["false negatives kept as negatives (--false-negatives keep)"]
+        return [f"false negatives removed from the loss (a query's own page among its candidates; "
+                f"--false-negatives mask): {self.false_negatives} (query, page) pairs in the steps this invocation "
+                "trained"]
 
     def _collapse_notes(self) -> list[str]:
         chance = f"the loss sat at its chance value {self.collapse.chance:.4f}"

@@ -171,14 +171,8 @@ def test_parameter_groups_split_backbone_and_head_and_skip_frozen():
         model.parameter_groups(lr=0.0)
 
 
-def test_tiny_recipe_matches_what_the_preset_builds():
-    import inspect
-
-    from raggedvl.models import TINY_TRAINING_DEFAULTS as recipe
-
-    assert recipe.initializer_range == TinySizes().initializer_range
+def test_the_tiny_preset_builds_its_initialisation():
+    std = TinySizes().initializer_range
     model = build_retriever("tiny", processor=tiny_tokenizer(), seed=0)
-    assert model.base_model.config.text_config.initializer_range == recipe.initializer_range
-    assert model.base_model.config.vision_config.initializer_range == recipe.initializer_range
-    assert inspect.signature(build_retriever).parameters["eps"].default == recipe.l2_eps == model.head.eps
-    assert recipe.head_lr >= recipe.lr > 0 and recipe.warmup_steps < recipe.max_steps
+    assert model.base_model.config.text_config.initializer_range == std
+    assert model.base_model.config.vision_config.initializer_range == std

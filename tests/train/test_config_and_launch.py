@@ -32,15 +32,11 @@ def test_torchrun_command_defaults_and_pass_through():
     assert "--standalone" in single and single[single.index("--nproc-per-node") + 1] in ("2", str(torch.cuda.device_count()))
 
 
-def test_default_job_uses_the_tiny_recipe():
-    from raggedvl.models import TINY_TRAINING_DEFAULTS as r
+def test_the_tiny_page_budget_applies_to_the_tiny_preset_only():
+    from raggedvl.train.config import TINY_MAX_PIXELS
 
-    cfg = TrainConfig()
-    assert (cfg.lr, cfg.head_lr, cfg.warmup_steps, cfg.max_steps, cfg.global_batch_size) == (
-        r.lr, r.head_lr, r.warmup_steps, r.max_steps, r.global_batch_size)
-    assert (cfg.max_train_samples, cfg.temperature, cfg.weight_decay, cfg.max_grad_norm) == (
-        r.max_train_samples, r.temperature, r.weight_decay, r.max_grad_norm)
-    assert cfg.resolved_max_pixels == r.max_pixels
+    assert TrainConfig().resolved_max_pixels == TINY_MAX_PIXELS
+    assert TrainConfig(max_pixels=50_000).resolved_max_pixels == 50_000
     assert TrainConfig(model="Qwen/Qwen2-VL-2B-Instruct").resolved_max_pixels is None  # the checkpoint's own
 
 

@@ -15,12 +15,10 @@ from .tiny import TinySizes, special_token_ids, tiny_backbone_config
 from .heads import EmbeddingOutput, RetrievalHead, pool_hidden
 from .lora import LoraSettings, apply_generation_lora, apply_lora
 from .patch_embed import WholePatchConv3d, install_linear_patch_embed
-from .recipe import TINY_TRAINING_DEFAULTS, TrainingRecipe
 from .retriever import Retriever, RetrieverConfig
 
 __all__ = [
     "FAMILIES",
-    "TINY_TRAINING_DEFAULTS",
     "EmbeddingOutput",
     "Family",
     "LoraSettings",
@@ -28,7 +26,6 @@ __all__ = [
     "Retriever",
     "RetrieverConfig",
     "TinySizes",
-    "TrainingRecipe",
     "WholePatchConv3d",
     "apply_generation_lora",
     "apply_lora",

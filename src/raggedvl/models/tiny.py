@@ -22,7 +22,7 @@ class TinySizes:
 
     ``initializer_range`` is the std of every Linear/Embedding weight at init. transformers'
     default 0.02 makes a tiny random backbone collapse (all documents embed to one vector, see
-    ``raggedvl.models.recipe``); 0.1 keeps token representations distinct.
+    docs/tiny-model.md); 0.1 keeps token representations distinct.
     """
 
     hidden_size: int = 128

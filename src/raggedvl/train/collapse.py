@@ -26,7 +26,7 @@ After training, the same statistic over an evaluation set's documents is the one
 that the run summary (``summary.md``) and ``raggedvl eval`` both apply
 (:func:`doc_cosine_warning`): above ``COLLAPSED_DOC_COSINE`` (0.999) the documents count as
 collapsed. A healthy tiny model reads 0.96-0.999 on mostly white pages, a collapsed one
-0.9999-1.0000 (``raggedvl.models.recipe``); 0.999 flags the band between as well.
+0.9999-1.0000 (docs/tiny-model.md); 0.999 flags the band between as well.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 LIKELY_CAUSES = (
     "learning rate too high for this model and batch (try a 2-5x lower --lr, or a 10x higher --head-lr than --lr), "
     "a query prefix shared by every query (--query-prefix; it gives each document the same score term for every "
-    "query: BENCHMARKS.md section 12), a randomly initialised or untrained backbone (see raggedvl.models.recipe), "
+    "query: BENCHMARKS.md section 12), a randomly initialised or untrained backbone (see docs/tiny-model.md), "
     "a --temperature too low for its scores, or documents that are nearly identical (blank pages)"
 )
 

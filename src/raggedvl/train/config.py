@@ -1,9 +1,8 @@
 """Typed configuration of ``raggedvl train`` (validated at construction).
 
-The defaults are the embedded default job: the tiny preset on the rdocs pairs with the
-recipe of ``raggedvl.models.TINY_TRAINING_DEFAULTS`` (init std 0.1, lr 2e-4 for the backbone
-and 2e-3 for the head, 600 steps, global batch 8, temperature 0.02, 100,352 pixels per page;
-see that module and benchmarks/results/tiny_recipe.md for why). For a pretrained checkpoint start from
+The defaults are the embedded default job: the tiny preset on the rdocs pairs with its
+recipe (lr 2e-4 for the backbone and 2e-3 for the head, 600 steps, global batch 8, temperature
+0.02, ``TINY_MAX_PIXELS`` per page; docs/tiny-model.md says why). For a pretrained checkpoint start from
 ``configs/qwen2-vl-2b.yaml`` (ColPali's recipe: LoRA r=32, lr 5e-5, global batch 32).
 
 Precedence: dataclass defaults (the embedded default job) < YAML file (``--config``) <
@@ -25,6 +24,9 @@ from raggedvl.options import add_arguments, check_fields, check_known_keys, load
 # A run directory's training config. Not "config.json": transformers (ColQwen2ForRetrieval.from_pretrained)
 # would read that as a model config and build its default 80-layer model from unknown keys.
 TRAIN_CONFIG_NAME = "train_config.json"
+
+# The tiny preset's page budget: at most 128 visual tokens per page (docs/tiny-model.md).
+TINY_MAX_PIXELS = 100_352
 
 
 @dataclass
@@ -221,9 +223,9 @@ class TrainConfig:
 
     @property
     def resolved_max_pixels(self) -> int | None:
-        """``max_pixels``, or the tiny recipe's 100,352 for the tiny preset when not given."""
+        """``max_pixels``, or ``TINY_MAX_PIXELS`` for the tiny preset when not given."""
         if self.max_pixels is None and self.model == "tiny":
-            return 100_352
+            return TINY_MAX_PIXELS
         return self.max_pixels
 
     @property

@@ -17,6 +17,8 @@ Public API (imported lazily, so ``import raggedvl`` stays cheap):
   data building blocks of ``raggedvl train`` (``raggedvl.models``, ``raggedvl.data``);
   ``build_retriever`` also loads colpali-engine and transformers ColQwen2 checkpoints
   (``raggedvl.models.interop``); ``RetrievalPrompts``: how a retriever's inputs are written;
+- ``embed_queries``, ``embed_documents``: a retriever's embeddings of query texts and page
+  images, size-bucketed, in input order (``raggedvl.evaluation.encode``);
 - ``load_benchmark``, ``evaluate_benchmark``, ``score_metrics``, ``search``,
   ``EmbeddingIndex``: evaluation as the field reports it and exact chunked search
   (``raggedvl.evaluation``).
@@ -56,6 +58,8 @@ _EXPORTS = {
     "RetrievalCollator": "raggedvl.data",
     "RetrievalPrompts": "raggedvl.prompts",
     "load_retrieval_dataset": "raggedvl.data",
+    "embed_queries": "raggedvl.evaluation.encode",
+    "embed_documents": "raggedvl.evaluation.encode",
     "load_benchmark": "raggedvl.evaluation.benchmark",
     "RetrievalBenchmark": "raggedvl.evaluation.benchmark",
     "evaluate_benchmark": "raggedvl.evaluation.evaluator",

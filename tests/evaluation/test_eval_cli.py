@@ -14,6 +14,7 @@ from raggedvl.cli import main
 from raggedvl.data import build_processor
 from raggedvl.evaluation import METRICS, score_metrics, tie_keys, top_k
 from raggedvl.evaluation.benchmark import load_benchmark
+from raggedvl.evaluation.encode import embed_documents, embed_queries
 from raggedvl.evaluation.search import pad_rows
 from raggedvl.losses import late_interaction_scores
 from raggedvl.models import build_retriever
@@ -44,8 +45,8 @@ def setup(tmp_path_factory):
 
 
 def brute_force_scores(model, bench):
-    q = model.encode_queries(bench.queries, batch_size=3, progress=False)
-    d = model.encode_documents(bench.documents, batch_size=2, progress=False)
+    q = embed_queries(model, bench.queries, batch_size=3, progress=False)
+    d = embed_documents(model, bench.documents, batch_size=2, progress=False)
     (qe, qm), (de, dm) = pad_rows(q), pad_rows(d)
     return late_interaction_scores(qe, qm, de, dm)
 
@@ -126,8 +127,8 @@ def main_raises(argv):
 
 def test_retriever_encode_forms(setup):
     _, model, _ = setup
-    ragged = model.encode_queries(["a b", "a much longer query text", "c"], batch_size=2, progress=False)
-    emb, mask = model.encode_queries(["a b", "a much longer query text", "c"], batch_size=1, progress=False, padded=True)
+    ragged = embed_queries(model, ["a b", "a much longer query text", "c"], batch_size=2, progress=False)
+    emb, mask = embed_queries(model, ["a b", "a much longer query text", "c"], batch_size=1, progress=False, padded=True)
     assert [r.shape[0] for r in ragged] == mask.sum(1).tolist()
     for i, r in enumerate(ragged):  # same vectors whatever the batching (bucketed, then restored to input order)
         assert torch.allclose(emb[i][mask[i]], r, atol=1e-5)

@@ -190,6 +190,44 @@ def encode_documents(model: torch.nn.Module, collator: Any, documents: Sequence[
     return as_output([rows[i] for i in range(len(documents))], padded)
 
 
+def model_collator(model: torch.nn.Module, processor: Any = None) -> Any:
+    """The :class:`raggedvl.data.RetrievalCollator` that writes inputs as ``model`` (a
+    :class:`raggedvl.models.Retriever`) was trained with: its prompts and family, and
+    ``processor`` (default: the one ``build_retriever`` attached). Raises ``ValueError`` when
+    there is no processor."""
+    from raggedvl.data import RetrievalCollator
+
+    processor = processor if processor is not None else getattr(model, "processor", None)
+    if processor is None:
+        raise ValueError("encoding needs the model's processor: pass processor= (raggedvl.build_processor(...)) "
+                         "or build the model with build_retriever(..., processor=...)")
+    return RetrievalCollator(processor, prompts=model.config.prompts, layout=model.family.name)
+
+
+def embed_queries(model: torch.nn.Module, texts: Sequence[str], *, processor: Any = None, batch_size: int = 32,
+                  progress: bool = True, padded: bool = False):
+    """Query embeddings of a :class:`raggedvl.models.Retriever`, without gradient, on the
+    model's device: :func:`encode_queries` with :func:`model_collator`. Returns a list of
+    ``[L_i, D]``, ``(emb [n, L_max, D], mask [n, L_max])`` with ``padded=True``, or ``[n, D]``
+    for a bi-encoder."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        return encode_queries(model, model_collator(model, processor), texts, batch_size=batch_size, device=device,
+                              progress=progress, padded=padded)
+
+
+def embed_documents(model: torch.nn.Module, documents: Sequence[Any], *, processor: Any = None, batch_size: int = 8,
+                    progress: bool = True, padded: bool = False):
+    """Document embeddings of a :class:`raggedvl.models.Retriever` for page images (PIL images,
+    paths, bytes, or a RetrievalDataset), without gradient, bucketed by image area: same return
+    forms as :func:`embed_queries`. Raises ``BadImageError`` (a ``ValueError``) naming an
+    unreadable image."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        return encode_documents(model, model_collator(model, processor), documents, batch_size=batch_size,
+                                device=device, progress=progress, padded=padded)
+
+
 def encode_shard(model, n: int, collate, sizes: Sequence[float | None], *, batch_size: int, device, autocast=None,
                  desc: str | None = None, progress: bool = False) -> tuple[int, dict[int, torch.Tensor]]:
     """This rank's contiguous shard of ``n`` items, encoded in size buckets with the same number

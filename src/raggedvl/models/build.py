@@ -147,5 +147,5 @@ def build_retriever(
     retriever.set_gradient_checkpointing(gradient_checkpointing)
     retriever.set_packing(packing)
     if processor is not None and hasattr(processor, "image_processor"):
-        retriever.processor = processor  # for Retriever.encode_queries / encode_documents
+        retriever.processor = processor  # for raggedvl.embed_queries / embed_documents
     return retriever

@@ -221,37 +221,6 @@ class Retriever(nn.Module):
             hidden_BLH = self.backbone(**inputs, use_cache=False).last_hidden_state
         return self.head(hidden_BLH, mask)
 
-    def _collator(self, processor: Any):
-        from raggedvl.data import RetrievalCollator
-
-        processor = processor if processor is not None else getattr(self, "processor", None)
-        if processor is None:
-            raise ValueError("encoding needs the model's processor: pass processor= (raggedvl.data.build_processor(...)) "
-                             "or build the model with build_retriever(..., processor=...)")
-        return RetrievalCollator(processor, prompts=self.config.prompts, layout=self.family.name)
-
-    def _device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    def encode_queries(self, texts, *, batch_size: int = 32, processor: Any = None, progress: bool = True, padded: bool = False):
-        """Embeddings of query texts, in input order, without gradient: a list of ``[L_i, D]``
-        (valid vectors only), ``(emb [n, L_max, D], bool mask [n, L_max])`` with ``padded=True``,
-        or ``[n, D]`` for the bi-encoder. Batches are bucketed by text length; a tqdm bar shows
-        progress. ``processor``: default the one given to ``build_retriever``."""
-        from raggedvl.evaluation.encode import encode_queries
-
-        return encode_queries(self, self._collator(processor), texts, batch_size=batch_size, device=self._device(),
-                              progress=progress, padded=padded)
-
-    def encode_documents(self, images, *, batch_size: int = 8, processor: Any = None, progress: bool = True, padded: bool = False):
-        """Embeddings of document images (PIL images, paths, bytes, or a RetrievalDataset), in
-        input order, bucketed by image area; same return forms as :meth:`encode_queries`.
-        Raises ``BadImageError`` (a ``ValueError``) naming an unreadable image."""
-        from raggedvl.evaluation.encode import encode_documents
-
-        return encode_documents(self, self._collator(processor), images, batch_size=batch_size, device=self._device(),
-                                progress=progress, padded=padded)
-
     @property
     def saves_trainable_only(self) -> bool:
         """True when a save holds only the trainable tensors: LoRA on a base a checkpoint holds."""

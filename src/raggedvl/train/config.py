@@ -139,6 +139,9 @@ class TrainConfig:
         "cosine", "decay after the warmup, to 0 at the last step: cosine or linear (the HF Trainer's and colpali-engine's "
                   "default); the first step runs at lr 0 with any warmup, as in transformers")
     max_grad_norm: float = option(1.0, "gradient clipping threshold on the global L2 norm (0: no clipping)", at_least=0)
+    max_nonfinite_steps: int = option(
+        3, "a step whose gradient norm is NaN or infinite is not applied (optimizer and schedule skip it, "
+           "metrics.jsonl marks it nonfinite); this many such steps in a row stop the run", at_least=1)
     sampler: Literal["balanced", "equal"] = option(
         "balanced", "how a global batch is split over ranks: by cost (balanced) or equal sample counts (equal)")
     seed: int = option(0, "seed of model init, sampler order and dropout")

@@ -83,6 +83,7 @@ class StepResult:
     ranks: list[RankStep]  # every rank's share, indexed by rank
     lrs: list[float]  # every parameter group's learning rate used by this step (before the scheduler stepped)
     doc_cosine: float = float("nan")  # this rank's documents: mean pairwise cosine of mean-pooled embeddings
+    applied: bool = True  # False: the gradient norm was not finite, the optimizer and schedule skipped the step
 
     @property
     def pairs(self) -> int:
@@ -111,6 +112,17 @@ class StepResult:
 
 
 _NAN = float("nan")
+
+
+def _weights_finite(model: torch.nn.Module) -> torch.Tensor:
+    """``[1.0]`` when every weight this rank holds (its shards under FSDP2) is finite, else ``[0.0]``
+    (float64, on the weights' device; no host sync)."""
+    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters()]
+    return torch.stack([torch.isfinite(t).all() for t in local]).all().to(torch.float64).reshape(1)
+
+
+class NonFiniteTraining(RuntimeError):
+    """``max_nonfinite_steps`` steps in a row had a NaN or infinite gradient norm."""
 
 
 class Trainer:
@@ -161,6 +173,7 @@ class Trainer:
         self.sampler_position = (0, 0)  # (epoch, steps of it consumed) after the last trained batch
         self.skipped = 0  # examples dropped by on_bad_image="skip" on all ranks in this process's run
         self.false_negatives = 0  # (query, page) pairs the loss masked, all ranks, in this process's run
+        self.nonfinite_streak = 0  # steps in a row not applied for a non-finite gradient norm
         # bf16 autocast: by default on CUDA; on CPU only when asked for explicitly (slow there).
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and info.device.type == "cuda")
         self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
@@ -168,7 +181,11 @@ class Trainer:
     # ----------------------------------------------------------------- checkpoints
     def save(self, root: Path | None = None, keep: int | None = None) -> None:
         """A full checkpoint of this step under ``root`` (default: the run's checkpoints/).
-        Collective: every rank calls it."""
+        Collective: every rank calls it. Raises ``CheckpointError`` on every rank, writing
+        nothing, when any weight is NaN or infinite."""
+        if not all(row[0] == 1.0 for row in all_gather_floats(_weights_finite(self.model))):
+            raise CheckpointError(f"the weights of step {self.step} are not finite (NaN or inf): not saved, so the "
+                                  "last checkpoint stays the newest; lower --lr or raise --temperature")
         model_sd, optim_sd = full_state_dicts(self.model, self.optimizer)
         rng = all_gather_objects(capture_rng_state())
         if self.info.is_main:
@@ -310,12 +327,16 @@ class Trainer:
         # the norm before clipping (0: measured, not clipped); FSDP2 returns a DTensor. A tensor: read below
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm or float("inf"))
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        self.optimizer.step()
+        # the norm of the averaged gradient: the same value on every rank, so every rank skips alike
+        applied = bool(torch.isfinite(norm))
+        if applied:
+            self.optimizer.step()
         # freed now, not before the next backward: the next forward's activations never sit beside
         # a full set of last step's gradients (parameter-sized; the peak is at the forward/backward turn)
         self.optimizer.zero_grad(set_to_none=True)
         lrs = self.scheduler.get_last_lr()  # the rates this step used; after step() they are the next step's
-        self.scheduler.step()
+        if applied:
+            self.scheduler.step()
         n_skipped = len(batch.get("skipped", ()))
         n_negatives = batch["negatives"].num_samples if batch.get("negatives") is not None else 0
         host = [queries.num_samples, t2 - t1, n_skipped, n_negatives, *(padding[k] for k in PADDING_KEYS),
@@ -329,7 +350,26 @@ class Trainer:
         # L_r = (W/N) sum of local terms, so the global loss is the mean of L_r over ranks.
         global_loss = sum(g[0] for g in gathered) / len(gathered)
         mine = gathered[self.info.rank]
-        return StepResult(global_loss, mine[1], time.perf_counter() - t0, ranks, list(lrs), mine[2])
+        return StepResult(global_loss, mine[1], time.perf_counter() - t0, ranks, list(lrs), mine[2], applied)
+
+    def _count_nonfinite(self, r: StepResult) -> None:
+        """Counts steps in a row whose gradient norm was not finite (not applied; the same verdict
+        on every rank); raises ``NonFiniteTraining`` on every rank at ``max_nonfinite_steps``."""
+        if r.applied:
+            self.nonfinite_streak = 0
+            return
+        self.nonfinite_streak += 1
+        cfg = self.cfg
+        what = f"step {self.step}: loss {r.loss:.6g}, gradient norm {r.grad_norm:.6g}"
+        if self.nonfinite_streak < cfg.max_nonfinite_steps:
+            self.log(f"warning: {what}: not finite, the step was not applied "
+                     f"({self.nonfinite_streak} of --max-nonfinite-steps {cfg.max_nonfinite_steps} in a row)")
+            return
+        raise NonFiniteTraining(
+            f"{self.nonfinite_streak} steps in a row had a non-finite gradient (last: {what}); none was applied and "
+            f"no checkpoint holds them. Likely causes: a learning rate too high (--lr {cfg.lr:g}), a temperature too "
+            f"low (--temperature {cfg.temperature:g}) or bf16 overflow (--precision fp32); resume from the last "
+            "checkpoint with a lower --lr")
 
     def _false_negative_stats(self) -> tuple[int, float]:
         """The last loss call's masked pairs and sum of ln(candidates kept) over this rank's queries."""
@@ -428,7 +468,7 @@ class Trainer:
                     self.clock.add({"first_step": time.perf_counter() - t_run})
                     log.write({"event": "startup", "command_start": self.clock.command_start, "loop_start": loop_start,
                                "to_loop_s": loop_start - self.clock.command_start, "phases_s": self.clock.phases_s})
-                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                if self.step % cfg.log_every == 0 or self.step == self.total_steps or not r.applied:
                     groups = [g.get("name", str(i)) for i, g in enumerate(self.optimizer.param_groups)]
                     record = {
                         "event": "train", "step": self.step, "epoch": self.epoch, "time": time.time(), "loss": r.loss,
@@ -440,12 +480,14 @@ class Trainer:
                         "peak_memory_mib": [round(p.peak_memory_mib, 1) for p in r.ranks],
                         "padding": {k: sum(p.padding[k] for p in r.ranks) for k in PADDING_KEYS},
                         "skipped_examples": self.skipped, **self._vision_balance(),
+                        **({} if r.applied else {"nonfinite": True}),
                     }
                     log.write(record)
                     self.trackers.log({"train/loss": r.loss, "train/grad_norm": r.grad_norm, "train/samples_per_s": rate,
                                        "train/patches_per_s": record["patches_per_s"],
                                        "train/peak_memory_mib": max(record["peak_memory_mib"]),
                                        **{f"lr/{g}": v for g, v in record["lr_groups"].items()}}, self.step)
+            self._count_nonfinite(r)  # after the step's record: a stop still logs it
             warning = self.collapse.update(self.step, r.loss, r.doc_cosine, chance=chance)  # same verdict on every rank
             if warning:
                 self.log(warning + ("; stopping (--stop-on-collapse)" if cfg.stop_on_collapse else

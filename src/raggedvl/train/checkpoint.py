@@ -4,7 +4,7 @@ Layout of one checkpoint (``<run>/checkpoints/step-000050/``)::
 
     raggedvl_retriever.safetensors
                           the retriever's weights (unsharded; with LoRA on a named base only
-                          the adapters and the head; ``model.safetensors`` before issue 14)  safetensors
+                          the adapters and the head; ``model.safetensors`` in older runs)  safetensors
     raggedvl_retriever.json, processor files
                           the retriever's settings and its processor: the folder loads with
                           ``build_retriever`` / ``raggedvl export`` / ``--model``   JSON
@@ -16,6 +16,11 @@ Layout of one checkpoint (``<run>/checkpoints/step-000050/``)::
 Writing: rank 0 writes into ``step-000050.tmp-<pid>``, fsyncs, writes the manifest, then
 renames the folder into place (``os.rename`` is atomic on POSIX) and only then removes the
 oldest checkpoints beyond ``keep``. A crash at any point leaves the previous checkpoint intact.
+A write that fails (a full disk among other causes) removes its temporary folder, keeps every
+older checkpoint and raises :class:`CheckpointError` saying "no space left" when that is the
+cause; :func:`check_free_space` refuses a save up front when the disk cannot hold one more
+checkpoint, and :func:`remove_stale_temporaries` clears the temporary folders that processes
+killed while writing left behind.
 
 Loading: checkpoints are tried newest first; one whose manifest is missing, or whose files
 differ in size or hash, is reported and skipped, so a torn write falls back to the previous
@@ -26,6 +31,7 @@ JSON or ``torch.load(weights_only=True)``; a pickle that carries code is refused
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -107,6 +113,30 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    try:
+        _write_files(tmp, step, model_state, optimizer_state, rng_states, trainer_state, extra_files)
+    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(root).free
+        cause = "no space left on the device" if _out_of_space(exc) else f"{type(exc).__name__}: {exc}"
+        raise CheckpointError(
+            f"writing the checkpoint of step {step} into {root} failed ({cause}; {free:,} bytes free); nothing of it "
+            "was kept and older checkpoints are untouched; free space or choose another --output-dir, then --resume"
+        ) from exc
+    if final.exists():  # a re-run of the same step replaces its older copy atomically
+        old = root / f"{final.name}.old-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    for stale in list_checkpoints(root)[keep:]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def _write_files(tmp: Path, step: int, model_state, optimizer_state, rng_states, trainer_state, extra_files) -> None:
     # save_tensors: safetensors' own writer makes 0600 files; this one respects the umask
     save_tensors(tmp / WEIGHTS_NAME, {k: v.detach().to("cpu").clone() for k, v in model_state.items()})
     torch.save(optimizer_state, tmp / "optimizer.pt")
@@ -122,17 +152,49 @@ def save_checkpoint(
         manifest[name] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=2), encoding="utf-8")
     _fsync_dir(tmp)
-    if final.exists():  # a re-run of the same step replaces its older copy atomically
-        old = root / f"{final.name}.old-{os.getpid()}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
-    _fsync_dir(root)
-    for stale in list_checkpoints(root)[keep:]:
-        shutil.rmtree(stale, ignore_errors=True)
-    return final
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a full disk: ``ENOSPC`` / ``EDQUOT``, or torch's
+    writer failing at a file position ("unexpected pos"), which is how it reports one."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "unexpected pos" in str(exc) or "No space left" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """Bytes of the files of one checkpoint folder."""
+    return sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
+
+
+def check_free_space(root: str | Path, step: int, estimate_bytes: int) -> None:
+    """Raise :class:`CheckpointError` (one line: the folder, free and needed bytes, the fix) when
+    the filesystem of ``root`` has less free space than one more checkpoint needs: the newest
+    checkpoint's size, else ``estimate_bytes`` (the weights and optimizer state to write)."""
+    root = Path(root)
+    existing = list_checkpoints(root) if root.is_dir() else []
+    needed = checkpoint_bytes(existing[0]) if existing else int(estimate_bytes)
+    probe = root if root.exists() else next(p for p in root.parents if p.exists())
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise CheckpointError(
+            f"no space left for the checkpoint of step {step} in {root}: {free:,} bytes free, {needed:,} needed "
+            f"({'the size of ' + existing[0].name if existing else 'weights and optimizer state'}); free space or "
+            "choose another --output-dir, then --resume (older checkpoints are untouched)")
+
+
+def remove_stale_temporaries(root: str | Path) -> list[Path]:
+    """Remove the ``*.tmp-<pid>`` / ``*.old-<pid>`` folders a killed writer left in ``root``
+    (call before any save of this run); returns what was removed."""
+    root = Path(root)
+    stale = sorted(p for p in root.glob("step-*.*-*") if p.is_dir() and (".tmp-" in p.name or ".old-" in p.name))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:

@@ -44,7 +44,14 @@ from raggedvl.batch import RaggedBatch
 from raggedvl.evaluation.metrics import mean_pairwise_cosine
 from raggedvl.losses import loss_with_negatives
 from raggedvl.train.batches import StepIndices, step_batches
-from raggedvl.train.checkpoint import CheckpointError, list_checkpoints, load_latest_checkpoint, save_checkpoint
+from raggedvl.train.checkpoint import (
+    CheckpointError,
+    check_free_space,
+    list_checkpoints,
+    load_latest_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+)
 from raggedvl.train.collapse import CollapseCheck, chance_loss
 from raggedvl.train.config import TRAIN_CONFIG_NAME, TrainConfig
 from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
@@ -114,6 +121,12 @@ class StepResult:
 _NAN = float("nan")
 
 
+def _checkpoint_estimate(model: torch.nn.Module) -> int:
+    """Bytes a checkpoint of ``model`` writes at most: every weight in float32 plus AdamW's two
+    float32 moments of each trainable one."""
+    return sum(p.numel() * 4 * (3 if p.requires_grad else 1) for p in model.parameters())
+
+
 def _weights_finite(model: torch.nn.Module) -> torch.Tensor:
     """``[1.0]`` when every weight this rank holds (its shards under FSDP2) is finite, else ``[0.0]``
     (float64, on the weights' device; no host sync)."""
@@ -144,6 +157,8 @@ class Trainer:
         check_output_dir(cfg)  # every rank sees the same directory: all raise, before any collective
         if info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            for stale in remove_stale_temporaries(self.ckpt_dir):  # a killed writer's half checkpoint
+                print(f"removed {stale}: an unfinished checkpoint of an earlier process", file=sys.stderr, flush=True)
             cfg.save(self.run_dir / TRAIN_CONFIG_NAME)  # not config.json: transformers would read it as a model
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.c = build_components(cfg, info, data)
@@ -183,6 +198,15 @@ class Trainer:
         """A full checkpoint of this step under ``root`` (default: the run's checkpoints/).
         Collective: every rank calls it. Raises ``CheckpointError`` on every rank, writing
         nothing, when any weight is NaN or infinite."""
+        problem = None
+        if self.info.is_main:  # rank 0 writes: its disk decides, every rank raises alike
+            try:
+                check_free_space(root or self.ckpt_dir, self.step, _checkpoint_estimate(self.model))
+            except CheckpointError as exc:
+                problem = str(exc)
+        problem = all_gather_objects(problem)[0]
+        if problem is not None:
+            raise CheckpointError(problem)
         if not all(row[0] == 1.0 for row in all_gather_floats(_weights_finite(self.model))):
             raise CheckpointError(f"the weights of step {self.step} are not finite (NaN or inf): not saved, so the "
                                   "last checkpoint stays the newest; lower --lr or raise --temperature")

@@ -18,6 +18,9 @@ process that holds nothing of the launcher's. What it changes is what a failure 
   without a record. Its
   traceback stays in the error file, whose path the line gives for errors that are not input
   errors. torchrun's own log lines are silenced (``RAGGEDVL_AGENT_VERBOSE=1`` keeps them);
+- SIGTERM and SIGUSR1 (a cluster's preemption) are passed on to the ranks, which finish their
+  step, save a checkpoint and end normally; rank 0 leaves its line in the file named by
+  ``RAGGEDVL_PREEMPTED_FILE`` and this agent exits with ``PREEMPTED_EXIT_CODE`` (3);
 - when the job is stopped by Ctrl-C, this agent passes SIGINT on to the ranks (torchrun's
   teardown; a second Ctrl-C is ignored rather than cut that short), prints nothing (rank 0 says
   where training stopped: ``raggedvl.parallel.interrupts``) and exits 130.
@@ -35,12 +38,45 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, NoReturn, Sequence
 
 AGENT_ENV = "RAGGEDVL_AGENT"
 INPUT_ERROR_EXIT_CODE = 2
+PREEMPTED_EXIT_CODE = 3  # the job saved a checkpoint and stopped on SIGTERM / SIGUSR1 (raggedvl.train.preemption)
+PREEMPTED_FILE_ENV = "RAGGEDVL_PREEMPTED_FILE"  # where rank 0 leaves its preemption line for this agent
+# exists while torchrun stops the ranks (a failure, Ctrl-C, a restart): their SIGTERM is then not a preemption
+TEARDOWN_FILE_ENV = "RAGGEDVL_TEARDOWN_FILE"
+
+
+def in_teardown() -> bool:
+    """True in a rank of this agent while torchrun is stopping the ranks: a SIGTERM now ends the
+    rank at once, as torchrun means it, rather than asking for a preemption checkpoint."""
+    path = os.environ.get(TEARDOWN_FILE_ENV)
+    return bool(path) and os.path.exists(path)
+
+
+def _mark_teardowns(marker: str) -> None:
+    """Wrap torchrun's ``PContext.close`` (how its agent stops the ranks, with SIGTERM then
+    SIGKILL) so that ``marker`` exists while it runs."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    close = api.PContext.close
+    if getattr(close, "raggedvl_marks", False):
+        return
+
+    def marked(self, *args, **kwargs):
+        open(marker, "w").close()
+        try:
+            return close(self, *args, **kwargs)
+        finally:
+            if os.path.exists(marker):
+                os.unlink(marker)
+
+    marked.raggedvl_marks = True
+    api.PContext.close = marked
 
 
 def quiet_ranks() -> bool:
@@ -122,6 +158,32 @@ def _silence_torchrun() -> None:
             logger.setLevel(logging.CRITICAL)
 
 
+def _worker_pids() -> list[int]:
+    """The processes this agent started (its children, from ``/proc``; [] where there is none)."""
+    me, children = os.getpid(), []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            children.append(int(entry))
+    return children
+
+
+def _forward_to_workers(signum, frame) -> None:
+    """SIGTERM / SIGUSR1 (preemption): pass it on to the ranks, which finish their step, save a
+    checkpoint and end (``raggedvl.train.preemption``); the agent keeps waiting for them."""
+    for pid in _worker_pids():
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
 def _first_signal_only() -> None:
     """torchrun's handler for SIGINT / SIGTERM / ... raises ``SignalException`` and its agent then
     stops the ranks (the signal, then SIGKILL after its shutdown timeout). A second Ctrl-C would
@@ -135,6 +197,9 @@ def _first_signal_only() -> None:
         return
 
     def first_only(signum, frame):
+        if signum == signal.SIGTERM:  # preemption: the ranks save and end; torchrun waits for them
+            _forward_to_workers(signum, frame)
+            return
         signal.signal(signum, signal.SIG_IGN)
         handler(signum, frame)
 
@@ -161,8 +226,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.environ["LOGLEVEL"] = loglevel
     os.environ[AGENT_ENV] = "1"
     _first_signal_only()
+    signal.signal(signal.SIGUSR1, _forward_to_workers)
+    fd, preempted = tempfile.mkstemp(prefix="raggedvl-preempted-")
+    os.close(fd)
+    os.environ[PREEMPTED_FILE_ENV] = preempted
+    os.environ[TEARDOWN_FILE_ENV] = preempted + ".teardown"
+    _mark_teardowns(os.environ[TEARDOWN_FILE_ENV])
     try:
         run(parse_args(list(sys.argv[1:] if argv is None else argv)))
+        if os.path.getsize(preempted):  # rank 0 saved and said where: a requeue script's exit code
+            return PREEMPTED_EXIT_CODE
     except ChildFailedError as exc:
         line, code = first_failure(exc.failures)
         print(f"raggedvl: {line}", file=sys.stderr, flush=True)
@@ -171,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.sigval != signal.SIGINT:  # Ctrl-C: rank 0 printed where training stopped (parallel.interrupts)
             print(f"raggedvl: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
+    finally:
+        os.unlink(preempted)
     return 0
 
 

@@ -35,7 +35,7 @@ import traceback
 
 from raggedvl.parallel.failures import abort, clear_note, peer_notes, post_note
 
-FAULT_KINDS = ("raise", "kill", "hang")
+FAULT_KINDS = ("raise", "kill", "hang", "term")
 FAULT_ENV = "RAGGEDVL_FAULT"
 
 
@@ -153,8 +153,9 @@ class StallWatchdog:
 def inject_fault(rank: int, step: int) -> None:
     """Testing aid: ``RAGGEDVL_FAULT="KIND:RANK:STEP"`` makes rank RANK fail after STEP steps.
 
-    KIND is ``raise`` (a ``RuntimeError``), ``kill`` (SIGKILL to itself) or ``hang`` (sleep
-    forever), at the start of 1-based step STEP + 1. Before acting it prints ``raggedvl:
+    KIND is ``raise`` (a ``RuntimeError``), ``kill`` (SIGKILL to itself), ``hang`` (sleep
+    forever) or ``term`` (SIGTERM to itself, as a cluster's preemption: the step goes on), at the
+    start of 1-based step STEP + 1. Before acting it prints ``raggedvl:
     RAGGEDVL_FAULT=...: rank R will KIND in step S at unix time T`` to stderr (tests measure
     from T). No-op when the variable is unset or names another rank or step; ``ValueError``
     for a malformed value.
@@ -172,6 +173,9 @@ def inject_fault(rank: int, step: int) -> None:
           file=sys.stderr, flush=True)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "term":
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
     if kind == "hang":
         while True:
             time.sleep(3600)

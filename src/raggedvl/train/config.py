@@ -139,6 +139,12 @@ class TrainConfig:
         "cosine", "decay after the warmup, to 0 at the last step: cosine or linear (the HF Trainer's and colpali-engine's "
                   "default); the first step runs at lr 0 with any warmup, as in transformers")
     max_grad_norm: float = option(1.0, "gradient clipping threshold on the global L2 norm (0: no clipping)", at_least=0)
+    checkpoint_on_signal: bool = option(
+        True, "on SIGTERM or SIGUSR1 (a cluster's preemption) finish the step, write a checkpoint and exit with "
+              "code 3; false: exit after the step without saving")
+    preemption_grace_s: float = option(
+        600.0, "seconds after SIGTERM / SIGUSR1 within which a checkpoint is still written (past it the run "
+               "stops without saving, saying so); set below your scheduler's grace period", above=0)
     max_nonfinite_steps: int = option(
         3, "a step whose gradient norm is NaN or infinite is not applied (optimizer and schedule skip it, "
            "metrics.jsonl marks it nonfinite); this many such steps in a row stop the run", at_least=1)

@@ -311,7 +311,7 @@ def launch_train(args, argv: Sequence[str]) -> int:
         from raggedvl.train.loop import train
 
         clock.add({"imports": time.time() - process_start_time()})
-        train(cfg, clock=clock)
+        train(cfg, clock=clock)  # preempted: rank 0 left its line for the agent, which exits 3
         return 0
     from raggedvl.train.rundir import check_output_dir
 
@@ -338,7 +338,8 @@ def launch_train(args, argv: Sequence[str]) -> int:
         check_resume_data(cfg, data, world, *resumed)
     if world == 1 and not multi:
         from raggedvl.train.loop import train
+        from raggedvl.train.preemption import PREEMPTED_EXIT_CODE
 
-        train(cfg, data=data, clock=clock)
-        return 0
+        summary = train(cfg, data=data, clock=clock)
+        return PREEMPTED_EXIT_CODE if summary.get("preempted") else 0
     exec_agent(cmd, {ENV: clock.to_env()})

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -58,6 +58,7 @@ from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
 from raggedvl.parallel.faults import FAULT_ENV, inject_fault
 from raggedvl.parallel.interrupts import ignore_sigint, peer_interrupted, restore_sigint, stop_interrupted
 from raggedvl.gradcache import grad_cache_step
+from raggedvl.train.preemption import PreemptionRequest, report_preempted
 from raggedvl.train.report import MetricsLog, write_summary
 from raggedvl.train.resume import check_resume_settings
 from raggedvl.rng import capture_rng_state, restore_rng_state
@@ -80,6 +81,27 @@ class RankStep:
     peak_memory_mib: float  # progress.peak_memory_mib of this rank so far
     false_negatives: int  # (query, candidate) pairs of this rank's queries the loss masked (0 with keep)
     log_candidates: float  # sum over this rank's queries of ln(candidates left after masking); nan with keep
+    signal_age_s: float  # seconds since this rank received SIGTERM / SIGUSR1 (raggedvl.train.preemption); -1: none
+
+    def to_floats(self) -> list[float]:
+        """The fields in declaration order (``padding`` as its ``PADDING_KEYS`` values), for one
+        float64 gather; :meth:`from_floats` reads them back by field."""
+        out = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out.extend(value[k] for k in PADDING_KEYS) if f.name == "padding" else out.append(value)
+        return [float(v) for v in out]
+
+    @classmethod
+    def from_floats(cls, values: Sequence[float]) -> "RankStep":
+        values, kwargs = list(values), {}
+        for f in fields(cls):
+            if f.name == "padding":
+                kwargs["padding"] = {k: int(values.pop(0)) for k in PADDING_KEYS}
+            else:
+                value = values.pop(0)
+                kwargs[f.name] = int(value) if f.type == "int" else value
+        return cls(**kwargs)
 
 
 @dataclass
@@ -189,6 +211,8 @@ class Trainer:
         self.skipped = 0  # examples dropped by on_bad_image="skip" on all ranks in this process's run
         self.false_negatives = 0  # (query, page) pairs the loss masked, all ranks, in this process's run
         self.nonfinite_streak = 0  # steps in a row not applied for a non-finite gradient norm
+        self.preemption = PreemptionRequest()  # train() installs the signal handlers
+        self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote
         # bf16 autocast: by default on CUDA; on CPU only when asked for explicitly (slow there).
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and info.device.type == "cuda")
         self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
@@ -211,6 +235,8 @@ class Trainer:
             raise CheckpointError(f"the weights of step {self.step} are not finite (NaN or inf): not saved, so the "
                                   "last checkpoint stays the newest; lower --lr or raise --temperature")
         model_sd, optim_sd = full_state_dicts(self.model, self.optimizer)
+        if root is None:
+            self.saved_step = self.step
         rng = all_gather_objects(capture_rng_state())
         if self.info.is_main:
             retriever = unwrap_model(self.model)
@@ -361,20 +387,51 @@ class Trainer:
         lrs = self.scheduler.get_last_lr()  # the rates this step used; after step() they are the next step's
         if applied:
             self.scheduler.step()
-        n_skipped = len(batch.get("skipped", ()))
-        n_negatives = batch["negatives"].num_samples if batch.get("negatives") is not None else 0
-        host = [queries.num_samples, t2 - t1, n_skipped, n_negatives, *(padding[k] for k in PADDING_KEYS),
-                peak_memory_mib(self.info.device), *self._false_negative_stats()]
+        fn_count, fn_log = self._false_negative_stats()
+        local = RankStep(
+            n_local=queries.num_samples, encode_s=t2 - t1, skipped=len(batch.get("skipped", ())),
+            negatives=batch["negatives"].num_samples if batch.get("negatives") is not None else 0,
+            padding={k: padding[k] for k in PADDING_KEYS}, peak_memory_mib=peak_memory_mib(self.info.device),
+            false_negatives=fn_count, log_candidates=fn_log, signal_age_s=self.preemption.seconds_since())
+        # the device values first (no host sync before the gather), then this rank's RankStep by field
         device_values = [loss.detach(), norm.detach(), _NAN if doc_cosine is None else doc_cosine]
         stats = torch.cat([torch.stack([torch.as_tensor(v, dtype=torch.float64, device=norm.device) for v in device_values]),
-                           torch.tensor(host, dtype=torch.float64).to(norm.device, non_blocking=True)])
+                           torch.tensor(local.to_floats(), dtype=torch.float64).to(norm.device, non_blocking=True)])
         gathered = all_gather_floats(stats)
-        ranks = [RankStep(int(g[3]), g[4], int(g[5]), int(g[6]), {k: int(v) for k, v in zip(PADDING_KEYS, g[7:-3])},
-                          g[-3], int(g[-2]), g[-1]) for g in gathered]
+        ranks = [RankStep.from_floats(g[len(device_values):]) for g in gathered]
         # L_r = (W/N) sum of local terms, so the global loss is the mean of L_r over ranks.
         global_loss = sum(g[0] for g in gathered) / len(gathered)
         mine = gathered[self.info.rank]
         return StepResult(global_loss, mine[1], time.perf_counter() - t0, ranks, list(lrs), mine[2], applied)
+
+    def _stop_preempted(self, signal_age_s: float) -> dict[str, Any]:
+        """After the step in which some rank had received SIGTERM / SIGUSR1: a checkpoint of this
+        step (unless one was just written, or ``preemption_grace_s`` has passed since the signal),
+        rank 0's one line, and the summary ``{"preempted": True, ...}``. Collective."""
+        cfg = self.cfg
+        late = signal_age_s > cfg.preemption_grace_s
+        if self.saved_step != self.step and not late and cfg.checkpoint_on_signal:
+            self.watchdog.enter(f"writing the checkpoint of step {self.step} (preempted)")
+            self.save()
+        newest = list_checkpoints(self.ckpt_dir)
+        where = str(newest[0]) if newest else "none"
+        if late and self.saved_step != self.step:
+            what = (f"not saved: {signal_age_s:.0f} s after the signal, past --preemption-grace-s "
+                    f"{cfg.preemption_grace_s:g}; last checkpoint: {where}")
+        elif self.saved_step != self.step:
+            what = f"not saved (--checkpoint-on-signal false); last checkpoint: {where}"
+        else:
+            what = f"checkpoint: {where}"
+        line = f"raggedvl: preempted at step {self.step} ({self.preemption.name} after {signal_age_s:.0f} s); {what}"
+        line += "; resume with --resume" if newest else ""
+        if self.info.is_main:
+            print(line, file=sys.stderr, flush=True)
+            report_preempted(line)
+            self.metrics_log.write({"event": "preempted", "step": self.step, "signal_age_s": signal_age_s,
+                                    "checkpoint": where if self.saved_step == self.step else None})
+            self.trackers.close()
+        barrier()
+        return {"preempted": True, "step": self.step, "checkpoint": where if newest else None}
 
     def _count_nonfinite(self, r: StepResult) -> None:
         """Counts steps in a row whose gradient norm was not finite (not applied; the same verdict
@@ -529,6 +586,10 @@ class Trainer:
                     self.save_best()
             if self.stopped_by_collapse:
                 break
+            signal_age = max(p.signal_age_s for p in r.ranks)  # the same on every rank
+            if signal_age >= 0:
+                progress.close()
+                return self._stop_preempted(signal_age)
         progress.close()
         self.watchdog.enter("in evaluation after training", watch=False)
         after = self.evaluate() if cfg.eval_after else None
@@ -653,9 +714,11 @@ def train(cfg: TrainConfig, *, data: RunData | None = None, clock: StartupClock 
     info = init_distributed(timeout_s=cfg.collective_timeout_s)
     trainer = None
     sigint = None  # the SIGINT handler to restore after an interruption
+    preemption = PreemptionRequest().install()  # a SIGTERM during setup is acted on after the first step
     try:
         try:
             trainer = Trainer(cfg, info, data, clock, step_hooks=(inject_fault,) if os.environ.get(FAULT_ENV) else ())
+            trainer.preemption = preemption
             return trainer.run()
         except Exception as exc:
             if info.world_size > 1 and peer_interrupted(info.rank):  # a peer's Ctrl-C ended the group, no failure
@@ -670,6 +733,7 @@ def train(cfg: TrainConfig, *, data: RunData | None = None, clock: StartupClock 
         newest = list_checkpoints(Path(cfg.output_dir) / "checkpoints")  # complete ones (written atomically)
         raise stop_interrupted(info.rank, trainer.step if trainer else None, newest[0] if newest else None) from None
     finally:
+        preemption.uninstall()
         if trainer is not None:
             trainer.watchdog.stop()
             release_wrapped_model(trainer)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from raggedvl.train.config import TrainConfig
 from tests.dist.harness import run_distributed
 
 pytestmark = pytest.mark.dist
@@ -92,6 +93,9 @@ def _train_all(rank: int, world_size: int, data: str, cache: str, out: str) -> d
             result[f"{name}/keys_match"] = got.keys() == ref.keys()
             result[f"{name}/shapes_match"] = all(got[k].shape == ref[k].shape for k in ref)
             result[f"{name}/max_abs_diff"] = max(float((got[k] - ref[k]).abs().max()) for k in ref)
+            diff = sum(float((got[k] - ref[k]).double().pow(2).sum()) for k in ref) ** 0.5
+            moved = sum(float((ref[k] - initial[k]).double().pow(2).sum()) for k in ref) ** 0.5
+            result[f"{name}/diff_over_update"] = diff / moved
         result["ddp/max_abs_update"] = max(float((ref[k] - initial[k]).abs().max()) for k in ref)
     return result
 
@@ -119,7 +123,12 @@ def test_fsdp2_run_logs_the_same_losses_as_ddp(runs):
     for name in ("fsdp2", "fsdp2_grad_cache"):
         assert r0[f"{name}/rank_samples"] == r0["ddp/rank_samples"]
         got = r0[f"{name}/losses"]
-        assert got == pytest.approx(ref, rel=2e-5, abs=1e-6), (name, got, ref)
+        # step 1 starts from the same weights: one forward's float32 rounding in another order
+        assert got[0] == pytest.approx(ref[0], rel=1e-5), (name, got, ref)
+        # later steps start from weights that differ by the updates' rounding, each element by at
+        # most 2 lr per step (AdamW's update is at most about lr per element, checkpoint test below):
+        # far below a loss move, 1e-2 here, and far below what a strategy defect changes
+        assert got[1:] == pytest.approx(ref[1:], rel=1e-3), (name, got, ref)
 
 
 def test_fsdp2_evaluation_matches_ddp(runs):
@@ -146,13 +155,16 @@ def test_fsdp2_evaluation_matches_ddp(runs):
 def test_fsdp2_checkpoint_holds_the_same_full_weights_as_ddp(runs):
     r0 = runs[0]
     assert r0["ddp/ckpt_problems"] == []
-    assert r0["ddp/max_abs_update"] > 1e-3  # 3 AdamW steps at lr 1e-3 moved the weights
+    assert r0["ddp/max_abs_update"] > 1e-3  # 3 AdamW steps at the head's lr 2e-3 moved the weights
     for name in ("fsdp2", "fsdp2_grad_cache"):
         assert r0[f"{name}/ckpt_problems"] == []
         assert r0[f"{name}/keys_match"] and r0[f"{name}/shapes_match"]  # full tensors, not shards
-        # AdamW divides each update by the gradient's running RMS, so float32 summation-order
-        # noise in a near-zero gradient can move a weight by a fraction of lr (1e-3): allow 1/10.
-        assert r0[f"{name}/max_abs_diff"] < 1e-4, (name, r0[f"{name}/max_abs_diff"])
+        # AdamW divides each update by the gradient's running RMS, so float32 summation-order noise
+        # in a near-zero gradient can flip an element's update: at most 2 lr per step and element
+        # (the largest lr is the head's, TrainConfig's default 2e-3), whatever the CPU. The whole weight vector still agrees: a strategy defect (a
+        # missing reduction, a shard applied twice) moves it by the order of the update itself.
+        assert r0[f"{name}/max_abs_diff"] <= 2 * TrainConfig().head_lr * STEPS, (name, r0[f"{name}/max_abs_diff"])
+        assert r0[f"{name}/diff_over_update"] < 1e-2, (name, r0[f"{name}/diff_over_update"])
 
 
 # ------------------------------------------------------------------ GPU variants (gpu_check runs these)

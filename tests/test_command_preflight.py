@@ -15,6 +15,7 @@ from .train.test_preflight import _parquet
 
 def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
     (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "train_config.json").write_text("{}")  # a run folder, as far as the name checks go
     (tmp_path / "index").mkdir()
     (tmp_path / "index" / "index.json").write_text("{}")
     renamed = _parquet(tmp_path / "test.parquet", names=("question", "page", "doc_id"))

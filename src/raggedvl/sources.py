@@ -8,7 +8,7 @@ not minutes of retries inside torchrun or the hub client:
 | name | result |
 |---|---|
 | a preset (``tiny``, ``rdocs``) | itself |
-| an existing file or folder | itself |
+| an existing file or folder | itself; a ``--model`` folder must look like a checkpoint (:func:`check_model_folder`) |
 | a path that does not exist (``./x``, ``/x``, ``a/b/c``, ``x.parquet``, or a parent folder that exists) | ``ValueError`` naming the closest entry of the folder it would be in, or a preset |
 | ``a/b`` where ``a`` is close to a local folder holding ``b`` (``rnus/a`` beside ``runs/a``) | ``ValueError``: "did you mean 'runs/a'?" |
 | a bare name close to a preset (``tyny``) | ``ValueError``: "did you mean 'tiny'?" |
@@ -65,6 +65,26 @@ def missing_path(name: str, presets: tuple[str, ...], what: str, kind: str) -> V
     return ValueError(f"{what} {name!r}: no such {kind}{hint}")
 
 
+# what makes a folder a model: transformers' or raggedvl's settings, a peft adapter, or a run
+MODEL_FILES = ("config.json", "raggedvl_retriever.json", "adapter_config.json", "train_config.json")
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "tokenizer_config.json", "tokenizer.json")
+
+
+def check_model_folder(folder: Path, what: str = "--model") -> None:
+    """Raise ``ValueError`` (one line: the folder, what it lacks, what it holds, the fix) for a
+    folder that cannot be a checkpoint: none of :data:`MODEL_FILES` (and no ``checkpoints/`` of a
+    run), or a transformers model folder without its processor (:data:`PROCESSOR_FILES`), which
+    the model's own image geometry and prompts would then be built without."""
+    names = sorted(p.name for p in folder.iterdir())
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") if names else "nothing"
+    if not any(n in names for n in MODEL_FILES) and "checkpoints" not in names:
+        raise ValueError(f"{what} {str(folder)!r} is not a model folder: it has no {' / '.join(MODEL_FILES)} "
+                         f"(it holds {shown}); pass a checkpoint folder, a run folder, a hub id or 'tiny'")
+    if "config.json" in names and "adapter_config.json" not in names and not any(n in names for n in PROCESSOR_FILES):
+        raise ValueError(f"{what} {str(folder)!r} has config.json but no processor ({' / '.join(PROCESSOR_FILES)}; "
+                         f"it holds {shown}); save the processor beside the model (processor.save_pretrained)")
+
+
 def _looks_like_path(name: str) -> bool:
     return (name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
             or Path(name).suffix.lower() in (".parquet", ".json", ".jsonl", ".csv", ".arrow", ".yaml", ".safetensors"))
@@ -77,7 +97,11 @@ def resolve_source(name: str, *, repo_type: RepoType, presets: tuple[str, ...] =
     ``what``: how messages name the argument (default ``--model`` / ``--dataset``); ``kind``: what
     a local path must be ("no such folder" for a checkpoint)."""
     what = what or ("--model" if repo_type == "model" else "--dataset")
-    if name in presets or Path(name).expanduser().exists():
+    if name in presets:
+        return name
+    if Path(name).expanduser().exists():
+        if repo_type == "model" and Path(name).expanduser().is_dir():
+            check_model_folder(Path(name).expanduser(), what)
         return name
     if _looks_like_path(name):
         raise missing_path(name, presets, what, kind)

@@ -28,7 +28,7 @@ def test_a_fault_fires_only_on_its_rank_and_step(monkeypatch, capfd):
 def test_report_failure_without_a_group_prints_and_annotates(capfd):
     exc = ValueError("bad thing\nsecond line")
     text = report_failure(3, "in step 7", exc)
-    assert text == "raggedvl: rank 3 failed in step 7: ValueError: bad thing"
+    assert text == "raggedvl: rank 3 failed in step 7: ValueError: bad thing second line"
     assert exc.__notes__ == [text]
     assert text in capfd.readouterr().err
 
@@ -78,3 +78,18 @@ def test_a_disabled_watchdog_only_records_the_phase():
     assert not any(t.name == "raggedvl-stall-watchdog" and t.is_alive() for t in threading.enumerate())
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         StallWatchdog(rank=0, timeout_s=0)
+
+
+def test_a_long_error_keeps_its_fix_on_one_line():
+    """A corrupt JPEG's message is long and ends with the flag that fixes it: the rank's line
+    (what the agent prints for the job) keeps all of it."""
+    message = ("rdocs row 17 (id 'p17'): cannot decode the image " + "x" * 400
+               + "\n(raggedvl: --on-bad-image skip leaves such rows out)")
+    text = report_failure(0, "in step 2", RuntimeError(message))
+    assert "\n" not in text and text.endswith("(raggedvl: --on-bad-image skip leaves such rows out)")
+    assert len(text) > 450
+
+
+def test_only_a_huge_message_is_cut_and_says_so():
+    text = report_failure(0, "in step 2", RuntimeError("y" * 10_000))
+    assert "... (6000 more characters in the traceback)" in text

@@ -415,3 +415,19 @@ def test_the_output_dir_check_reads_only_the_folder(tmp_path):
     with pytest.raises(ValueError, match=r"already holds checkpoints of a run \(step-10, step-4\); pass --resume"):
         check_output_dir(TrainConfig(output_dir=str(run)))
     check_output_dir(TrainConfig(output_dir=str(run), resume=True))
+
+
+@pytest.mark.parametrize("files, message", [
+    ((), "is not a model folder: it has no config.json / raggedvl_retriever.json / adapter_config.json / "
+         "train_config.json (it holds nothing)"),
+    (("model.safetensors",), "it holds model.safetensors"),
+    (("config.json", "model.safetensors"), "has config.json but no processor"),
+])
+def test_an_empty_or_incomplete_model_folder_is_refused_before_any_rank(capsys, tmp_path, files, message):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in files:
+        (folder / name).write_text("{}")
+    assert main(["train", "--model", str(folder), "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err

@@ -39,13 +39,17 @@ FAULT_KINDS = ("raise", "kill", "hang", "term")
 FAULT_ENV = "RAGGEDVL_FAULT"
 
 
-def _first_line(exc: BaseException, limit: int = 300) -> str:
+def _one_line(exc: BaseException, limit: int = 4000) -> str:
+    """``Type: message`` with the whole message on one line (its lines joined by spaces: the fix an
+    error ends with stays in it); only a message past ``limit`` characters (a tensor's repr, a
+    dumped config) is cut, and says so."""
     try:
-        text = str(exc).strip().splitlines()
+        text = " ".join(str(exc).split())
     except Exception:  # noqa: BLE001 - an exception whose __str__ fails is still reported by type
-        text = ["<str() failed>"]
-    line = text[0] if text else ""
-    return f"{type(exc).__name__}: {line[:limit]}"
+        text = "<str() failed>"
+    if len(text) > limit:
+        text = text[:limit] + f" ... ({len(text) - limit} more characters in the traceback)"
+    return f"{type(exc).__name__}: {text}"
 
 
 def report_failure(rank: int, where: str, exc: BaseException) -> str:
@@ -62,7 +66,7 @@ def report_failure(rank: int, where: str, exc: BaseException) -> str:
     # ``python -m raggedvl.parallel.agent`` (runpy warns when the package already imported it)
     from raggedvl.parallel.agent import REPORT_ATTRIBUTE, quiet_ranks
 
-    own = f"rank {rank} failed {where}: {_first_line(exc)}"
+    own = f"rank {rank} failed {where}: {_one_line(exc)}"
     post_note(rank, own)
     now = time.time()
     notes = peer_notes(rank)

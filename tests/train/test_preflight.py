@@ -431,3 +431,46 @@ def test_an_empty_or_incomplete_model_folder_is_refused_before_any_rank(capsys, 
     assert main(["train", "--model", str(folder), "--output-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def _pairs(path, queries, images=None):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (56, 56), "white").save(buffer, format="PNG")
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    rows = images if images is not None else [{"bytes": buffer.getvalue(), "path": None}] * len(queries)
+    pq.write_table(pa.table({"query": queries, "image": pa.array(rows, type=image_type)}), str(path))
+    return str(path)
+
+
+def test_a_file_without_rows_is_one_line_before_launch(capsys, tmp_path):
+    import pyarrow as pa
+
+    data = _pairs(tmp_path / "empty.parquet", pa.array([], type=pa.string()), images=[])
+    assert main(["train", "--dataset", data, "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{data} split 'train' has no rows" in err, err
+
+
+def test_text_that_is_not_utf8_names_the_file_column_and_row(capsys, tmp_path):
+    import pyarrow as pa
+
+    raw = pa.array([b"fine", b"caf\xe9 menu", b"also fine"], type=pa.binary())
+    broken = pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())  # a writer that skipped validation
+    data = _pairs(tmp_path / "latin1.parquet", broken)
+    assert main(["train", "--dataset", data, "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"{data}: column 'query' row 1 is not valid UTF-8 text" in err and "byte 0xe9 at position 3" in err, err
+
+
+def test_a_binary_query_column_is_named_not_skipped(capsys, tmp_path):
+    import pyarrow as pa
+
+    data = _pairs(tmp_path / "binary.parquet", pa.array([b"one", b"two"], type=pa.binary()))
+    for extra in ([], ["--on-empty-query", "skip"]):
+        assert main(["train", "--dataset", data, "--output-dir", str(tmp_path / "run"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "has a query of bytes, not text (b'one')" in err and "write it as a string column" in err, err

@@ -74,6 +74,10 @@ def _bad_query_rows(queries: list[Any], ids: list[str], where: str, policy: str)
     raises)."""
     bad = []
     for row, (query, ident) in enumerate(zip(queries, ids)):
+        if isinstance(query, (bytes, bytearray)):  # a binary column: skipping would drop every row
+            raise ValueError(
+                f"{where}: row {row} (id {ident!r}) has a query of bytes, not text ({bytes(query[:40])!r}): the query "
+                "column is binary; write it as a string column (decode the bytes, e.g. as UTF-8)")
         if not isinstance(query, str) or not query.strip():
             if policy == "keep" and (query is None or isinstance(query, str)):
                 continue

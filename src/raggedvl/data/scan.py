@@ -319,8 +319,33 @@ def read_column(split: ParquetSplit, column: str) -> list[Any]:
     values: list[Any] = []
     for f in split.files:
         with reading_parquet(f), pq.ParquetFile(f) as parquet:
-            values += parquet.read(columns=[column]).column(column).to_pylist()
+            data = parquet.read(columns=[column]).column(column)
+            try:
+                values += data.to_pylist()
+            except UnicodeDecodeError as exc:
+                raise ValueError(_not_utf8(f, column, data, len(values), exc)) from None
     return values
+
+
+def _not_utf8(file: Any, column: str, data: Any, first_row: int, exc: UnicodeDecodeError) -> str:
+    """The one-line error for a text column holding bytes that are not UTF-8: file, column, row."""
+    import pyarrow as pa
+
+    raw = data.cast(pa.binary()).to_pylist() if hasattr(data, "cast") else []
+    row = next((i for i, v in enumerate(raw) if v is not None and not _decodes(v)), None)
+    where = f"row {first_row + row}" if row is not None else "a row"
+    value = raw[row] if row is not None else b""
+    return (f"{file}: column {column!r} {where} is not valid UTF-8 text ({exc.reason}: byte 0x{exc.object[exc.start]:02x} "
+            f"at position {exc.start} of {value[:40]!r}); write the column as UTF-8 text (re-encode from its "
+            "original encoding, e.g. latin-1)")
+
+
+def _decodes(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 @dataclass

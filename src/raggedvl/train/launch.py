@@ -268,9 +268,14 @@ def _check_parquet_data(cfg, name: str) -> bool:
                   id_column=cfg.id_column, negatives_column=cfg.negatives_column)
     check_image_column(table, cfg.image_column, flag="--image-column", query_column=cfg.query_column)
     queries = read_column(table, cfg.query_column)
+    if not queries:
+        raise ValueError(f"{table.where} has no rows: nothing to train on; pass a --dataset with training pairs")
     ids = ([str(v) for v in read_column(table, cfg.id_column)] if cfg.id_column
            else [f"{cfg.train_split}-{i}" for i in range(len(queries))])
-    used, _ = kept_rows(queries, ids, table.where, cfg.on_empty_query, cfg.max_train_samples)
+    used, skipped = kept_rows(queries, ids, table.where, cfg.on_empty_query, cfg.max_train_samples)
+    if not used:
+        raise ValueError(f"{table.where}: all {len(skipped)} rows were left out for an empty or non-string query "
+                         "(--on-empty-query skip); nothing is left to train on")
 
     negatives = None
     if cfg.negatives_column is not None:

@@ -129,7 +129,7 @@ def test_unknown_flags_and_keys_suggest_the_closest(tmp_path, capsys):
     path.write_text("lr: 1e-3\nwarmup_step: 3\n")
     assert main(["train", "--config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "unknown config keys ['warmup_step']; did you mean 'warmup_steps'?" in err
+    assert "unknown config key 'warmup_step': did you mean 'warmup_steps'?" in err
     assert "max_eval_samples" not in err  # not a list of all keys
 
 

@@ -212,8 +212,10 @@ def check_known_keys(cls: type, keys: typing.Iterable[str]) -> None:
     known = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(keys) - set(known))
     if unknown:
-        hints = "".join(did_you_mean(k, known) for k in unknown[:1])
-        raise ValueError(f"unknown config keys {unknown}{hints} (`raggedvl train --help` lists every key)")
+        each = "; ".join(f"{k!r}" + (f": {did_you_mean(k, known)[2:]}" if did_you_mean(k, known) else "")
+                         for k in unknown)
+        raise ValueError(f"unknown config key{'s' if len(unknown) > 1 else ''} {each} "
+                         "(`raggedvl train --help` lists every key)")
 
 
 class _YamlLoader(yaml.SafeLoader):

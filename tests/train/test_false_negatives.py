@@ -49,9 +49,10 @@ def shared_pages_parquet(path) -> str:
 
 
 def _cfg(tmp_path, data, name, **extra):
-    return TrainConfig(dataset=data, max_steps=2, global_batch_size=PAGES * QUERIES_PER_PAGE, warmup_steps=1,
-                       eval_before=False, eval_after=False, checkpoint_every=100, max_train_samples=None,
-                       max_eval_samples=None, output_dir=str(tmp_path / name), **extra)
+    settings = dict(dataset=data, max_steps=2, global_batch_size=PAGES * QUERIES_PER_PAGE, warmup_steps=1,
+                    eval_before=False, eval_after=False, checkpoint_every=100, max_train_samples=None,
+                    max_eval_samples=None, output_dir=str(tmp_path / name))
+    return TrainConfig(**{**settings, **extra})
 
 
 def _steps(run_dir):
@@ -115,3 +116,19 @@ def test_two_processes_mask_the_same_pairs_as_one(tmp_path, small_data_cache):
     assert first_two["rank_samples"] != [PAGES * QUERIES_PER_PAGE] and len(first_two["rank_samples"]) == 2
     assert [r["false_negatives"] for r in _steps(two)] == [r["false_negatives"] for r in _steps(one)]
     assert first_two["loss"] == pytest.approx(first_one["loss"], rel=1e-5)
+
+
+def test_the_start_line_counts_repeated_queries_and_pairs(tmp_path, small_data_cache, capsys):
+    import pyarrow.parquet as pq
+
+    data = shared_pages_parquet(tmp_path / "pairs.parquet")
+    table = pq.read_table(data)
+    doubled = tmp_path / "doubled.parquet"
+    rows = table.to_pylist()
+    rows += [rows[0], dict(rows[1], image=rows[2]["image"])]  # the same pair again; a query again with another page
+    pq.write_table(table.from_pylist(rows, schema=table.schema), str(doubled))
+    cfg = _cfg(tmp_path, str(doubled), "run", data_cache=str(small_data_cache), max_steps=1)
+    train(cfg)
+    captured = capsys.readouterr()
+    err = captured.out + captured.err
+    assert f"{len(rows)} training pairs (2 repeat an earlier pair's query, 1 of them its page too" in err, err

@@ -474,3 +474,44 @@ def test_a_binary_query_column_is_named_not_skipped(capsys, tmp_path):
         assert main(["train", "--dataset", data, "--output-dir", str(tmp_path / "run"), *extra]) == 2
         err = capsys.readouterr().err
         assert "has a query of bytes, not text (b'one')" in err and "write it as a string column" in err, err
+
+
+def test_an_output_dir_below_a_file_is_one_line_before_launch(capsys, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    assert main(["train", "--output-dir", str(tmp_path / "afile" / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a file, not a folder; choose another --output-dir" in err, err
+
+
+def test_an_unwritable_output_dir_is_one_line_before_launch(capsys, tmp_path, monkeypatch):
+    import tempfile
+
+    def refuse(*args, **kwargs):  # a read-only filesystem (root ignores a folder's mode bits)
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    assert main(["train", "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write in" in err and "Read-only file system" in err, err
+
+
+def test_a_full_fine_tune_that_cannot_fit_its_checkpoint_is_refused(capsys, tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from safetensors.torch import save_file
+    import torch
+
+    from raggedvl.train.launch import model_parameters
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"a": torch.zeros(10, 100), "b": torch.zeros(50)}, str(model / "model.safetensors"))
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("{}")
+    assert model_parameters(str(model)) == 1050
+    usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 0, 12 * 1050 - 1))
+    assert main(["train", "--model", str(model), "--lora", "false", "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "12,599 bytes free" in err and "needs about 12,600" in err, err

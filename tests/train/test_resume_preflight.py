@@ -115,3 +115,21 @@ def test_a_rank_started_by_torchrun_itself_gives_the_same_message(tmp_path, smal
     with pytest.raises(ValueError, match=r"step-000001 cannot continue with these settings: --lr 0\.0002 then, "
                                          r"0\.001 now\. Pass the original values"):
         train(TrainConfig(**{**cfg.to_dict(), "resume": True, "lr": 1e-3, "max_steps": 2}))
+
+
+def test_resume_of_a_mistyped_folder_says_there_is_nothing_and_suggests_the_run(capsys, tmp_path, small_data_cache):
+    data = _parquet(tmp_path / "pairs.parquet", n=8)
+    _write_checkpoint(tmp_path / "run-a", _config(tmp_path / "run-a", data, small_data_cache), 1)
+    err = _resume(capsys, tmp_path / "run-b", data, small_data_cache)
+    assert f"{tmp_path / 'run-b'} holds no checkpoint to resume; did you mean '{tmp_path / 'run-a'}'?" in err, err
+
+
+def test_resume_of_a_finished_run_says_nothing_is_left(capsys, tmp_path, small_data_cache):
+    data = _parquet(tmp_path / "pairs.parquet", n=8)
+    run = tmp_path / "run"
+    folder = _write_checkpoint(run, _config(run, data, small_data_cache), 2, step=3)
+    err = _resume(capsys, run, data, small_data_cache, "--max-steps", "3")
+    assert f"{folder} is step 3, and --max-steps is 3: nothing left to train" in err, err
+    with pytest.raises(Started):  # a larger --max-steps continues it (the ranks would start)
+        main(["train", "--output-dir", str(run), "--dataset", str(data), "--data-cache", str(small_data_cache), *COMMON,
+              "--resume", "--max-steps", "5", "--nproc-per-node", "2"])

@@ -512,6 +512,23 @@ class RetrievalDataset(Sequence):
         out.skipped_rows = list(self.skipped_rows)  # the source's rows left out stay reported (a subset holds none)
         return out
 
+    def duplicates(self) -> tuple[int, int]:
+        """``(repeated queries, repeated rows)``: rows whose query text an earlier row already has,
+        and of those the rows whose stored image is also that earlier row's (the same pair twice).
+        Reads the image bytes of the rows with a repeated query only."""
+        first_rows: dict[str, list[int]] = {}
+        repeated_queries = repeated_rows = 0
+        for row, query in enumerate(self.queries()):
+            if query is None:
+                continue
+            earlier = first_rows.setdefault(query, [])
+            if earlier:
+                repeated_queries += 1
+                digest = self._digest(row)
+                repeated_rows += any(self._digest(e) == digest for e in earlier)
+            earlier.append(row)
+        return repeated_queries, repeated_rows
+
     def image_digests(self) -> list[str]:
         """SHA-256 (hex) of each row's encoded image bytes, as stored (file bytes, or the
         ``bytes`` of a ``datasets`` Image value), without decoding pixels. Two rows share a

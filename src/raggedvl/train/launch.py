@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from raggedvl.gpu_driver import has_gpu_driver
@@ -197,6 +198,50 @@ def check_names(cfg) -> None:
             resolve_source(name, repo_type="dataset", presets=("rdocs",), what=flag)
 
 
+def model_parameters(model: str) -> int | None:
+    """Parameters stored in a local model folder's ``*.safetensors`` files, from their headers
+    (no tensor is read), or None for a preset, a hub id or a folder without safetensors."""
+    import json
+    import struct
+
+    folder = Path(model).expanduser()
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    total = 0
+    for path in files:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in entry["shape"]:
+                    count *= dim
+                total += count
+    return total or None
+
+
+def check_output_space(cfg) -> None:
+    """Raise ``ValueError`` (one line, exit 2) when the filesystem of ``--output-dir`` cannot hold
+    one checkpoint of a full fine-tune of a local ``--model`` folder: its weights in float32 and
+    AdamW's two float32 moments, 3 x 4 bytes per parameter (LoRA checkpoints hold only adapters
+    and the head: not checked). Each save checks again (``raggedvl.train.checkpoint.check_free_space``)."""
+    import shutil
+
+    parameters = model_parameters(cfg.model) if not cfg.use_lora else None
+    if parameters is None:
+        return
+    needed = parameters * 12
+    out = Path(cfg.output_dir)
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise ValueError(f"--output-dir {cfg.output_dir}: {free:,} bytes free, a checkpoint of this full fine-tune "
+                         f"needs about {needed:,} (weights and AdamW state, 12 bytes per parameter of {cfg.model}); "
+                         "free space, choose another --output-dir, or train LoRA adapters (--lora true)")
+
+
 def check_data(cfg) -> list[str]:
     """The launcher's data checks before torch is imported, for each training set held in local
     parquet files (``raggedvl.data.scan``; other sources are checked by ``prepare_run_data``):
@@ -322,6 +367,7 @@ def launch_train(args, argv: Sequence[str]) -> int:
 
     check_names(cfg)
     check_output_dir(cfg)
+    check_output_space(cfg)
     unchecked = check_data(cfg)
     cmd = torchrun_command(args, strip_torchrun_arguments(argv))
     world, multi = check_world_fits(cfg, cmd)
@@ -329,10 +375,12 @@ def launch_train(args, argv: Sequence[str]) -> int:
     if (world > 1 or multi) and not needs_torch(cfg, unchecked):  # all checked: the ranks prepare the data
         clock.add({"checks": clock.since_start()})
         exec_agent(cmd, {ENV: clock.to_env()})
-    from raggedvl.train.resume import check_resume_data, check_resume_settings, resume_point
+    from raggedvl.train.resume import check_resume_data, check_resume_settings, check_something_to_resume, resume_point
     from raggedvl.train.setup import check_model_checkpoint, prepare_run_data
 
     resumed = resume_point(cfg) if cfg.resume else None
+    if cfg.resume:
+        check_something_to_resume(cfg, resumed)
     if resumed is not None:  # settings the checkpoint cannot continue with: one line, before any rank
         check_resume_settings(cfg, world, *resumed)
     check_model_checkpoint(cfg)  # a broken colpali / transformers checkpoint: one line, before any rank

@@ -452,6 +452,11 @@ class Trainer:
             f"low (--temperature {cfg.temperature:g}) or bf16 overflow (--precision fp32); resume from the last "
             "checkpoint with a lower --lr")
 
+    def _duplicates(self) -> tuple[int, int]:
+        """The training set's repeated queries and pairs (``RetrievalDataset.duplicates``)."""
+        find = getattr(self.c.train_set, "duplicates", None)
+        return find() if callable(find) else (0, 0)
+
     def _false_negative_stats(self) -> tuple[int, float]:
         """The last loss call's masked pairs and sum of ln(candidates kept) over this rank's queries."""
         loss = self.c.loss.loss
@@ -519,7 +524,7 @@ class Trainer:
                 f"training {self.total_steps} steps, world size {info.world_size} "
                 f"({run_place(info.world_size, info.backend, info.device.type)}), "
                 f"global batch {cfg.global_batch_size}, "
-                f"{training_pairs_text(cfg, self.c.costs, getattr(self.c.train_set, 'part_sizes', None))}"
+                f"{training_pairs_text(cfg, self.c.costs, getattr(self.c.train_set, 'part_sizes', None), self._duplicates())}"
             )
         progress = Progress(self.total_steps, self.step, every=cfg.progress_every, enabled=info.is_main)
         loop_start, t_run = time.time(), time.perf_counter()

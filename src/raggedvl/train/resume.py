@@ -24,6 +24,7 @@ file are the same data).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 from pathlib import Path
@@ -56,6 +57,25 @@ def resume_point(cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None:
         if hashlib.sha256(raw).hexdigest() == entry.get("sha256"):
             return path, json.loads(raw)
     return None
+
+
+def check_something_to_resume(cfg: TrainConfig, resumed: tuple[Path, dict[str, Any]] | None) -> None:
+    """With ``--resume``: raise ``ValueError`` (one line) when ``output_dir`` holds no checkpoint
+    (naming a sibling folder that does, for a mistyped name) or when its newest checkpoint
+    already reached ``--max-steps`` (nothing left to train)."""
+    out = Path(cfg.output_dir)
+    if resumed is None:
+        parent = out.parent if str(out.parent) else Path(".")
+        runs = sorted(p.name for p in parent.iterdir() if list_checkpoints(p / "checkpoints")) if parent.is_dir() else []
+        close = difflib.get_close_matches(out.name, runs, n=1, cutoff=0.6)
+        hint = f"; did you mean {str(parent / close[0])!r}?" if close else ""
+        raise ValueError(f"--resume: {cfg.output_dir} holds no checkpoint to resume{hint} (to start a new run there, "
+                         "leave out --resume)")
+    checkpoint, state = resumed
+    if cfg.max_steps is not None and int(state.get("step", 0)) >= cfg.max_steps:
+        raise ValueError(f"--resume: {checkpoint} is step {state['step']}, and --max-steps is {cfg.max_steps}: nothing "
+                         f"left to train; pass a larger --max-steps to continue, or evaluate it with raggedvl eval "
+                         f"{checkpoint}")
 
 
 def _effective(values: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ temporary folders (a name with a ``.``, e.g. ``step-4.tmp-123``) are ignored, as
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -23,12 +24,33 @@ def checkpoint_folders(root: str | Path) -> list[Path]:
     return sorted(dirs, key=lambda p: int(p.name.split("-")[1]), reverse=True)
 
 
+def check_writable(out: Path) -> None:
+    """Raise ``ValueError`` (one line) when files cannot be created in ``out`` (or, while it does
+    not exist, in its nearest existing parent): a path below a file, a read-only filesystem or
+    folder. Creates and removes one empty probe file."""
+    import tempfile
+
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"--output-dir {str(out)!r}: {str(probe)!r} is a file, not a folder; choose another --output-dir")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".raggedvl-probe-", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as exc:
+        raise ValueError(f"--output-dir {str(out)!r}: cannot write in {str(probe)!r} ({exc.strerror or exc}); "
+                         "choose a writable --output-dir") from None
+
+
 def check_output_dir(cfg) -> None:
     """Refuse to start a fresh run (``cfg.resume`` unset) in ``cfg.output_dir`` when it holds
     another run's checkpoints (they would be mixed with this run's). Raises ``ValueError``
     naming the checkpoints and the fix (``--resume`` or a new ``--output-dir``). Reads only the
     directory listing; imports nothing heavy."""
     out = Path(cfg.output_dir)
+    check_writable(out)
     found = checkpoint_folders(out / "checkpoints") + checkpoint_folders(out / "best")
     if found and not cfg.resume:
         raise ValueError(

@@ -203,13 +203,15 @@ def _kept_per_dataset(kept: np.ndarray, dataset_sizes: list[int]) -> list[int]:
     return np.diff(np.searchsorted(kept, np.cumsum(dataset_sizes), side="left"), prepend=0).tolist()
 
 
-def training_pairs_text(cfg: TrainConfig, costs: SampleCosts, dataset_sizes: list[int] | None = None) -> str:
+def training_pairs_text(cfg: TrainConfig, costs: SampleCosts, dataset_sizes: list[int] | None = None,
+                        duplicates: tuple[int, int] = (0, 0)) -> str:
     """The start line's count of training pairs: the pairs the sampler draws from (those the
     size estimate kept), then in parentheses what the count leaves out or holds that is never
     drawn: pairs rejected for unreadable images, and each dataset of ``dataset_sizes`` with
     weight 0 in ``cfg.dataset_weights`` (its kept pairs are counted, as a mixture's epoch is one
     draw per kept pair, but none of them is drawn). E.g. ``"56 training pairs (b.parquet: 16 of
-    them at weight 0, never drawn)"``."""
+    them at weight 0, never drawn)"``. ``duplicates``: the training set's repeated queries and
+    repeated pairs (``RetrievalDataset.duplicates``), named when there are any."""
     n_all = len(costs.costs)
     kept = costs.kept()
     notes = []
@@ -219,6 +221,11 @@ def training_pairs_text(cfg: TrainConfig, costs: SampleCosts, dataset_sizes: lis
                   for name, size, w in zip(cfg.datasets, kept_sizes, cfg.dataset_weights) if w == 0]
     if len(kept) < n_all:
         notes.append(f"{n_all - len(kept)} more left out: image unreadable")
+    queries, rows = duplicates
+    if queries:
+        notes.append(f"{queries} repeat an earlier pair's query, {rows} of them its page too"
+                     + ("; their pages are masked, not negatives, for each other (--false-negatives mask)"
+                        if cfg.false_negatives == "mask" else ""))
     return f"{len(kept)} training pairs" + (f" ({'; '.join(notes)})" if notes else "")
 
 

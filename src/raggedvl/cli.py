@@ -85,7 +85,8 @@ def _search(args) -> int:
     _check_search_arguments(args)
     from raggedvl.train.index_commands import print_results, search_index
 
-    results = search_index(args.checkpoint, index=args.index, queries=args.query, k=args.k, chunk_size=args.chunk_size)
+    results = search_index(args.checkpoint, index=args.index, queries=args.query, k=args.k, chunk_size=args.chunk_size,
+                           allow_other_model=args.allow_other_model)
     print_results(args.query, results)
     return 0
 
@@ -215,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval.add_argument("--max-samples", type=int, default=None,
                         help="at most this many pairs (BEIR: queries, over the whole corpus) (default: all)")
     p_eval.add_argument("--output", default=None, metavar="JSON",
-                        help="results file (default: RUN/eval/DATASET-SPLIT.json, or ./DATASET-SPLIT.eval.json)")
+                        help="results file (default: RUN/eval/DATASET-SPLIT.json, or MODEL_FOLDER/eval/DATASET-SPLIT.json)")
     p_eval.add_argument("--on-bad-image", choices=["error", "skip"], default="error",
                         help="an unreadable document image stops (error) or is never retrieved and counted (skip)")
     for name, what, default in (("query", "the query text", "query"), ("image", "the document image", "image"),
@@ -249,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_search.add_argument("-k", type=int, default=10, help="results per query (default: 10)")
     p_search.add_argument("--chunk-size", type=int, default=1024,
                           help="documents scored at once; bounds memory (default: 1024)")
+    p_search.add_argument("--allow-other-model", action="store_true",
+                          help="search an index that another checkpoint (or step) encoded; its scores then compare "
+                               "embeddings of two different models")
 
     p_export = sub.add_parser(
         "export", help="write a trained retriever for colpali-engine or transformers, with a model card",

@@ -196,3 +196,45 @@ def test_progress_outside_a_terminal_is_a_plain_line_every_tenth_of_the_calls():
     quiet = io.StringIO()
     assert list(progress_calls(5, desc="queries", enabled=False, stream=quiet)) == list(range(5))
     assert quiet.getvalue() == "" and list(progress_calls(0, stream=quiet)) == []
+
+
+def test_search_refuses_an_index_of_another_model(setup, tmp_path, capsys):
+    root, _, bench_dir = setup
+    other = build_retriever("tiny", processor=build_processor("tiny"), seed=1)
+    other.save_pretrained(tmp_path / "other")
+    index = tmp_path / "index-other"
+    assert main(["encode", str(tmp_path / "other"), "--dataset", str(bench_dir), "--output", str(index)]) == 0
+    capsys.readouterr()
+    argv = ["search", str(root / "model"), "--index", str(index), "--query", "sample quantiles"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{index} was encoded by {tmp_path / 'other'}, not by {root / 'model'}" in err, err
+    assert main(argv + ["--allow-other-model"]) == 0
+    assert "query: sample quantiles" in capsys.readouterr().out
+
+
+def test_eval_of_a_model_folder_writes_beside_it(setup, tmp_path, monkeypatch):
+    root, _, bench_dir = setup
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", str(root / "model"), "--dataset", str(bench_dir)]) == 0
+    (written,) = (root / "model" / "eval").glob("*bench-test.json")
+    assert json.loads(written.read_text())["counts"]["queries"] == 4
+    assert list(tmp_path.iterdir()) == []  # nothing in the working directory
+
+
+def test_a_saved_model_is_encoded_with_its_own_processor(tmp_path):
+    """A retriever saved with its processor (RaggedTrainer.save_model, save_pretrained + processor)
+    is loaded with that processor's pixel limits, not the preset's defaults."""
+    from raggedvl.parallel import init_distributed
+    from raggedvl.train.evaluate_checkpoint import load_model
+
+    small = build_processor("tiny", max_pixels=28 * 28 * 16)
+    model = build_retriever("tiny", processor=small, seed=0)
+    model.save_pretrained(tmp_path / "model")
+    small.save_pretrained(tmp_path / "model")
+    _, processor, _, _ = load_model(tmp_path / "model", init_distributed())
+    page = Image.new("RGB", (224, 336), "white")
+    expected = small.image_processor(images=[page], return_tensors="pt")["image_grid_thw"]
+    got = processor.image_processor(images=[page], return_tensors="pt")["image_grid_thw"]
+    default = build_processor("tiny").image_processor(images=[page], return_tensors="pt")["image_grid_thw"]
+    assert torch.equal(got, expected) and not torch.equal(got, default)

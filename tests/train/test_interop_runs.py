@@ -82,6 +82,7 @@ def test_continue_from_colpali_adapter_then_export(tmp_path, small_data_cache, m
         assert main(["export", str(run), "--format", fmt, "--output", str(tmp_path / fmt)]) == 0
         card = (tmp_path / fmt / "README.md").read_text()
         assert "raggedvl" in card and "| lora_r |" in card and "dev: after training" in card
+        assert "Given the same `pixel_values`, the embeddings equal raggedvl's" in card  # the condition users need
         back = build_retriever(str(tmp_path / fmt))
         _, q2, d2 = encode(back, tmp_path / fmt)
         assert masked_max_abs(d2.embeddings, d.embeddings, d.mask) <= 1e-5

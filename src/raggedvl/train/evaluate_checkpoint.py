@@ -31,10 +31,14 @@ def _is_training_checkpoint(path: Path) -> bool:
 
 
 def _processor_source(path: Path) -> str:
-    """Where a model directory's processor comes from: the tiny preset's for a saved tiny
-    retriever, else the directory itself."""
+    """Where a model directory's processor comes from: the processor saved in it (its pixel
+    limits are the ones training used), else, for a saved tiny retriever without one, the tiny
+    preset's."""
     from raggedvl.models.retriever import is_saved_retriever, read_retriever_meta
+    from raggedvl.sources import PROCESSOR_FILES
 
+    if any((path / name).is_file() for name in PROCESSOR_FILES):
+        return str(path)
     if is_saved_retriever(path) and read_retriever_meta(path)[0]["retriever"].get("source") == "tiny":
         return "tiny"
     return str(path)
@@ -49,10 +53,10 @@ def load_model(path: Path, info) -> tuple[torch.nn.Module, Any, TrainConfig | No
     if not _is_training_checkpoint(path):
         processor = build_processor(_processor_source(path))
         model = build_retriever(str(path), processor=processor)
-        return model.to(info.device), processor, None, {"path": str(path)}
+        return model.to(info.device), processor, None, {"path": str(path.resolve())}
     ckpt = load_checkpoint_or_latest(path)
     model, processor, cfg = rebuild_retriever(ckpt.state["config"], ckpt.model)
-    return model.to(info.device), processor, cfg, {"path": str(ckpt.path), "step": ckpt.state["step"], "model": cfg.model,
+    return model.to(info.device), processor, cfg, {"path": str(ckpt.path.resolve()), "step": ckpt.state["step"], "model": cfg.model,
                                                    "head": cfg.head}
 
 
@@ -84,7 +88,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
     evaluation split (with the run's overlap check). ``split`` default: the run's eval split, else
     "test". Runs on one process or under torchrun (queries and documents sharded over ranks).
     Rank 0 prints a table and writes ``output`` (default ``<run>/eval/<dataset>-<split>.json``
-    for a run, else ``./<dataset>-<split>.eval.json``). ``query_column`` / ``image_column`` /
+    for a run, else ``<model folder>/eval/<dataset>-<split>.json``). ``query_column`` / ``image_column`` /
     ``id_column``: the pairs' columns (None: with ``dataset``, ``query`` / ``image`` / row ids;
     without, the run's ``eval_*_column``). Returns the results dict; raises ``ValueError`` for a
     missing column (naming ``--query-column``...), split or benchmark."""
@@ -126,8 +130,9 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
         results["collapsed"] = collapse is not None
         if info.is_main:
             if output is None:
-                run_dir = Path(described["path"]).parent.parent if cfg is not None else None
-                output = (run_dir / "eval" / f"{_slug(name)}-{split}.json") if run_dir else Path(f"{_slug(name)}-{split}.eval.json")
+                # beside what was evaluated: a run's eval/ folder, or the model folder's own
+                home = Path(described["path"]).parent.parent if cfg is not None else Path(described["path"])
+                output = home / "eval" / f"{_slug(name)}-{split}.json"
             output = Path(output)
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")

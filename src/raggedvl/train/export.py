@@ -138,6 +138,11 @@ def model_card(*, source: str, checkpoint: str, fmt: str, state: dict | None, ru
                   "# or: from raggedvl.models.interop import mrope_position_ids; mrope_position_ids(model.vlm, batch)"]
     lines += ["```", "", "raggedvl loads this folder too: `raggedvl.models.build_retriever(\"PATH\")`, or "
               "`raggedvl train --model PATH` to continue training.", ""]
+    lines += ["Given the same `pixel_values`, the embeddings equal raggedvl's within float32 rounding. The pixels "
+              "themselves depend on the image processor: transformers' torchvision-backed processor (used when "
+              "torchvision is installed) and its PIL one resize pages with different kernels, so for identical "
+              "embeddings prepare pages with the processor raggedvl used (torchvision's resize, which raggedvl "
+              "computes with torch) or pass the same prepared `pixel_values` to both.", ""]
     lines += ["## Prompts", "", "The retriever was trained with (`raggedvl_prompts.json`):", "",
               f"- query: `{prompts.query_template!r}`", f"- page: `{prompts.doc_template!r}`",
               f"- padding: {prompts.padding_side}", ""]

@@ -66,14 +66,18 @@ def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str, output: s
 
 
 def search_index(checkpoint: str | Path, *, index: str | Path, queries: list[str], k: int = 10, chunk_size: int = 1024,
-                 batch_size: int = 32) -> list[list[tuple[str, float]]]:
+                 batch_size: int = 32, allow_other_model: bool = False) -> list[list[tuple[str, float]]]:
     """Top-``k`` (document id, score) of each query over ``index``, best first, exact (chunked
     MaxSim or dot products; ties in trec_eval's order). One process. Raises ``ValueError`` when
-    the index was built by a model with another head or dimension."""
+    the index was built by a model with another head or dimension, or (unless
+    ``allow_other_model``) by another checkpoint or step than ``checkpoint`` (the index records
+    which: ``index.json``'s ``model``)."""
     idx = EmbeddingIndex(index)
     info = init_distributed()
     try:
-        model, processor, _, _ = load_model(Path(checkpoint), info)
+        model, processor, _, described = load_model(Path(checkpoint), info)
+        if not allow_other_model:
+            check_same_model(described, idx.meta.get("model"), index)
         collate = RetrievalCollator(processor, prompts=model.config.prompts, layout=model.family.name)
         from raggedvl.evaluation.encode import encode_queries
 
@@ -88,7 +92,25 @@ def search_index(checkpoint: str | Path, *, index: str | Path, queries: list[str
         shutdown()
 
 
-def print_results(queries: list[str], results: list[list[tuple[str, float]]], file=sys.stdout) -> None:
+def _model_name(described: dict[str, Any]) -> str:
+    return str(described.get("path")) + (f" (step {described['step']})" if "step" in described else "")
+
+
+def check_same_model(ours: dict[str, Any], theirs: dict[str, Any] | None, index: str | Path) -> None:
+    """Raise ``ValueError`` (one line naming both) when the index's model (``index.json``'s
+    ``model``: checkpoint path and step) is not ``ours``; an index that records none is accepted."""
+    if not theirs or "path" not in theirs:
+        return
+    same_path = Path(str(theirs["path"])).resolve() == Path(str(ours["path"])).resolve()
+    if same_path and theirs.get("step") == ours.get("step"):
+        return
+    raise ValueError(f"{index} was encoded by {_model_name(theirs)}, not by {_model_name(ours)}: its document "
+                     "embeddings do not match this model's queries; encode the corpus with this checkpoint "
+                     "(raggedvl encode) or pass --allow-other-model")
+
+
+def print_results(queries: list[str], results: list[list[tuple[str, float]]], file=None) -> None:
+    file = sys.stdout if file is None else file
     for query, hits in zip(queries, results):
         print(f"query: {query}", file=file)
         for rank, (doc, score) in enumerate(hits, 1):

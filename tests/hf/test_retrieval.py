@@ -156,3 +156,15 @@ def test_skipped_examples_are_reported(tmp_path, caplog):
         out = wire_collate(examples)
     assert out["docs"]["ragged_num_tokens"].numel() == 2
     assert [s["id"] for s in wire_collate.skipped] == ["ex1"] and "skipped 1 example" in caplog.text
+
+
+@pytest.mark.parametrize("given, expected", [(None, False), (True, True), (False, False)])
+def test_ddp_does_not_search_for_unused_parameters_unless_asked(tmp_path, given, expected):
+    """Every parameter takes part in every forward (the dummy vision pass), so DDP's per-step search
+    for unused ones is pure cost: off unless the user set it."""
+    from raggedvl.hf import RaggedTrainer
+    from tests.hf.helpers import tiny_processor, tiny_retriever, training_args
+
+    args = training_args(tmp_path, ddp_find_unused_parameters=given)
+    trainer = RaggedTrainer(tiny_retriever(), args, processor=tiny_processor())
+    assert trainer.args.ddp_find_unused_parameters is expected

@@ -92,15 +92,24 @@ def test_one_trainer_step_is_the_models_own_step(tmp_path):
         torch.testing.assert_close(p.detach(), expected[n], rtol=0, atol=1e-10, msg=n)
 
 
-def test_evaluate_reports_the_token_mean_of_the_eval_set(tmp_path):
+@pytest.mark.parametrize("batch_size", [1, 2, 3])
+def test_evaluate_reports_the_token_mean_of_the_eval_set(tmp_path, batch_size):
+    """Answers of different lengths: the loss is the mean over every label token of the set (as
+    training normalises it), not a mean of per-batch means, so the batch size does not change it."""
     examples = sft_examples()
     model = tiny_generator()
-    trainer = RaggedTrainer(model, training_args(tmp_path, per_device_eval_batch_size=2), processor=tiny_processor(),
-                            task="sft", eval_dataset=examples, data_collator=SFTCollator(tiny_processor()))
-    metrics = trainer.evaluate()  # batches [0, 1] and [2]: each step's token mean, weighted by its samples
-    with torch.no_grad():
-        first, last = (model(**_batch(part).to_dict(), use_cache=False).loss.item() for part in (examples[:2], examples[2:]))
-    assert metrics["eval_loss"] == pytest.approx((2 * first + last) / 3, rel=1e-6)
+    trainer = RaggedTrainer(model, training_args(tmp_path, per_device_eval_batch_size=batch_size),
+                            processor=tiny_processor(), task="sft", eval_dataset=examples,
+                            data_collator=SFTCollator(tiny_processor()))
+    metrics = trainer.evaluate()
+    sums = tokens = 0.0
+    with torch.no_grad():  # float64 model: each example's summed token loss, then one mean
+        for example in examples:
+            batch = _batch([example])
+            n = batch["labels"][..., 1:].ne(-100).sum().item()
+            sums += model(**batch.to_dict(), use_cache=False).loss.item() * n
+            tokens += n
+    assert metrics["eval_loss"] == pytest.approx(sums / tokens, rel=1e-6)  # the loss is reported in float32
 
 
 def test_lora_sft_trains_only_adapters(tmp_path):

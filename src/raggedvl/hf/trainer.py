@@ -199,6 +199,10 @@ class RaggedTrainer(Trainer):
             if model is not None:  # before the Trainer wraps it (DDP / FSDP)
                 install_dummy_vision(model, expected_modalities)
                 install_linear_patch_embed(model)  # same weights, the Conv3d as a matrix product
+        if args is not None and getattr(args, "ddp_find_unused_parameters", False) is None:
+            # every parameter takes part in every forward (the dummy vision pass runs the tower on
+            # processes without images): DDP's search for unused ones is an autograd walk per step
+            args.ddp_find_unused_parameters = False
         super().__init__(model=model, args=args, **kwargs)
         self.task = task
         self.processor = processor
@@ -212,6 +216,7 @@ class RaggedTrainer(Trainer):
             set_collective_timeout(collective_timeout_s)
         self.collective_timeout_s = float(collective_timeout_s or self.args.ddp_timeout)
         self._watchdog: StallWatchdog | None = None
+        self._eval_tokens: torch.Tensor | None = None  # SFT evaluation: (loss sum, label tokens) so far
 
     # ------------------------------------------------------------------ failures
     @contextlib.contextmanager
@@ -418,4 +423,23 @@ class RaggedTrainer(Trainer):
                 local = torch.where(tokens > 0, outputs.loss * tokens, torch.zeros_like(outputs.loss))
                 total = self.accelerator.reduce(torch.stack([local, tokens]), "sum")
                 loss = total[0] / total[1]
+                if self._eval_tokens is not None:  # the evaluation's token mean (evaluation_loop)
+                    self._eval_tokens += total.detach().double().cpu()
         return loss.detach(), None, None
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """The Trainer's loop; for SFT the loss it reports is the token mean over every real label
+        token of the evaluation set (the training loss's normalisation), whatever the batch size
+        and the number of processes, instead of the mean of per-step token means weighted by
+        samples. The sums are all-reduced in each step, so every process reports the same value."""
+        self._eval_tokens = torch.zeros(2, dtype=torch.float64) if self.task == "sft" else None
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+            key = f"{metric_key_prefix}_loss"
+            if self._eval_tokens is not None and self._eval_tokens[1] > 0 and key in output.metrics:
+                output.metrics[key] = float(self._eval_tokens[0] / self._eval_tokens[1])
+            return output
+        finally:
+            self._eval_tokens = None

@@ -340,6 +340,17 @@ class RaggedTrainer(Trainer):
         retriever.load_saved_weights(resume_from_checkpoint)
         return None
 
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end`` (and ``EarlyStoppingCallback``) with a retriever: the best
+        checkpoint's weights file (``Retriever.load_saved_weights``), which the Trainer's own
+        loader, looking for ``model.safetensors``, would not find."""
+        retriever = self._retriever()
+        best = self.state.best_model_checkpoint
+        if retriever is None or best is None or not is_saved_retriever(best):
+            return super()._load_best_model()
+        retriever.load_saved_weights(best)
+        return None
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """``save_model`` / checkpoints of a retriever: a folder ``build_retriever`` loads
         (``Retriever.save_pretrained``: ``raggedvl_retriever.json`` + ``raggedvl_retriever.safetensors``, with

@@ -159,9 +159,42 @@ class Retriever(nn.Module):
     def set_gradient_checkpointing(self, enabled: bool = True) -> None:
         """Toggle activation checkpointing (non-reentrant) in the language model and vision tower."""
         if enabled:
-            self.base_model.activation_checkpointing_enable({"use_reentrant": False})
-        elif self.base_model.is_activation_checkpointing:
+            self.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            self.activation_checkpointing_disable()
+
+    # transformers' checkpointing protocol (what Trainer calls for --gradient_checkpointing /
+    # activation_checkpointing), delegated to the backbone's vision tower and language model
+    supports_gradient_checkpointing = True
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """Recompute the backbone's activations in backward (``torch.utils.checkpoint``;
+        ``activation_checkpointing_kwargs`` default ``{"use_reentrant": False}``). With reentrant
+        checkpointing the input embeddings are made to require grad (transformers does it), so
+        LoRA adapters behind frozen layers still receive gradients."""
+        self.base_model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=dict(activation_checkpointing_kwargs or {"use_reentrant": False}),
+            every_n_layers=every_n_layers, offload=offload)
+
+    def activation_checkpointing_disable(self) -> None:
+        if self.base_model.is_activation_checkpointing:
             self.base_model.activation_checkpointing_disable()
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return bool(self.base_model.is_activation_checkpointing)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs: Any) -> None:
+        """transformers' older name of :meth:`activation_checkpointing_enable`."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.activation_checkpointing_disable()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.is_activation_checkpointing
 
     def set_packing(self, enabled: bool = True) -> None:
         """Toggle padding-free sequences: each encode call packs its samples into one row

@@ -1,4 +1,4 @@
-"""`raggedvl export` checked with colpali-engine's and transformers' own classes (issue 14).
+"""`raggedvl export` checked with colpali-engine's and transformers' own classes.
 
     # in the benchmark venv (benchmarks/vs_colpali.sh builds it: colpali-engine 0.3.18 needs
     # torchvision), from the repository root:

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/loss_memory.py [--batch 64] [--full-batch 256]
 
-Workload (issue 3): global batch B queries x B documents, Lq 32, Ld 768, D 128, float32 on CPU,
+Workload: global batch B queries x B documents, Lq 32, Ld 768, D 128, float32 on CPU,
 one forward + backward of the late-interaction InfoNCE loss (temperature 0.02, normalised by
 query length) with gradients for queries and documents. Documents keep 60-100% of their 768
 vectors, queries 8-32 of their 32 tokens (masks as the model would return them).

@@ -14,7 +14,7 @@ so every mode sees the same weights and the losses must agree). Modes, on the sa
   (one [T, T] block-diagonal causal mask per row).
 
 Workloads (``benchmarks/colpali_bench/workloads.py``, shared with ``vs_colpali.py``):
-``uniform``, rdocs pages as the embedded dataset renders them, at max_pixels 200,704 (issue 17's
+``uniform``, rdocs pages as the embedded dataset renders them, at max_pixels 200,704 (the
 workload (a)); ``heavy``, the heavy-tailed document mix (thumbnails, strips, crops, slides, full
 pages, spreads) at max_pixels 1,003,520 (workload (b)).
 The machine is shared: modes are interleaved within each repeat (rotating the order), times are

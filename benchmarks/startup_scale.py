@@ -1,4 +1,4 @@
-"""Start-up of ``raggedvl train`` on a 100,000-row parquet dataset of page images (issue 16 item 3):
+"""Start-up of ``raggedvl train`` on a 100,000-row parquet dataset of page images:
 the launcher's data check (columns, queries, every image header: ``raggedvl.data.scan``), the
 dataset open (``datasets.load_dataset`` of the parquet file), the size estimate and the
 sampler's plan of the first epoch, cold (no size cache, no ``datasets`` cache) and warm.

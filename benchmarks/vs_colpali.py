@@ -2,7 +2,7 @@
 
     benchmarks/vs_colpali.sh                       # everything: (a), (b), (c); builds its own venv
     benchmarks/vs_colpali.sh --workload a --steps 5 --repeats 1     # a smoke run
-    benchmarks/vs_colpali.sh --issue18             # 200 steps, 2 x 8, both loss curves, per-step losses JSON
+    benchmarks/vs_colpali.sh --loss-curves             # 200 steps, 2 x 8, both loss curves, per-step losses JSON
     python benchmarks/vs_colpali.py --check        # no bench venv: arguments, workloads, plan, simulation
 
 colpali-engine needs torchvision, which does not install beside the CPU torch that ``make
@@ -52,7 +52,7 @@ from colpali_bench.settings import RunSettings, default_model  # noqa: E402
 from colpali_bench.workloads import WORKLOADS, build_workload, describe, load_sizes  # noqa: E402
 
 REPO = HERE.parent
-ISSUE18 = {"workload": ["a"], "nproc_a": [2], "per_device_batch": 8, "steps": 200, "lr": 5e-4, "warmup": 3,
+LOSS_CURVES = {"workload": ["a"], "nproc_a": [2], "per_device_batch": 8, "steps": 200, "lr": 5e-4, "warmup": 3,
            "weight_decay": 0.0, "max_grad_norm": 1.0, "eval": True, "repeats": 1}
 DEFAULTS = {"workload": ["a", "b", "c"], "nproc_a": [1, 2], "per_device_batch": 8, "steps": 30, "lr": 5e-4,
             "warmup": 3, "weight_decay": 0.0, "max_grad_norm": 1.0, "eval": False, "repeats": 2}
@@ -62,8 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", nargs="+", choices=["a", "b", "c", "all"], default=None,
                    help="a: uniform pages; b: heavy-tailed mix, 2 processes; c: W=8/64 simulated from (b) (default: all)")
-    p.add_argument("--issue18", action="store_true",
-                   help="issue 18 preset: workload a, 2 processes x 8, 200 steps, lr 5e-4, warm-up 3, weight decay 0, "
+    p.add_argument("--loss-curves", action="store_true",
+                   help="loss-curve preset: workload a, 2 processes x 8, 200 steps, lr 5e-4, warm-up 3, weight decay 0, "
                         "clipping 1.0, dev nDCG before/after, per-step losses saved (flags given override it)")
     p.add_argument("--check", action="store_true", help="validate arguments, workloads, commands and the simulation "
                    "without colpali-engine, in the project's own venv (about 30 s of CPU); starts no training")
@@ -101,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--losses-json", default=None, help="per-step losses of every run (default WORK_DIR/losses-<time>.json)")
     p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds before a run is killed")
     args = p.parse_args(argv)
-    preset = ISSUE18 if args.issue18 else DEFAULTS
+    preset = LOSS_CURVES if args.loss_curves else DEFAULTS
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Side-by-side benchmark raggedvl vs colpali-engine (BENCHMARKS.md, "vs colpali-engine").
 #
-#   benchmarks/vs_colpali.sh [vs_colpali.py arguments]      e.g.  --workload all   |  --issue18
+#   benchmarks/vs_colpali.sh [vs_colpali.py arguments]      e.g.  --workload all   |  --loss-curves
 #
 # colpali-engine needs torchvision, which does not install beside the CPU torch 2.13.0 that
 # `make install` pins, so this builds its OWN virtual environment outside the repository and

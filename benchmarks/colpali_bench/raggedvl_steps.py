@@ -1,4 +1,4 @@
-"""The first K steps of a ``raggedvl train`` run, for the issue-18 ablations (BENCHMARKS.md).
+"""The first K steps of a ``raggedvl train`` run, for the loss-curve comparison (BENCHMARKS.md).
 
     python -m torch.distributed.run --standalone --nproc-per-node W raggedvl_steps.py \\
         --out OUT.json --stop-after K [--adamw default|foreach|fused] [--l2-eps E] -- TRAIN FLAGS...

@@ -3,8 +3,8 @@ machine without one leaves unimported.
 
 Triton compiles GPU kernels only, yet the CUDA builds of torch (what ``pip install torch`` gives
 on Linux, also on machines with no GPU) import it with ``torch._dynamo``, which transformers'
-model classes import: ~95 MiB of resident memory per process (``libtriton.so`` and its Python
-modules; measured with torch 2.14.1, BENCHMARKS 9) that a CPU-only process never uses.
+model classes import: resident memory per process (``libtriton.so`` and its Python modules;
+BENCHMARKS.md "vs colpali-engine") that a CPU-only process never uses.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Dummy vision pass: every forward calls the vision tower once per expected modality, before the decoder.
 
-Why (issue 7 item 1, case C04; issue 12 section 2): under DDP without ``find_unused_parameters``
+Why (case C04 of the failure cases): under DDP without ``find_unused_parameters``
 (what the HF Trainer picks with activation checkpointing) a rank whose batch has no image never
 uses the vision tower's parameters; its reducer never sees their gradients and the job hangs in
 the first backward (or fails with "Expected to have finished reduction in the prior

@@ -21,8 +21,8 @@ building the [T, T] mask when there is no padding mask (the attention handles ca
 sequence boundaries), else it is transformers' ``sdpa_mask``. The vision tower keeps its own
 implementation (it already attends per image on ``cu_seqlens``).
 
-Measured on CPU (benchmarks/packing.py, BENCHMARKS.md "Padding-free sequences"): per-sequence
-SDPA beats the block-diagonal mask, which costs more than the padded batch it replaces.
+Per-sequence SDPA is faster than a block-diagonal mask, which costs more than the padded batch
+it replaces (benchmarks/packing.py, BENCHMARKS.md "Padding-free sequences").
 """
 
 from __future__ import annotations

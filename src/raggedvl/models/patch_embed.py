@@ -9,13 +9,11 @@ Every Qwen-VL family (``PatchEmbed`` of Qwen2-VL, ``Qwen2_5_VisionPatchEmbed``,
 stride=(T, p, p))`` applied to the rows viewed as [P, C, T, p, p]: the kernel covers the whole
 input and never slides, so the convolution is exactly ``x [P, K] @ W.view(D, K).T (+ bias)``
 with the same weight tensor. The general convolution kernels are slower on this shape, the
-weight gradient most: forward + backward on one CPU thread costs 2.6-3.8x less as a matrix
-product at the tiny models' step sizes (D 32 and 64) and 4.0-4.4x less at Qwen2-VL-2B's tower width
-(D 1,280) (``benchmarks/patch_embed.py``, BENCHMARKS.md section 18). Both agree to float32 rounding (summation order only: ~4e-6 relative on outputs and
-weight gradients; float64 to ~1e-15), so a model that runs the convolution (transformers,
-colpali-engine, peft on an exported folder) gives embeddings within ~3e-7 of raggedvl's, not
-bit-equal. In bf16 on CPU the matrix product is the more accurate of the two (weight gradient
-0.4 % off a float64 reference, the convolution's 13-17 %, at D 64 and D 1,280).
+weight gradient most (``benchmarks/patch_embed.py``, BENCHMARKS.md "Patch embedding"). Both
+agree to float32 rounding (summation order only; float64 to its own rounding), so a model that runs the convolution (transformers,
+colpali-engine, peft on an exported folder) gives embeddings within float32 rounding of
+raggedvl's, not bit-equal. In bf16 on CPU the matrix product is the more accurate of the two
+(its weight gradient is far closer to a float64 reference than the convolution's).
 
 :func:`install_linear_patch_embed` turns such a convolution into a :class:`WholePatchConv3d`
 (a ``nn.Conv3d`` subclass, the same object with the same parameters): ``state_dict`` keys,

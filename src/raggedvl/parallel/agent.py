@@ -252,8 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def exit_now(code: int) -> NoReturn:
     """End this process with ``code`` without the interpreter's teardown: ``atexit`` handlers
     run (logging, trackers, multiprocessing's workers), stdout and stderr are flushed, then
-    ``os._exit``. Finalising the ~4,000 modules torch and transformers import took 2.0-2.7 s per
-    process on these CPUs (BENCHMARKS.md section 9). Only for a process whose files are all
+    ``os._exit``: finalising the thousands of modules torch and transformers import takes seconds
+    per process (BENCHMARKS.md "The launcher"). Only for a process whose files are all
     closed: the ``raggedvl`` command (``raggedvl.cli.run``) and this agent."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -1,4 +1,4 @@
-"""Collapse check of ``raggedvl train``: the loss sits at its chance value (issue 18).
+"""Collapse check of ``raggedvl train``: the loss sits at its chance value.
 
 A contrastive retriever has collapsed when every document embeds to the same vectors: then every
 query scores every candidate the same, and the loss of each query is exactly its value at equal
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 LIKELY_CAUSES = (
     "learning rate too high for this model and batch (try a 2-5x lower --lr, or a 10x higher --head-lr than --lr), "
     "a query prefix shared by every query (--query-prefix; it gives each document the same score term for every "
-    "query: BENCHMARKS.md section 12), a randomly initialised or untrained backbone (see docs/tiny-model.md), "
+    "query: BENCHMARKS.md, loss curves against colpali-engine), a randomly initialised or untrained backbone (see docs/tiny-model.md), "
     "a --temperature too low for its scores, or documents that are nearly identical (blank pages)"
 )
 

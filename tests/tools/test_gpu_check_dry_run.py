@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_check.py --dry-run``: the prepared GPU check runs its CPU-safe parts in CI.
+"""``tools/gpu_check.py --dry-run``: the prepared GPU check runs its CPU-safe parts in CI.
 
 One subprocess run (the script as a user starts it) checks the files it writes, that every
 GPU-only part says "skipped: no CUDA", that the CPU-safe checks pass (DataParallel scatter on
@@ -26,7 +26,7 @@ def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     # start-up (interpreter, project and torch imports) ends with the "[env] device" row; the
     # checks then get 300 s (tests/jobs.py; ~35 s of CPU on an idle machine)
-    done = run_job([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), str(out), "--dry-run"],
+    done = run_job([sys.executable, str(REPO / "tools" / "gpu_check.py"), str(out), "--dry-run"],
                    ready=r"\[env\] device:", timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     report = json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").is_file() else None
     return done, out, report

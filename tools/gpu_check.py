@@ -1,25 +1,25 @@
-"""gpu_check: the prepared device check of raggedvl's GPU path (issue 9), for a short window on a
+"""gpu_check: the prepared device check of raggedvl's GPU path, for a short window on a
 bare GPU machine. One command, under 8 minutes, one table.
 
-    python3 benchmarks/gpu_check.py OUT_DIR [--wheels .cache/gpu-wheels] [--budget-s 450]
-    python3 benchmarks/gpu_check.py OUT_DIR --dry-run     # CPU, tiny model, 1 step each (CI)
+    python3 tools/gpu_check.py OUT_DIR [--wheels .cache/gpu-wheels] [--budget-s 450]
+    python3 tools/gpu_check.py OUT_DIR --dry-run     # CPU, tiny model, 1 step each (CI)
 
 Parts, each with its own time budget (a part that runs out records "skipped: budget" for what
 is left, and the next part starts on time; the whole run stays inside ``--budget-s``):
 
 0. env (stdlib only, before torch is imported): install the carried wheels offline
-   (``benchmarks/gpu/bootstrap.py``; ``benchmarks/gpu/fetch_wheels.sh`` fills the folder), put
+   (``tools/gpu/bootstrap.py``; ``tools/gpu/fetch_wheels.sh`` fills the folder), put
    ``src/`` on the path, report versions / pins / missing packages, the GPU(s) and
    flash-attn. A missing required package ends the run here with the list (exit 2).
 1. tests (170 s): ``pytest -m gpu tests/`` in a subprocess: the tests with GPU variants
    (RaggedDataParallel on CUDA, MaxSim on CUDA, GradCache dropout replay on CUDA, NCCL gather
    parity and FSDP2-vs-DDP with NCCL when 2 GPUs exist, ``raggedvl train`` on one GPU with bf16
    autocast). Counts and every skip reason go into the table; the log is ``pytest_gpu.log``.
-2. checks (60 s): ``benchmarks/gpu/checks.py``: DataParallel scatter on 2 logical replicas of
+2. checks (60 s): ``tools/gpu/checks.py``: DataParallel scatter on 2 logical replicas of
    one device (outputs and gradients vs unsplit), ``RaggedDataParallel(device_ids=[0, 0])``,
    bf16 autocast vs fp32, sdpa (vision tower on ``cu_seqlens``) / flash-attn vs eager, packed vs
    padded rows, the patch embedding as a matrix product vs the Conv3d (values and time).
-3. timing (the rest): ``benchmarks/gpu/workload.py``: optimizer steps of the tiny and a
+3. timing (the rest): ``tools/gpu/workload.py``: optimizer steps of the tiny and a
    mid-size ColQwen-style model (text hidden 1024 x 8 layers, vision depth 8), ragged vs
    pad-per-image batches, plain vs GradCache, padded vs packed token rows (``--packing``; with
    flash-attn also flash_attention_2 padded vs packed, its varlen path): samples/s and peak
@@ -50,6 +50,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE / "gpu"))
+sys.path.insert(1, str(REPO / "benchmarks"))  # patch_embed.compare, shared with the CPU benchmark
 
 import bootstrap  # noqa: E402
 
@@ -118,7 +119,7 @@ def part_env(rep: Report, args) -> bool:
     missing = bootstrap.missing_required(packages)
     optional_missing = [p["package"] for p in packages if p["group"] == "optional" and p["version"] == "missing"]
     rep.row("env", "packages", "FAIL" if missing else "pass",
-            (f"MISSING required: {missing} (fetch with benchmarks/gpu/fetch_wheels.sh, carry the folder); " if missing else "")
+            (f"MISSING required: {missing} (fetch with tools/gpu/fetch_wheels.sh, carry the folder); " if missing else "")
             + f"optional missing: {optional_missing or 'none'}; present: {present}", time.perf_counter() - t0)
     return not missing
 
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = Report(out)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rep.header = [f"# gpu_check {'(dry run) ' if args.dry_run else ''}{stamp}", "",
-                  f"command: `python3 benchmarks/gpu_check.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
+                  f"command: `python3 tools/gpu_check.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
                   f"host: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"]
     if not part_env(rep, args):
         rep.finish()

@@ -3,7 +3,7 @@
 The device machine has a Python with torch, transformers, accelerate, peft, safetensors,
 tokenizers, pytest and hypothesis, but no internet, no venv of this project and (as seen in
 2026-11) no ``pypdfium2`` or ``datasets``. Missing packages travel as wheels in a folder beside
-the working tree (``benchmarks/gpu/fetch_wheels.sh`` fills it, default ``.cache/gpu-wheels``,
+the working tree (``tools/gpu/fetch_wheels.sh`` fills it, default ``.cache/gpu-wheels``,
 which git ignores). This module:
 
 1. installs every wheel of that folder with ``pip install --no-index --no-deps --target SITE``

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workload import make_pages  # benchmarks/gpu is on sys.path (gpu_check.py puts it there)
+from workload import make_pages  # tools/gpu is on sys.path (gpu_check.py puts it there)
 
 
 def _setup(device, n_docs: int = 4):
@@ -195,7 +195,7 @@ def check_patch_embed(device) -> tuple[str, str]:
     fp32 and, on CUDA, bf16: relative differences of outputs and weight gradients, and
     milliseconds per call."""
     import torch
-    from patch_embed import compare  # benchmarks/ is on sys.path (gpu_check.py's own folder)
+    from patch_embed import compare  # benchmarks/ is on sys.path (gpu_check.py puts it there)
 
     rows, dim = (8_000, 1_280) if device.type == "cuda" else (256, 32)
     parts, ok = [], True

@@ -2,7 +2,7 @@
 # Fetch the wheels that the GPU device machine lacks (run on a machine with PyPI access, in the
 # repository root), into a folder git ignores; gpu_check.py installs them there offline.
 #
-#   bash benchmarks/gpu/fetch_wheels.sh [DIR]        # default DIR: .cache/gpu-wheels
+#   bash tools/gpu/fetch_wheels.sh [DIR]        # default DIR: .cache/gpu-wheels
 #
 # What is fetched (machine seen 2026-11: Python 3.12, torch 2.11, transformers 5.17, no
 # pypdfium2, no datasets): pypdfium2 (raggedvl.data imports it) and the transformers this

@@ -37,7 +37,7 @@ def _inputs():
 def _raggedvl(source: str):
     from raggedvl.data import RetrievalCollator, build_processor
     from raggedvl.models import build_retriever
-    from raggedvl.train.export import resolve_source
+    from raggedvl.app.export import resolve_source
 
     folder = resolve_source(source)[0]  # a run directory: its newest checkpoint that verifies
     model = build_retriever(folder).eval()
@@ -96,7 +96,7 @@ def _transformers_row(folder: Path, ours) -> tuple[str, str, str, str]:
 
 
 def main(sources: list[str]) -> None:
-    from raggedvl.train.export import export
+    from raggedvl.app.export import export
 
     rows = []
     for source in sources or [str(FIXTURES / "colqwen2_full"), str(FIXTURES / "colqwen2_lora")]:

@@ -95,7 +95,7 @@ def startup_phases(run_dir: Path) -> dict[str, float] | None:
 
 def run_job(variant: str, pythonpath: str | None, nproc: int, args, work: Path, index: int) -> dict:
     run_dir = work / f"{variant}-{nproc}-{index}"
-    cmd = [sys.executable, "-m", "raggedvl.cli", "train", "--max-steps", str(args.steps),
+    cmd = [sys.executable, "-m", "raggedvl.app.cli", "train", "--max-steps", str(args.steps),
            "--max-train-samples", str(TRAIN), "--max-eval-samples", str(DEV), "--global-batch-size", "4",
            "--eval-before", "false", "--eval-after", "false", "--checkpoint-every", "1000000",
            "--output-dir", str(run_dir), "--data-cache", args.data_cache, "--nproc-per-node", str(nproc)]
@@ -157,8 +157,8 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="raggedvl-launcher-"))
     if args.data_cache is None:
         args.data_cache = str(work / "cache")
-        from raggedvl.train.config import TrainConfig
-        from raggedvl.train.setup import prepare_data
+        from raggedvl.app.config import TrainConfig
+        from raggedvl.app.setup import prepare_data
 
         prepare_data(TrainConfig(max_train_samples=TRAIN, max_eval_samples=DEV, data_cache=args.data_cache))
     variants = [("before", args.before), ("after", None)] if args.before else [("this tree", None)]

@@ -107,8 +107,8 @@ def measure(data: Path, workers: int | None) -> dict:
     memory = MemorySampler()
     memory.start()
     t0 = time.perf_counter()
-    from raggedvl.train.config import TrainConfig
-    from raggedvl.train.launch import check_data, check_names
+    from raggedvl.app.config import TrainConfig
+    from raggedvl.app.launch import check_data, check_names
 
     cfg = TrainConfig(dataset=str(data), max_train_samples=None, eval_before=False, eval_after=False,
                       global_batch_size=32)
@@ -121,7 +121,7 @@ def measure(data: Path, workers: int | None) -> dict:
     check_data(cfg)
     t2, c2 = time.perf_counter(), _cpu_s()
     from raggedvl.parallel import DistInfo
-    from raggedvl.train.setup import make_sampler, prepare_run_data
+    from raggedvl.app.setup import make_sampler, prepare_run_data
 
     t3, c3 = time.perf_counter(), _cpu_s()
     run = prepare_run_data(cfg)

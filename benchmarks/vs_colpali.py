@@ -18,7 +18,7 @@ default on), max_pixels, gloo, one thread per process (OMP_NUM_THREADS=1), fp32.
   ``VisualRetrieverCollator``, ``ColbertLoss``, ``ContrastiveTrainer`` with HF
   ``TrainingArguments``; ``colpali_bench/colpali_worker.py``), plain ``python`` for 1 process,
   torchrun for more.
-- raggedvl: ``python -m raggedvl.cli train`` with every setting as a flag (it starts torchrun).
+- raggedvl: ``python -m raggedvl.app.cli train`` with every setting as a flag (it starts torchrun).
 
 Workloads: (a) uniform rdocs pages, max_pixels 200,704, per-process batch 8, 1 and 2 processes;
 (b) heavy-tailed document mix, max_pixels 1,003,520, 2 processes, global batch 16; (c) W = 8 and

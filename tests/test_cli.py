@@ -14,10 +14,10 @@ import torch
 
 import raggedvl
 from raggedvl import __version__
-from raggedvl.cli import build_parser, main
-from raggedvl.options import field_specs
-from raggedvl.train.config import TrainConfig, config_from_args
-from raggedvl.train.launch import TORCHRUN_OPTIONS, check_world_fits, local_world_size, strip_torchrun_arguments, torchrun_command
+from raggedvl.app.cli import build_parser, main
+from raggedvl.app.options import field_specs
+from raggedvl.app.config import TrainConfig, config_from_args
+from raggedvl.app.launch import TORCHRUN_OPTIONS, check_world_fits, local_world_size, strip_torchrun_arguments, torchrun_command
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -64,7 +64,7 @@ def test_top_level_help_and_version_speak_to_users(capsys):
 def test_every_example_of_the_top_level_help_parses():
     """Each ``raggedvl ...`` example line of ``raggedvl --help`` names a command and flags that
     exist, with values they accept (the help once showed flags and metrics the CLI no longer had)."""
-    from raggedvl.cli import EPILOG
+    from raggedvl.app.cli import EPILOG
 
     examples = [re.split(r"\s{3,}", line.strip())[0] for line in EPILOG.splitlines() if line.startswith("  raggedvl ")]
     commands = {shlex.split(example)[1] for example in examples}
@@ -261,7 +261,7 @@ def test_every_flag_a_message_names_exists_with_that_value():
 
 
 def test_run_ends_without_teardown_after_atexit_and_flushed_output():
-    """``raggedvl.cli.run`` (the console script and ``python -m raggedvl.cli``): the exit code of
+    """``raggedvl.app.cli.run`` (the console script and ``python -m raggedvl.app.cli``): the exit code of
     ``main``, atexit handlers run, buffered stdout (a pipe) and stderr reach the reader."""
     import subprocess
     import sys
@@ -270,7 +270,7 @@ def test_run_ends_without_teardown_after_atexit_and_flushed_output():
             "atexit.register(print, 'atexit ran')\n"
             "print('buffered line')\n"
             "sys.argv = ['raggedvl', 'search', '/nonexistent-ckpt', '--index', '/nonexistent', '--query', 'q']\n"
-            "from raggedvl.cli import run\n"
+            "from raggedvl.app.cli import run\n"
             "run()\n"
             "print('not reached')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.setup import load_splits
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.setup import load_splits
 
 from .train.test_preflight import _parquet
 
@@ -50,7 +50,7 @@ def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
         (["encode", "runs/a", "--dataset", renamed, "--output", "index", "--query-column", "question",
           "--image-column", "page", "--id-column", "docid"], "did you mean 'doc_id'? pass --id-column"),
     ]
-    code = ("import sys, time; from raggedvl.cli import main\n"
+    code = ("import sys, time; from raggedvl.app.cli import main\n"
             f"for argv in {[argv for argv, _ in cases]!r}:\n"
             "    start = time.perf_counter(); rc = main(argv)\n"
             "    print(rc, 'torch' in sys.modules, time.perf_counter() - start < 10, flush=True)\n"
@@ -71,7 +71,7 @@ def test_the_training_evaluation_set_has_its_own_columns(tmp_path):
     dev = _parquet(tmp_path / "dev.parquet", names=("question", "page", "docid"))
     common = {"dataset": train, "eval_dataset": dev, "max_train_samples": None, "max_eval_samples": None,
               "allow_eval_overlap": True}  # the same pairs: this test is about columns
-    code = ("import sys; from raggedvl.cli import main; "
+    code = ("import sys; from raggedvl.app.cli import main; "
             f"rc = main(['train', '--dataset', {train!r}, '--eval-dataset', {dev!r}, '--eval-query-column', 'question', "
             f"'--output-dir', {str(tmp_path / 'run')!r}]); print(rc, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)

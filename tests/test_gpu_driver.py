@@ -8,7 +8,7 @@ import sys
 
 CASE = """
 import sys
-from raggedvl import gpu_driver
+from raggedvl.app import gpu_driver
 gpu_driver.GPU_DRIVER_FILES = ({driver!r},)
 kept_out = gpu_driver.skip_triton()
 try:
@@ -48,8 +48,8 @@ def test_gpu_driver_or_opt_out_leaves_triton_alone(tmp_path):
 
 def test_the_command_line_keeps_triton_out_first():
     command = ["train", "--help"]
-    code = ("import sys; from raggedvl import gpu_driver; gpu_driver.GPU_DRIVER_FILES = ('/nonexistent/gpu',)\n"
-            "from raggedvl.cli import main\n"
+    code = ("import sys; from raggedvl.app import gpu_driver; gpu_driver.GPU_DRIVER_FILES = ('/nonexistent/gpu',)\n"
+            "from raggedvl.app.cli import main\n"
             f"try:\n    main({command!r})\nexcept SystemExit:\n    pass\n"
             "print('triton' in sys.modules and sys.modules['triton'] is None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

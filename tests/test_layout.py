@@ -95,13 +95,28 @@ def test_imports_between_packages_follow_the_documented_direction():
     assert not wrong, "imports against the direction in docs/DESIGN.md section 6:\n" + "\n".join(sorted(set(wrong)))
 
 
+LAUNCHER = ("torch.distributed.run", "torch.distributed.elastic")  # torchrun itself, for the application's agent
+
+
 def test_only_parallel_imports_torch_distributed():
+    """Collectives and process groups live in raggedvl.parallel; the application may start
+    torchrun (its launcher modules) but talks to the process group only through parallel."""
     offenders = [
         str(path.relative_to(ROOT))
         for path in PACKAGE.rglob("*.py")
-        if _package_of(path) != "parallel" and any(n.startswith("torch.distributed") for n in _imports(path))
+        if _package_of(path) != "parallel"
+        and any(n.startswith("torch.distributed") and not (_package_of(path) == "app" and n.startswith(LAUNCHER))
+                for n in _imports(path))
     ]
     assert not offenders, f"torch.distributed imported outside raggedvl.parallel: {offenders}"
+
+
+def test_no_library_package_imports_the_application():
+    offenders = sorted({
+        str(path.relative_to(ROOT)) for path in PACKAGE.rglob("*.py")
+        if _package_of(path) not in ("app", "__main__") and any(n.split(".")[:2] == ["raggedvl", "app"] for n in _imports(path))
+    })
+    assert not offenders, f"library modules importing raggedvl.app: {offenders}"
 
 
 def _module_name(path: Path) -> str:

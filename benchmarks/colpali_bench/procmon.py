@@ -84,8 +84,8 @@ def _high_water_mark(pid: int) -> int:
 
 def _is_torchrun(cmdline: list[str]) -> bool:
     """torchrun's agent: ``torch.distributed.run``, the ``torchrun`` script, or raggedvl's own
-    wrapper of it (``raggedvl.parallel.agent``, which ``raggedvl train`` execs into: same pid)."""
-    return ("torch.distributed.run" in cmdline or "raggedvl.parallel.agent" in cmdline
+    wrapper of it (``raggedvl.app.agent``, which ``raggedvl train`` execs into: same pid)."""
+    return ("torch.distributed.run" in cmdline or "raggedvl.app.agent" in cmdline
             or any(c.endswith("/torchrun") for c in cmdline[:2]))
 
 

@@ -1,7 +1,7 @@
 """The raggedvl side of the benchmark: the ``raggedvl train`` command line, what its run directory
 says about the run, its token padding (replayed from its own sampler plan) and its evaluation.
 
-raggedvl is run exactly as a user runs it (``python -m raggedvl.cli train FLAGS``, which starts
+raggedvl is run exactly as a user runs it (``python -m raggedvl.app.cli train FLAGS``, which starts
 torchrun itself). Its ``metrics.jsonl`` gives per step the global loss, the samples of each rank
 and the cumulative samples/s since the loop started, from which the time at the end of each
 step (relative to the loop start) is ``samples so far / cumulative rate``.
@@ -19,7 +19,7 @@ from .settings import RunSettings
 
 def train_argv(s: RunSettings, *, dataset: str, output_dir: str, extra: list[str]) -> list[str]:
     """``raggedvl train`` with every setting of the comparison spelled out (flags of
-    ``raggedvl.train.config.TrainConfig`` and torchrun's ``--nproc-per-node``)."""
+    ``raggedvl.app.config.TrainConfig`` and torchrun's ``--nproc-per-node``)."""
     argv = [
         "train", "--model", s.model, "--lora", "false", "--dataset", dataset,
         "--max-train-samples", "none", "--max-eval-samples", "none",
@@ -36,14 +36,14 @@ def train_argv(s: RunSettings, *, dataset: str, output_dir: str, extra: list[str
 
 
 def command(s: RunSettings, *, dataset: str, output_dir: str, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "raggedvl.cli", *train_argv(s, dataset=dataset, output_dir=output_dir, extra=extra)]
+    return [sys.executable, "-m", "raggedvl.app.cli", *train_argv(s, dataset=dataset, output_dir=output_dir, extra=extra)]
 
 
 def validate_argv(argv: list[str]) -> Any:
     """Parse ``argv`` with raggedvl's own CLI parser and config validation (no process started);
     returns the ``TrainConfig``. Raises what raggedvl raises for a bad flag or value."""
-    from raggedvl.cli import build_parser
-    from raggedvl.train.config import config_from_args
+    from raggedvl.app.cli import build_parser
+    from raggedvl.app.config import config_from_args
 
     args = build_parser().parse_args(argv)
     return config_from_args(args)
@@ -71,7 +71,7 @@ def _model_prompts(model_source: str, processor):
 
 def token_padding(s: RunSettings, dataset: str, extra: list[str] = ()) -> dict[str, int]:
     """Real vs padded document and query tokens of every rank's batch over the run's steps,
-    replayed from raggedvl's own cost estimate and sampler (``raggedvl.train.setup``'s
+    replayed from raggedvl's own cost estimate and sampler (``raggedvl.app.setup``'s
     ``estimate_train_costs`` and ``make_sampler`` with this run's config) and the model's prompts; pixel rows are never padded (flat ``pixel_values``).
 
     Doc length = template tokens + visual tokens of the image's grid (processor resize rule);
@@ -82,7 +82,7 @@ def token_padding(s: RunSettings, dataset: str, extra: list[str] = ()) -> dict[s
     from raggedvl.data import build_processor, load_retrieval_dataset
     from raggedvl.images import ImagePolicy
     from raggedvl.parallel.runtime import DistInfo
-    from raggedvl.train.setup import estimate_train_costs, make_sampler
+    from raggedvl.app.setup import estimate_train_costs, make_sampler
 
     cfg = validate_argv(train_argv(s, dataset=dataset, output_dir="/nonexistent", extra=list(extra)))
     processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels)
@@ -135,7 +135,7 @@ def evaluate(model_source: str, checkpoint_dir: str | None, dev_parquet: str, ma
     model = build_retriever(model_source, processor=processor, seed=seed)
     if checkpoint_dir is not None:
         from raggedvl.parallel import load_full_state_dicts
-        from raggedvl.train.checkpoint import load_checkpoint_or_latest
+        from raggedvl.app.checkpoint import load_checkpoint_or_latest
 
         ckpt = load_checkpoint_or_latest(checkpoint_dir)
         load_full_state_dicts(model, None, ckpt.model, None)

@@ -4,7 +4,7 @@
         --out OUT.json --stop-after K [--adamw default|foreach|fused] [--l2-eps E] -- TRAIN FLAGS...
 
 ``TRAIN FLAGS`` are ``raggedvl train``'s own (parsed and validated by its CLI parser); the run is
-``raggedvl.train.loop.Trainer`` exactly as ``raggedvl train`` builds it, stepped K times with
+``raggedvl.app.loop.Trainer`` exactly as ``raggedvl train`` builds it, stepped K times with
 ``Trainer.train_step`` while the learning-rate schedule spans ``--max-steps`` (so K steps of a
 200-step run see the 200-step schedule). Two knobs exist only here, to test differences from
 colpali-engine that raggedvl does not expose: ``--adamw`` rebuilds the optimizer as
@@ -41,8 +41,8 @@ def main() -> None:
     cfg = validate_argv(["train", *train_argv])
 
     from raggedvl.parallel import init_distributed, shutdown, unwrap_model
-    from raggedvl.train.loop import Trainer
-    from raggedvl.train.setup import make_scheduler
+    from raggedvl.app.loop import Trainer
+    from raggedvl.app.setup import make_scheduler
 
     torch.set_num_threads(1)
     info = init_distributed(timeout_s=cfg.collective_timeout_s)

@@ -7,7 +7,7 @@ full fine-tuning) and the pair is collated by raggedvl's ``RetrievalCollator`` a
 max_pixels (collation is not timed). Each pair's time is the minimum over ``repeats`` timed
 calls of ``raggedvl.sampling.measure_times`` (the best estimate of uncontended time on a shared
 machine) after one untimed call on the first pair. Also written: the cost raggedvl's sampler
-estimates for each pair from its image header (``raggedvl.train.setup.estimate_train_costs``, as
+estimates for each pair from its image header (``raggedvl.app.setup.estimate_train_costs``, as
 ``raggedvl train`` computes it), which is what its plan balances.
 """
 
@@ -36,7 +36,7 @@ def main() -> None:
     from raggedvl.images import ImagePolicy
     from raggedvl.models import build_retriever
     from raggedvl.sampling import measure_times
-    from raggedvl.train.setup import estimate_train_costs
+    from raggedvl.app.setup import estimate_train_costs
 
     s = RunSettings(**spec["settings"])
     cfg = validate_argv(train_argv(s, dataset=spec["train_parquet"], output_dir="/nonexistent", extra=[]))

@@ -70,10 +70,10 @@ def colpali_side(checkpoint: str, parquet: str, max_pixels: int):
 
 
 def raggedvl_side(checkpoint: str, data_dir: str, max_pixels: int, out: str):
-    from raggedvl.cli import build_parser
+    from raggedvl.app.cli import build_parser
     from raggedvl.parallel.runtime import init_distributed
-    from raggedvl.train.config import config_from_args
-    from raggedvl.train.loop import Trainer
+    from raggedvl.app.config import config_from_args
+    from raggedvl.app.loop import Trainer
 
     argv = ["train", "--model", checkpoint, "--lora", "false", "--dataset", data_dir, "--max-train-samples", "none",
             "--max-eval-samples", "none", "--global-batch-size", "8", "--max-steps", "1000", "--lr", "5e-4",

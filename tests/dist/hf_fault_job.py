@@ -10,7 +10,7 @@ import sys
 
 from transformers import TrainerCallback
 
-from raggedvl.parallel.faults import inject_fault
+from raggedvl.app.fault_injection import inject_fault
 
 
 class InjectFault(TrainerCallback):

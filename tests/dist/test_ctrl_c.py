@@ -4,7 +4,7 @@ from, exit code 130, no traceback from any rank or from torchrun's agent, no ran
 The job runs in its own session as a terminal's foreground job would; once `metrics.jsonl`
 shows trained steps (and, where checkpoints are written every step, a checkpoint), SIGINT goes
 to its whole process group, as Ctrl-C sends it: with one process that is the training loop
-itself, with two it is torchrun's agent (raggedvl.parallel.agent), which passes it on to the
+itself, with two it is torchrun's agent (raggedvl.app.agent), which passes it on to the
 ranks; a second SIGINT half a second later (an impatient Ctrl-C) changes nothing. Bounds (tests/jobs.py): start-up until the ready line is not counted; 240 s x the
 measured slowdown from then to the end, so a hang fails the test and a slow machine does not.
 """
@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from raggedvl.train.checkpoint import list_checkpoints
+from raggedvl.app.checkpoint import list_checkpoints
 from tests.jobs import TRAIN_READY, Job, processes_mentioning
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -52,7 +52,7 @@ def test_ctrl_c_ends_the_job_with_one_line_and_exit_code_130(small_data_cache, t
     run = tmp_path / "run"
     args = _cli_args({**SMALL, "checkpoint_every": checkpoint_every, "nproc_per_node": nproc, "output_dir": run,
                       "data_cache": small_data_cache})
-    job = Job([sys.executable, "-m", "raggedvl.cli", "train", *args], ready=TRAIN_READY, timeout=240,
+    job = Job([sys.executable, "-m", "raggedvl.app.cli", "train", *args], ready=TRAIN_READY, timeout=240,
               env=dict(os.environ, OMP_NUM_THREADS="1"))
     while True:  # a few trained steps, and the checkpoint they wrote
         result = job.poll()

@@ -1,7 +1,7 @@
 """Fault matrix (issue 7 items 3 and 6): one rank of a 2-rank training job raises, is killed or
 hangs, and the whole job ends within the collective timeout with output that names that rank.
 
-`raggedvl train` starts torchrun's agent (raggedvl.parallel.agent) with 2 gloo processes; `RAGGEDVL_FAULT=KIND:RANK:2` makes one
+`raggedvl train` starts torchrun's agent (raggedvl.app.agent) with 2 gloo processes; `RAGGEDVL_FAULT=KIND:RANK:2` makes one
 rank fail at the start of step 3 and print the moment it does. The four jobs run concurrently
 (the costly part is starting them; each check is measured from its own fault, not from the
 launch). A second test runs the training loop on the plain test harness (one gloo group, no
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from raggedvl.train.config import TrainConfig
+from raggedvl.app.config import TrainConfig
 from tests.dist.harness import rank_slowdown, run_distributed
 from tests.jobs import TRAIN_READY, processes_mentioning, run_jobs
 
@@ -54,7 +54,7 @@ def jobs(data_cache, tmp_path_factory):
     commands = {}
     for name, (fault, _) in SCENARIOS.items():
         args = _cli_args({**SMALL, "collective_timeout_s": TIMEOUT_S, "output_dir": root / name, "data_cache": data_cache})
-        commands[name] = ([sys.executable, "-m", "raggedvl.cli", "train", *args],
+        commands[name] = ([sys.executable, "-m", "raggedvl.app.cli", "train", *args],
                           dict(os.environ, OMP_NUM_THREADS="1", RAGGEDVL_FAULT=fault))
     return run_jobs(commands, root, ready=TRAIN_READY, timeout=240)
 
@@ -92,7 +92,7 @@ def test_the_job_ends_within_the_timeout_and_names_the_failing_rank(jobs, name):
 
 
 def _train_with_fault(rank, world_size, run_dir, cache):
-    from raggedvl.train.loop import train
+    from raggedvl.app.loop import train
 
     os.environ["RAGGEDVL_FAULT"] = "raise:1:2"
     try:

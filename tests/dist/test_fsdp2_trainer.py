@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from raggedvl.train.config import TrainConfig
+from raggedvl.app.config import TrainConfig
 from tests.dist.harness import run_distributed
 
 pytestmark = pytest.mark.dist
@@ -56,9 +56,9 @@ def write_synthetic_manifest(root: Path, n_train: int, n_dev: int, seed: int = 0
 
 
 def _train_all(rank: int, world_size: int, data: str, cache: str, out: str) -> dict:
-    from raggedvl.train.checkpoint import load_latest_checkpoint
-    from raggedvl.train.config import TrainConfig
-    from raggedvl.train.loop import Trainer
+    from raggedvl.app.checkpoint import load_latest_checkpoint
+    from raggedvl.app.config import TrainConfig
+    from raggedvl.app.loop import Trainer
     from raggedvl.parallel.runtime import init_distributed
 
     info = init_distributed()  # reuses the harness's gloo group
@@ -179,7 +179,7 @@ def _cli_train(tmp_path: Path, name: str, nproc: int, *flags: str) -> tuple[list
     if not (data / "manifest.jsonl").is_file():
         write_synthetic_manifest(data, n_train=15, n_dev=3)
     out = tmp_path / name
-    cmd = [sys.executable, "-m", "raggedvl.cli", "train", "--nproc-per-node", str(nproc), "--dataset", str(data),
+    cmd = [sys.executable, "-m", "raggedvl.app.cli", "train", "--nproc-per-node", str(nproc), "--dataset", str(data),
            "--max-train-samples", "none", "--max-eval-samples", "none", "--max-pixels", "50176",
            "--global-batch-size", "5", "--max-steps", str(STEPS), "--warmup-steps", "1", "--checkpoint-every", "100",
            "--eval-before", "false", "--eval-after", "false", "--output-dir", str(out),

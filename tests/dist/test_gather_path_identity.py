@@ -46,8 +46,8 @@ def _steps(rank: int, world_size: int, data: str, out: str, states: str, replay:
 
     from raggedvl.parallel import unwrap_model
     from raggedvl.parallel.runtime import init_distributed
-    from raggedvl.train.config import TrainConfig
-    from raggedvl.train.loop import Trainer
+    from raggedvl.app.config import TrainConfig
+    from raggedvl.app.loop import Trainer
 
     info = init_distributed()  # reuses the harness's gloo group
     cfg = TrainConfig(

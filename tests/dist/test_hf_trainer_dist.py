@@ -8,7 +8,7 @@ One launch runs two jobs on each rank:
    logged loss must equal the single-process late-interaction loss over the 4-sample global
    batch, and the weights after 2 SGD steps must equal the single-process weights (float64).
    The reference is the model + ``LateInteractionLoss`` applied directly to the same global
-   batches, not ``raggedvl.train.loop.Trainer``.
+   batches, not ``raggedvl.app.loop.Trainer``.
 2. SFT, map-style dataset -> DDP with per-process batches of different token counts: the
    logged loss must be the token mean over both processes' batches and the weights after one
    step must match the one-process step on the concatenated batch (checks the Trainer's

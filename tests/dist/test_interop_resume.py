@@ -25,8 +25,8 @@ def _straight_then_resumed(rank: int, world_size: int, data: str, cache: str, ou
 
     from raggedvl.parallel.runtime import init_distributed
     from raggedvl.parallel import barrier
-    from raggedvl.train.config import TrainConfig
-    from raggedvl.train.loop import Trainer
+    from raggedvl.app.config import TrainConfig
+    from raggedvl.app.loop import Trainer
     from tests.models.interop.helpers import LORA
     from tests.train.test_interop_runs import resume_copy
 

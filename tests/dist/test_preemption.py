@@ -22,7 +22,7 @@ TIMEOUT_S = 600  # a hang, not a slow start, on a loaded 2-core machine
 
 
 def _cmd(run_dir, cache, nproc, *extra):
-    return [sys.executable, "-m", "raggedvl.cli", "train", "--max-steps", str(STEPS), "--warmup-steps", "1",
+    return [sys.executable, "-m", "raggedvl.app.cli", "train", "--max-steps", str(STEPS), "--warmup-steps", "1",
             "--global-batch-size", "4", "--max-train-samples", "16", "--eval-before", "false", "--eval-after", "false",
             "--checkpoint-every", "100", "--log-every", "1", "--nproc-per-node", str(nproc), "--output-dir",
             str(run_dir), "--data-cache", str(cache), *extra]

@@ -1,7 +1,7 @@
 """A 2-rank run frees its DDP wrapper (whose reducer holds the process group) before it destroys
 the process group, so the group's last reference is dropped by ``destroy_process_group`` and not
 by a later garbage collection in a thread holding the GIL that gloo's threads wait for (a rank
-that hung after its summary: ``raggedvl.train.loop.release_wrapped_model``)."""
+that hung after its summary: ``raggedvl.app.loop.release_wrapped_model``)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import weakref
 
 import pytest
 
-from raggedvl.train.config import TrainConfig
+from raggedvl.app.config import TrainConfig
 from tests.dist.harness import run_distributed
 
 pytestmark = pytest.mark.slow  # two gloo ranks, two steps of the tiny model
 
 
 def _train_watching_teardown(rank, world_size, run_dir, cache):
-    from raggedvl.train import loop
+    from raggedvl.app import loop
 
     wrapped, alive_at_shutdown = [], []
     run, shutdown = loop.Trainer.run, loop.shutdown

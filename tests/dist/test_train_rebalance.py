@@ -23,7 +23,7 @@ COMMON = [
 
 def _train(run_dir, cache, rebalance: bool) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "raggedvl.cli", "train", *COMMON, "--output-dir", str(run_dir), "--data-cache", str(cache),
+    cmd = [sys.executable, "-m", "raggedvl.app.cli", "train", *COMMON, "--output-dir", str(run_dir), "--data-cache", str(cache),
            "--rebalance-vision", str(rebalance).lower()]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -24,7 +24,7 @@ def _train(run_dir, cache, *extra, fault=None, timeout=240):
     env.pop("RAGGEDVL_FAULT", None)
     if fault:
         env["RAGGEDVL_FAULT"] = fault
-    cmd = [sys.executable, "-m", "raggedvl.cli", "train", *COMMON, "--output-dir", str(run_dir), "--data-cache", str(cache), *extra]
+    cmd = [sys.executable, "-m", "raggedvl.app.cli", "train", *COMMON, "--output-dir", str(run_dir), "--data-cache", str(cache), *extra]
     return run_job(cmd, env=env, ready=TRAIN_READY, timeout=timeout)
 
 

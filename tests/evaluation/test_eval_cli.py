@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from raggedvl.cli import main
+from raggedvl.app.cli import main
 from raggedvl.data import build_processor
 from raggedvl.evaluation import METRICS, score_metrics, tie_keys, top_k
 from raggedvl.evaluation.benchmark import load_benchmark
@@ -18,7 +18,7 @@ from raggedvl.evaluation.encode import embed_documents, embed_queries
 from raggedvl.evaluation.search import pad_rows
 from raggedvl.losses import late_interaction_scores
 from raggedvl.models import build_retriever
-from raggedvl.train.index_commands import search_index
+from raggedvl.app.index_commands import search_index
 
 from .test_benchmark import write_beir
 
@@ -120,7 +120,7 @@ def test_encode_reads_other_column_names_and_the_ids_search_prints(setup, tmp_pa
 
 
 def main_raises(argv):
-    from raggedvl.train.index_commands import encode_corpus
+    from raggedvl.app.index_commands import encode_corpus
 
     encode_corpus(argv[1], dataset=argv[3], split="test", output=argv[5])
 
@@ -135,7 +135,7 @@ def test_retriever_encode_forms(setup):
 
 
 def test_eval_flags_collapsed_documents_with_the_run_summary_criterion(setup, tmp_path, capsys):
-    from raggedvl.train.collapse import doc_cosine_warning
+    from raggedvl.app.collapse import doc_cosine_warning
 
     root, _, bench_dir = setup
     collapsed = build_retriever(str(root / "model"))
@@ -226,7 +226,7 @@ def test_a_saved_model_is_encoded_with_its_own_processor(tmp_path):
     """A retriever saved with its processor (RaggedTrainer.save_model, save_pretrained + processor)
     is loaded with that processor's pixel limits, not the preset's defaults."""
     from raggedvl.parallel import init_distributed
-    from raggedvl.train.evaluate_checkpoint import load_model
+    from raggedvl.app.evaluate_checkpoint import load_model
 
     small = build_processor("tiny", max_pixels=28 * 28 * 16)
     model = build_retriever("tiny", processor=small, seed=0)

@@ -1,5 +1,5 @@
 """The retrieval loss through RaggedTrainer equals raggedvl's own training loop
-(raggedvl.train.loop.Trainer) for the same seed, weights and data (issue 8)."""
+(raggedvl.app.loop.Trainer) for the same seed, weights and data (issue 8)."""
 
 import copy
 
@@ -7,8 +7,8 @@ import pytest
 
 from raggedvl.hf import RaggedTrainer, RetrievalWireCollator
 from raggedvl.parallel.runtime import init_distributed
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.loop import Trainer
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.loop import Trainer
 from tests.hf.helpers import training_args
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import torch
 
 from raggedvl.losses import LOSS_NAMES, InfoNCELoss, RetrievalLoss, make_retrieval_loss
 from raggedvl.models import EmbeddingOutput
-from raggedvl.train.config import TrainConfig
+from raggedvl.app.config import TrainConfig
 from tests.losses import reference as ref
 from tests.losses.test_losses_math import _bi, _mv
 

@@ -1,4 +1,4 @@
-"""raggedvl.parallel.agent: what a failing rank records in torchrun's error file, read back by
+"""raggedvl.app.agent: what a failing rank records in torchrun's error file, read back by
 torchrun's own ``ProcessFailure``, and which single line the agent prints for a failed job.
 (End to end through ``raggedvl train``: tests/dist/test_fault_matrix.py.)"""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from raggedvl.parallel.agent import first_failure, record_failure
+from raggedvl.app.agent import first_failure, record_failure
 from raggedvl.parallel.faults import report_failure
 
 
@@ -69,17 +69,17 @@ def test_a_killed_rank_without_a_record_comes_first(tmp_path, monkeypatch):
 
 
 def test_the_agent_runs_as_a_module_without_runpy_warning():
-    """``python -m raggedvl.parallel.agent`` imports the package raggedvl.parallel first; if that
+    """``python -m raggedvl.app.agent`` imports the package raggedvl.parallel first; if that
     imported the agent module (faults.py once did, at module level), runpy warns "found in
     sys.modules ... prior to execution" on every ``raggedvl train``. As an error here."""
     src = str(Path(__file__).resolve().parents[2] / "src")
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "raggedvl.parallel.agent", "--help"],
+    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "raggedvl.app.agent", "--help"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--nproc-per-node" in out.stdout
     assert "RuntimeWarning" not in out.stderr and "sys.modules" not in out.stderr
     imported = subprocess.run([sys.executable, "-c", "import sys, raggedvl.parallel; "
-                               "print('raggedvl.parallel.agent' in sys.modules)"],
+                               "print('raggedvl.app.agent' in sys.modules)"],
                               capture_output=True, text=True, env=env, timeout=300)
     assert imported.stdout.strip() == "False", imported.stderr[-2000:]

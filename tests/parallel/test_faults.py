@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from raggedvl.parallel.faults import StallWatchdog, inject_fault, report_failure
+from raggedvl.app.fault_injection import inject_fault
+from raggedvl.parallel.faults import StallWatchdog, report_failure
 
 
 @pytest.mark.parametrize("spec", ["boom:1:2", "raise:1", "raise:one:2", "raise:1:2:3", "raise:-1:2"])

@@ -1,4 +1,4 @@
-"""raggedvl.parallel.interrupts and the CLI's Ctrl-C path, in one process: rank 0's line, the
+"""raggedvl.app.interrupts and the CLI's Ctrl-C path, in one process: rank 0's line, the
 peer note that tells an interruption from a failure, SIGINT ignored while shutting down, exit
 code 130 without a traceback. (End to end, 1 and 2 processes: tests/dist/test_ctrl_c.py.)"""
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from raggedvl import cli
-from raggedvl.parallel import interrupts
+from raggedvl.app import cli
+from raggedvl.app import interrupts
 from raggedvl.parallel.failures import FailureNote
-from raggedvl.parallel.interrupts import TrainingInterrupted, interrupted_line, stop_interrupted
+from raggedvl.app.interrupts import TrainingInterrupted, interrupted_line, stop_interrupted
 
 
 @pytest.fixture(autouse=True)

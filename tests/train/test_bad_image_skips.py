@@ -11,10 +11,10 @@ import datasets
 import pytest
 from PIL import Image
 
-from raggedvl.cli import main
+from raggedvl.app.cli import main
 from raggedvl.data import RetrievalCollator, build_processor
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.loop import train
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.loop import train
 
 pytestmark = pytest.mark.slow  # builds the tiny tokenizer and trains 2-3 steps (~30 s each)
 

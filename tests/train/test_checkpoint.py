@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raggedvl.train.checkpoint import (
+from raggedvl.app.checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_checkpoint,
@@ -107,7 +107,7 @@ def test_eval_resolves_a_run_dir_to_the_newest_checkpoint_that_verifies(tmp_path
 
 
 def test_each_checkpoint_is_hashed_once_when_loaded(tmp_path, monkeypatch):
-    import raggedvl.train.checkpoint as checkpoint
+    import raggedvl.app.checkpoint as checkpoint
 
     _save(tmp_path, 1, 1.0)
     newest = _save(tmp_path, 2, 2.0)

@@ -8,9 +8,9 @@ import math
 import pytest
 from PIL import Image
 
-from raggedvl.train.collapse import CollapseCheck, chance_loss
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.loop import train
+from raggedvl.app.collapse import CollapseCheck, chance_loss
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.loop import train
 
 
 def test_chance_loss_is_the_loss_at_equal_scores():
@@ -116,8 +116,8 @@ def test_a_collapsed_run_warns_and_stops_when_asked(tmp_path, capsys):
 def test_one_document_cosine_criterion_for_the_run_summary_and_raggedvl_eval(tmp_path):
     """0.9996 (a new user's `raggedvl eval` of a run whose training check had fired) is flagged;
     the healthy tiny range (<= 0.999) and a single document (NaN) are not."""
-    from raggedvl.train.collapse import COLLAPSED_DOC_COSINE, doc_cosine_warning
-    from raggedvl.train.report import write_summary
+    from raggedvl.app.collapse import COLLAPSED_DOC_COSINE, doc_cosine_warning
+    from raggedvl.app.report import write_summary
 
     warning = doc_cosine_warning(0.9996)
     assert warning is not None and "0.9996" in warning and str(COLLAPSED_DOC_COSINE) in warning and "\n" not in warning

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from raggedvl.cli import build_parser
-from raggedvl.train.config import TrainConfig, config_from_args
-from raggedvl.train.launch import strip_torchrun_arguments, torchrun_command
+from raggedvl.app.cli import build_parser
+from raggedvl.app.config import TrainConfig, config_from_args
+from raggedvl.app.launch import strip_torchrun_arguments, torchrun_command
 
 
 def test_yaml_then_flags_override(tmp_path):
@@ -27,13 +27,13 @@ def test_torchrun_command_defaults_and_pass_through():
     cmd = torchrun_command(args, strip_torchrun_arguments(argv))
     assert "--standalone" not in cmd
     assert cmd[cmd.index("--nproc-per-node") + 1] == "8" and cmd[cmd.index("--nnodes") + 1] == "2"
-    assert cmd[-4:] == ["raggedvl.cli", "train", "--lr", "0.1"]
+    assert cmd[-4:] == ["raggedvl.app.cli", "train", "--lr", "0.1"]
     single = torchrun_command(build_parser().parse_args(["train"]), [])
     assert "--standalone" in single and single[single.index("--nproc-per-node") + 1] in ("2", str(torch.cuda.device_count()))
 
 
 def test_the_tiny_page_budget_applies_to_the_tiny_preset_only():
-    from raggedvl.train.config import TINY_MAX_PIXELS
+    from raggedvl.app.config import TINY_MAX_PIXELS
 
     assert TrainConfig().resolved_max_pixels == TINY_MAX_PIXELS
     assert TrainConfig(max_pixels=50_000).resolved_max_pixels == 50_000
@@ -50,7 +50,7 @@ def test_yaml_values_are_type_checked_naming_the_key(tmp_path):
 
 
 def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path, capsys):
-    from raggedvl.cli import main
+    from raggedvl.app.cli import main
 
     (tmp_path / "checkpoints" / "step-000002").mkdir(parents=True)
     assert main(["train", "--output-dir", str(tmp_path)]) == 2
@@ -65,7 +65,7 @@ def test_plain_output_switches_progress_bars_off_without_importing_datasets():
     import subprocess
     import sys
 
-    code = ("import sys; from raggedvl.train.launch import plain_output; plain_output(); "
+    code = ("import sys; from raggedvl.app.launch import plain_output; plain_output(); "
             "print('datasets' in sys.modules); import datasets; print(datasets.is_progress_bar_enabled())")
     env = {k: v for k, v in os.environ.items() if not k.endswith("_DISABLE_PROGRESS_BARS")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""Collating in DataLoader worker processes (`--data-workers`, raggedvl.train.batches): the
+"""Collating in DataLoader worker processes (`--data-workers`, raggedvl.app.batches): the
 batches, the sampler positions a checkpoint saves, and the losses of a run are those of the
 run that collates on the training thread."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from raggedvl.sampling import BalancedDistributedBatchSampler
-from raggedvl.train.batches import StepIndices, step_batches
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.loop import train
+from raggedvl.app.batches import StepIndices, step_batches
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.loop import train
 from tests.conftest import SMALL_DEV_PAIRS, SMALL_TRAIN_PAIRS
 
 

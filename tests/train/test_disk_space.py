@@ -10,8 +10,8 @@ from collections import namedtuple
 import pytest
 import torch
 
-from raggedvl.train import checkpoint as ckpt
-from raggedvl.train.checkpoint import (
+from raggedvl.app import checkpoint as ckpt
+from raggedvl.app.checkpoint import (
     CheckpointError,
     check_free_space,
     list_checkpoints,
@@ -79,8 +79,8 @@ def test_stale_temporaries_of_killed_writers_are_removed(tmp_path):
 def test_a_run_stops_at_the_save_that_does_not_fit(tmp_path, monkeypatch, small_data_cache):
     """Room for the first checkpoint only: the second save stops the run with the numbers, the
     first checkpoint stays and no partial folder is left."""
-    from raggedvl.train.config import TrainConfig
-    from raggedvl.train.loop import train
+    from raggedvl.app.config import TrainConfig
+    from raggedvl.app.loop import train
 
     run = tmp_path / "run"
     real = shutil.disk_usage

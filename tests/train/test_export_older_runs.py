@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from raggedvl.cli import main
+from raggedvl.app.cli import main
 from raggedvl.models import build_retriever
-from raggedvl.train.checkpoint import MANIFEST, save_checkpoint
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.setup import build_cfg_processor, build_model
+from raggedvl.app.checkpoint import MANIFEST, save_checkpoint
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.setup import build_cfg_processor, build_model
 from tests.conftest import SMALL_DEV_PAIRS, SMALL_TRAIN_PAIRS
 from tests.models.interop.helpers import encode, masked_max_abs
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 from PIL import Image
 
-from raggedvl.train.config import TrainConfig
+from raggedvl.app.config import TrainConfig
 from raggedvl.parallel import init_distributed
-from raggedvl.train.loop import Trainer, train
+from raggedvl.app.loop import Trainer, train
 
 pytestmark = pytest.mark.slow  # tiny model, a few training steps
 
@@ -106,7 +106,7 @@ def test_two_processes_mask_the_same_pairs_as_one(tmp_path, small_data_cache):
     one = tmp_path / "one"
     train(_cfg(tmp_path, data, "one", data_cache=str(small_data_cache)))
     two = tmp_path / "two"
-    cmd = [sys.executable, "-m", "raggedvl.cli", "train", "--dataset", data, "--max-steps", "2", "--global-batch-size",
+    cmd = [sys.executable, "-m", "raggedvl.app.cli", "train", "--dataset", data, "--max-steps", "2", "--global-batch-size",
            str(PAGES * QUERIES_PER_PAGE), "--warmup-steps", "1", "--eval-before", "false", "--eval-after", "false",
            "--checkpoint-every", "100", "--max-train-samples", "none", "--max-eval-samples", "none",
            "--nproc-per-node", "2", "--output-dir", str(two), "--data-cache", str(small_data_cache)]

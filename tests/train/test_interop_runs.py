@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from raggedvl.cli import main
+from raggedvl.app.cli import main
 from raggedvl.models import build_retriever
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.loop import train
-from raggedvl.train.setup import build_components
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.loop import train
+from raggedvl.app.setup import build_components
 from tests.conftest import SMALL_DEV_PAIRS, SMALL_TRAIN_PAIRS
 from tests.models.interop.helpers import FULL, LORA, encode, masked_max_abs
 

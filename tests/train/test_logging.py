@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from raggedvl.cli import main
-from raggedvl.train import launch
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.progress import Progress
-from raggedvl.train.tracking import check_installed, parse_report_to
+from raggedvl.app.cli import main
+from raggedvl.app import launch
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.progress import Progress
+from raggedvl.app.tracking import check_installed, parse_report_to
 
 LINE = re.compile(r"^step (\d+)/7 loss [0-9.]+ lr [0-9.]+e[-+]\d\d samples/s [0-9.]+ ETA \d+:\d\d:\d\d$")
 
@@ -44,7 +44,7 @@ def test_report_to_names_are_checked():
 
 def test_tracked_evaluation_scalars_are_the_retrieval_metrics_tagged_by_split():
     from raggedvl.evaluation import METRICS
-    from raggedvl.train.tracking import eval_scalars
+    from raggedvl.app.tracking import eval_scalars
 
     metrics = {**{name: 0.5 for name in METRICS}, "mean_rank": 2.0, "random_mean_rank": 4.5, "random_mean_rank_se": 0.3,
                "queries": 8, "documents": 8, "skipped_documents": 0, "doc_mean_cosine": 0.9, "n": 8}
@@ -77,7 +77,7 @@ def test_one_process_run_logs_plain_lines_metrics_and_tensorboard(tmp_path, capf
     out, err = capfd.readouterr()
     assert code == 0, err[-3000:]
     assert "\r" not in out + err
-    assert "raggedvl.parallel.agent" not in out and "torch.distributed.run" not in out
+    assert "raggedvl.app.agent" not in out and "torch.distributed.run" not in out
     assert [line.split(" loss ")[0] for line in err.splitlines() if line.startswith("step ")] == ["step 2/4", "step 4/4"]
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -122,7 +122,7 @@ def test_one_process_run_logs_plain_lines_metrics_and_tensorboard(tmp_path, capf
 
 def test_a_warmup_longer_than_the_run_is_one_warning_line_with_the_fix(tmp_path, capsys, small_data_cache):
     from raggedvl.parallel import init_distributed
-    from raggedvl.train.loop import Trainer, warmup_warning
+    from raggedvl.app.loop import Trainer, warmup_warning
 
     assert warmup_warning(3, 4, 2e-4) is None and warmup_warning(0, 1, 2e-4) is None
     line = warmup_warning(10, 4, 2e-4)

@@ -11,12 +11,12 @@ import shutil
 import pytest
 import torch
 
-from raggedvl.cli import main
+from raggedvl.app.cli import main
 from raggedvl.parallel import init_distributed
-from raggedvl.train import launch
-from raggedvl.train.checkpoint import list_checkpoints
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.loop import Trainer
+from raggedvl.app import launch
+from raggedvl.app.checkpoint import list_checkpoints
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.loop import Trainer
 from tests.data.test_negatives import negatives_parquet
 
 pytestmark = pytest.mark.slow  # tiny model, a few training steps
@@ -131,7 +131,7 @@ def test_with_hard_negatives_the_chance_loss_counts_them_every_step(tmp_path, sm
     sits on it, and the collapse check, its event and summary.md use it."""
     import math
 
-    from raggedvl.train.loop import train
+    from raggedvl.app.loop import train
 
     path = _identical_pages_with_negatives(tmp_path / "same.parquet", n=10, k=2)
     run = tmp_path / "run"

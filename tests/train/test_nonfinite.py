@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from raggedvl.train.checkpoint import list_checkpoints
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.loop import NonFiniteTraining, train
+from raggedvl.app.checkpoint import list_checkpoints
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.loop import NonFiniteTraining, train
 
 pytestmark = pytest.mark.slow  # tiny model, a few training steps
 
@@ -53,7 +53,7 @@ def test_a_learning_rate_that_blows_up_stops_with_finite_checkpoints(tmp_path, s
 def test_a_skipped_step_leaves_the_weights_and_the_schedule_alone(tmp_path, small_data_cache):
     """A temperature so small that every score overflows: no step is applied, so the weights after
     the stop equal the initial weights bit for bit."""
-    from raggedvl.train.loop import Trainer
+    from raggedvl.app.loop import Trainer
     from raggedvl.parallel import init_distributed
 
     cfg = _cfg(tmp_path, small_data_cache, temperature=1e-30, max_steps=2, checkpoint_every=100)
@@ -77,7 +77,7 @@ def test_two_processes_skip_alike_and_stop_together(tmp_path, small_data_cache):
     import sys
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "raggedvl.cli", "train", "--lr", "1000", "--head-lr", "1000", "--max-nonfinite-steps",
+    cmd = [sys.executable, "-m", "raggedvl.app.cli", "train", "--lr", "1000", "--head-lr", "1000", "--max-nonfinite-steps",
            "2", "--max-steps", "12", "--global-batch-size", "4", "--warmup-steps", "0", "--max-train-samples", "16",
            "--eval-before", "false", "--eval-after", "false", "--checkpoint-every", "1", "--nproc-per-node", "2",
            "--output-dir", str(run), "--data-cache", str(small_data_cache)]

@@ -6,12 +6,12 @@ import json
 import pytest
 
 from raggedvl.models.packed_attention import PACKED_SDPA, text_attention
-from raggedvl.train.config import TrainConfig
+from raggedvl.app.config import TrainConfig
 import torch
 
 from raggedvl.parallel.runtime import DistInfo
-from raggedvl.train.loop import train
-from raggedvl.train.setup import build_components
+from raggedvl.app.loop import train
+from raggedvl.app.setup import build_components
 from tests.conftest import SMALL_DEV_PAIRS, SMALL_TRAIN_PAIRS
 
 pytestmark = pytest.mark.slow  # two 2-step runs of the tiny model (~40 s idle)

@@ -13,11 +13,11 @@ import pytest
 from huggingface_hub import constants
 from PIL import Image
 
-from raggedvl.cli import main
-from raggedvl.sources import resolve_source
-from raggedvl.train import launch
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.setup import load_splits
+from raggedvl.app.cli import main
+from raggedvl.app.sources import resolve_source
+from raggedvl.app import launch
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.setup import load_splits
 
 
 def _png(seed: int) -> bytes:
@@ -110,7 +110,7 @@ def test_an_unreachable_hub_falls_back_to_the_cache_for_the_whole_job(tmp_path, 
 
 
 def test_names_are_checked_before_torch_is_imported(tmp_path):
-    code = ("import sys; from raggedvl.cli import main; rc = main(['train', '--model', 'tyny', '--output-dir', "
+    code = ("import sys; from raggedvl.app.cli import main; rc = main(['train', '--model', 'tyny', '--output-dir', "
             f"{str(tmp_path)!r}]); print(rc, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
@@ -130,7 +130,7 @@ def test_data_errors_are_one_line_before_torch_is_imported(tmp_path):
              ["--dataset", renamed, "--query-column", "question", "--image-column", "page", "--id-column", "id"],
              ["--dataset", corrupt, "--id-column", "doc_id"],
              ["--dataset", corrupt, "--max-train-samples", "none"]]
-    code = ("import sys; from raggedvl.cli import main\n"
+    code = ("import sys; from raggedvl.app.cli import main\n"
             f"for argv in {cases!r}:\n"
             f"    rc = main(['train', '--output-dir', {str(tmp_path / 'run')!r}, *argv])\n"
             "    print(rc, 'torch' in sys.modules, 'transformers' in sys.modules, flush=True)\n"
@@ -202,7 +202,7 @@ def test_empty_queries_name_the_row_and_the_flag(capsys, tmp_path):
     # the skipped row stays reported through the hash split (select): the run warns once and
     # summary.md counts it (Trainer: empty_query_warning, "training rows left out ...: 1")
     assert [(r["row"], r["id"]) for r in train.skipped_rows] == [(3, "doc-3")]
-    from raggedvl.train.loop import empty_query_warning
+    from raggedvl.app.loop import empty_query_warning
 
     rows = [{"dataset": train.where, **r} for r in train.skipped_rows]
     assert empty_query_warning(rows) == (f"warning: left out 1 training row with an empty or non-string query "
@@ -255,8 +255,8 @@ def _run_launcher(tmp_path, cases, *, before=""):
     """Run ``raggedvl train`` on each argv of ``cases`` in one fresh process with an --output-dir
     of its own (torchrun's agent replaced by a line saying it would start); per case: (exit code
     or "exec", torch imported, transformers imported, stderr)."""
-    code = ("import os, sys\nfrom raggedvl.cli import main\nfrom raggedvl.train import launch\n"
-            "import raggedvl.gpu_driver as gpu_driver; gpu_driver.GPU_DRIVER_FILES = ('/nonexistent/gpu-driver',)\n"  # the same on a GPU machine
+    code = ("import os, sys\nfrom raggedvl.app.cli import main\nfrom raggedvl.app import launch\n"
+            "import raggedvl.app.gpu_driver as gpu_driver; gpu_driver.GPU_DRIVER_FILES = ('/nonexistent/gpu-driver',)\n"  # the same on a GPU machine
             "class Started(Exception): pass\n"
             "def exec_agent(cmd, env_updates=None): raise Started(' '.join(cmd[cmd.index('--nproc-per-node'):][:2]))\n"
             "launch.exec_agent = exec_agent\n" + before +
@@ -326,7 +326,7 @@ def test_negatives_eval_split_and_output_dir_fail_in_one_line_before_torch(tmp_p
 
 
 def test_a_bad_image_in_a_row_with_hard_negatives_says_what_each_image_number_is():
-    from raggedvl.train.setup import negatives_label
+    from raggedvl.app.setup import negatives_label
 
     assert negatives_label(0) == ""
     assert negatives_label(1) == " (image 0: the document, image 1: its hard negative)"
@@ -359,8 +359,8 @@ def test_reading_local_parquet_imports_neither_pandas_nor_pyarrow_dataset(tmp_pa
     good = _parquet(tmp_path / "good.parquet")
     code = ("import sys\n"
             "from raggedvl.data.dataset import load_retrieval_dataset\n"
-            "from raggedvl.train import launch\n"
-            "from raggedvl.train.config import TrainConfig\n"
+            "from raggedvl.app import launch\n"
+            "from raggedvl.app.config import TrainConfig\n"
             f"cfg = TrainConfig(dataset={good!r}, id_column='doc_id', eval_before=False, eval_after=False)\n"
             "unchecked = launch.check_data(cfg)\n"
             f"data = load_retrieval_dataset({good!r}, id_column='doc_id', cache_dir={str(tmp_path / 'cache')!r})\n"
@@ -394,7 +394,7 @@ def test_what_the_launcher_cannot_check_without_torch_keeps_the_full_checks(tmp_
 
 
 def test_default_nproc_without_a_gpu_driver_is_2_without_torch():
-    code = ("import sys; from raggedvl import gpu_driver; from raggedvl.train import launch; "
+    code = ("import sys; from raggedvl.app import gpu_driver; from raggedvl.app import launch; "
             "gpu_driver.GPU_DRIVER_FILES = ('/nonexistent/gpu',); "
             "print(launch.default_nproc(), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -402,8 +402,8 @@ def test_default_nproc_without_a_gpu_driver_is_2_without_torch():
 
 
 def test_the_output_dir_check_reads_only_the_folder(tmp_path):
-    from raggedvl.train.checkpoint import list_checkpoints
-    from raggedvl.train.rundir import check_output_dir, checkpoint_folders
+    from raggedvl.app.checkpoint import list_checkpoints
+    from raggedvl.app.rundir import check_output_dir, checkpoint_folders
 
     run = tmp_path / "run"
     check_output_dir(TrainConfig(output_dir=str(run)))  # no folder yet
@@ -502,7 +502,7 @@ def test_a_full_fine_tune_that_cannot_fit_its_checkpoint_is_refused(capsys, tmp_
     from safetensors.torch import save_file
     import torch
 
-    from raggedvl.train.launch import model_parameters
+    from raggedvl.app.launch import model_parameters
 
     model = tmp_path / "model"
     model.mkdir()

@@ -9,8 +9,8 @@ import torch
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from raggedvl.prompts import COLPALI_PROMPTS, LEGACY_PROMPTS, QUERY_AUGMENTATION
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.setup import build_cfg_processor, build_model, load_scheduler_state, make_scheduler
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.setup import build_cfg_processor, build_model, load_scheduler_state, make_scheduler
 
 CHECKPOINT = Path(__file__).resolve().parents[1] / "fixtures" / "colqwen2-tiny" / "colqwen2_full"
 

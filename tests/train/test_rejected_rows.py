@@ -8,8 +8,8 @@ import pytest
 
 from raggedvl.parallel import DistInfo
 from raggedvl.sampling import SampleCosts
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.setup import make_sampler, training_pairs_text
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.setup import make_sampler, training_pairs_text
 
 import torch
 

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 import pytest
 
 from raggedvl.evaluation.metrics import METRICS
-from raggedvl.train.report import (MetricsLog, loss_windows, plot_run, report_figure, smooth, smoothing_window,
+from raggedvl.app.report import (MetricsLog, loss_windows, plot_run, report_figure, smooth, smoothing_window,
                                    write_summary)
 
 

@@ -12,11 +12,11 @@ import json
 import pytest
 import torch
 
-from raggedvl.cli import main
+from raggedvl.app.cli import main
 from raggedvl.parallel import DistInfo
-from raggedvl.train import launch
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.setup import make_sampler, prepare_run_data
+from raggedvl.app import launch
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.setup import make_sampler, prepare_run_data
 from tests.train.test_preflight import _parquet
 
 pytestmark = pytest.mark.slow  # opens the data and builds the tiny processor (the size estimate)
@@ -103,9 +103,9 @@ def test_data_rewritten_under_the_same_name_is_refused(capsys, tmp_path, small_d
 
 
 def test_a_rank_started_by_torchrun_itself_gives_the_same_message(tmp_path, small_data_cache):
-    """`torchrun -m raggedvl.cli train --resume` skips the launcher: Trainer.resume applies the
+    """`torchrun -m raggedvl.app.cli train --resume` skips the launcher: Trainer.resume applies the
     same check to a real checkpoint, before loading it."""
-    from raggedvl.train.loop import train
+    from raggedvl.app.loop import train
     from tests.conftest import SMALL_DEV_PAIRS, SMALL_TRAIN_PAIRS
 
     cfg = TrainConfig(output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache), max_steps=1,

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from raggedvl.cli import main
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.loop import train
+from raggedvl.app.cli import main
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.loop import train
 
 from ..evaluation.test_benchmark import write_pairs
 from ..evaluation.test_eval_cli import noise_png

@@ -5,8 +5,8 @@ import pytest
 
 from raggedvl.data import load_retrieval_dataset
 from raggedvl.data.splits import hash_split
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.setup import load_splits
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.setup import load_splits
 
 from ..evaluation.test_benchmark import png, write_pairs
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from raggedvl.parallel import init_distributed
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.loop import Trainer
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.loop import Trainer
 
 pytestmark = pytest.mark.slow  # tiny model, two steps on two trainers
 

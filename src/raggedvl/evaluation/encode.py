@@ -3,7 +3,7 @@
 
 Progress (:func:`progress_calls`): a tqdm bar when stderr is a terminal; in a log file or a
 pipe, plain lines with no carriage return (``documents: batch 4/40 (10 %) 2.10 batches/s ETA
-0:00:17``), as ``raggedvl train`` prints its steps (``raggedvl.train.progress``).
+0:00:17``), as ``raggedvl train`` prints its steps (``raggedvl.app.progress``).
 
 Shape legend: n items, L_i valid vectors of item i, D embedding dim.
 

@@ -19,15 +19,15 @@ What each situation produces (2 or more ranks, ``collective_timeout_s`` = T):
   terminates the stalled rank. Without a launcher that tears the job down, a rank stalled
   outside any collective stays stalled (no self-kill: a legitimately slow step must survive).
 
-:func:`inject_fault` is the testing aid that produces each situation on purpose; it is never
-called from a training loop's own code: ``raggedvl train`` installs it as a step hook when
-``RAGGEDVL_FAULT`` is set, and the ``RaggedTrainer`` tests install it as a ``TrainerCallback``.
+``raggedvl.app.fault_injection.inject_fault`` produces each situation on purpose, for tests.
+A launcher that collects the ranks' failures itself (``raggedvl.app.agent``) sets
+:data:`QUIET_ENV` in its ranks: they then keep their line in ``exc.raggedvl_report``
+(:data:`REPORT_ATTRIBUTE`) instead of printing it.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import time
@@ -35,8 +35,13 @@ import traceback
 
 from raggedvl.parallel.failures import abort, clear_note, peer_notes, post_note
 
-FAULT_KINDS = ("raise", "kill", "hang", "term")
-FAULT_ENV = "RAGGEDVL_FAULT"
+QUIET_ENV = "RAGGEDVL_AGENT"  # set by a launcher that prints the job's first failure itself
+REPORT_ATTRIBUTE = "raggedvl_report"  # set on an exception by report_failure
+
+
+def quiet_ranks() -> bool:
+    """True in a rank whose launcher prints failures (:data:`QUIET_ENV`): record, do not print."""
+    return os.environ.get(QUIET_ENV) == "1"
 
 
 def _one_line(exc: BaseException, limit: int = 4000) -> str:
@@ -55,17 +60,13 @@ def _one_line(exc: BaseException, limit: int = 4000) -> str:
 def report_failure(rank: int, where: str, exc: BaseException) -> str:
     """Report that this rank failed ``where`` (e.g. ``"in step 3"``) with ``exc``; returns the text.
 
-    Prints to stderr (not in ranks of ``raggedvl.parallel.agent``, which prints the first
+    Prints to stderr (not in ranks of ``raggedvl.app.agent``, which prints the first
     failure of the job; the one-line report is kept in ``exc.raggedvl_report`` for the error
     file), posts this rank's note, appends the text to ``exc``'s notes (so it
     shows in the traceback and in ``exc.__notes__``) and aborts the process group (see
     :func:`raggedvl.parallel.failures.abort`); the caller re-raises. Peers' notes, oldest
     first, follow this rank's line. Store operations only, no collective; never raises.
     """
-    # imported here, not at module level: raggedvl.parallel imports this module, and the agent runs as
-    # ``python -m raggedvl.parallel.agent`` (runpy warns when the package already imported it)
-    from raggedvl.parallel.agent import REPORT_ATTRIBUTE, quiet_ranks
-
     own = f"rank {rank} failed {where}: {_one_line(exc)}"
     post_note(rank, own)
     now = time.time()
@@ -74,7 +75,7 @@ def report_failure(rank: int, where: str, exc: BaseException) -> str:
     lines += [f"raggedvl:   rank {n.rank} reported {now - n.time:.1f} s earlier: {n.text}" for n in notes]
     text = "\n".join(lines)
     line = own + (f" (after rank {notes[0].rank}: {notes[0].text})" if notes else "")
-    try:  # what raggedvl.parallel.agent.record_failure writes to torchrun's error file
+    try:  # what raggedvl.app.agent.record_failure writes to torchrun's error file
         setattr(exc, REPORT_ATTRIBUTE, {"line": line, "time": now, "after_peer": bool(notes)})
     except AttributeError:
         pass
@@ -152,35 +153,3 @@ class StallWatchdog:
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (stack unavailable)\n"
             print(f"raggedvl: {note}; peers waiting on it fail at the timeout. Where rank {self.rank} is now:\n{stack}",
                   file=sys.stderr, flush=True)
-
-
-def inject_fault(rank: int, step: int) -> None:
-    """Testing aid: ``RAGGEDVL_FAULT="KIND:RANK:STEP"`` makes rank RANK fail after STEP steps.
-
-    KIND is ``raise`` (a ``RuntimeError``), ``kill`` (SIGKILL to itself), ``hang`` (sleep
-    forever) or ``term`` (SIGTERM to itself, as a cluster's preemption: the step goes on), at the
-    start of 1-based step STEP + 1. Before acting it prints ``raggedvl:
-    RAGGEDVL_FAULT=...: rank R will KIND in step S at unix time T`` to stderr (tests measure
-    from T). No-op when the variable is unset or names another rank or step; ``ValueError``
-    for a malformed value.
-    """
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    parts = spec.split(":")
-    if len(parts) != 3 or parts[0] not in FAULT_KINDS or not all(p.isdigit() for p in parts[1:]):
-        raise ValueError(f"RAGGEDVL_FAULT={spec!r} must be KIND:RANK:STEP with KIND in {FAULT_KINDS}, e.g. 'raise:1:2'")
-    kind, fault_rank, fault_step = parts[0], int(parts[1]), int(parts[2])
-    if fault_rank != rank or fault_step != step:
-        return
-    print(f"raggedvl: RAGGEDVL_FAULT={spec}: rank {rank} will {kind} in step {step + 1} at unix time {time.time():.3f}",
-          file=sys.stderr, flush=True)
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "term":
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
-    if kind == "hang":
-        while True:
-            time.sleep(3600)
-    raise RuntimeError(f"injected fault on rank {rank} in step {step + 1} (RAGGEDVL_FAULT={spec})")

@@ -162,7 +162,7 @@ def _wrong_projection(tmp_path):
 
 def test_raggedvl_train_refuses_a_broken_checkpoint_in_one_line_before_training(tmp_path, capsys):
     """One process: the launcher (which trains in-process) checks the checkpoint's files first."""
-    from raggedvl.cli import main
+    from raggedvl.app.cli import main
 
     wrong = _wrong_projection(tmp_path)
     assert main(["train", "--model", str(wrong), "--nproc-per-node", "1", "--output-dir", str(tmp_path / "run")]) == 2
@@ -182,7 +182,7 @@ def test_two_processes_report_a_broken_checkpoint_once_in_one_line(tmp_path):
     from tests.jobs import run_job
 
     wrong = _wrong_projection(tmp_path)
-    cmd = [sys.executable, "-m", "raggedvl.cli", "train", "--model", str(wrong), "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "raggedvl.app.cli", "train", "--model", str(wrong), "--nproc-per-node", "2",
            "--global-batch-size", "4", "--max-steps", "1", "--max-train-samples", "8", "--eval-before", "false",
            "--eval-after", "false", "--output-dir", str(tmp_path / "run")]
     out = run_job(cmd, ready=None, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -190,7 +190,7 @@ def test_two_processes_report_a_broken_checkpoint_once_in_one_line(tmp_path):
     lines = [line for line in out.stderr.splitlines() if line.startswith("raggedvl:")]
     assert len(lines) == 1 and "custom_text_proj.weight' has shape [96, 64]" in lines[0], out.describe()
     assert "Traceback" not in out.stderr
-    assert "raggedvl.parallel.agent" in out.stdout  # the launcher execed the agent (it prints the command)
+    assert "raggedvl.app.agent" in out.stdout  # the launcher execed the agent (it prints the command)
 
 
 def test_loading_an_adapter_prints_no_future_warning():

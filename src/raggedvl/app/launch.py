@@ -3,19 +3,19 @@
 From a plain shell, ``raggedvl train``:
 
 1. checks, before importing torch or transformers, each failure one line and exit code 2: the
-   config, the model and dataset names (``raggedvl.sources``: typos, unreachable or offline
-   hub in seconds), the output directory (``raggedvl.train.rundir``), and for data in local
+   config, the model and dataset names (``raggedvl.app.sources``: typos, unreachable or offline
+   hub in seconds), the output directory (``raggedvl.app.rundir``), and for data in local
    parquet files (``raggedvl.data.scan``) the columns, splits, queries, hard-negative counts
    and every training image's header, documents and hard negatives (a corrupt image is named
    by row, id and file), then the world size against the global batch;
 2. with several processes, when step 1 checked everything (:func:`needs_torch`: no
    ``--resume``, data in local parquet files or the rdocs preset),
    replaces itself at once (``os.execve``) with torchrun's agent
-   (``python -m raggedvl.parallel.agent``, torchrun's options): the ranks prepare the data
+   (``python -m raggedvl.app.agent``, torchrun's options): the ranks prepare the data
    themselves, as they always do (the image sizes from step 1's cache);
 3. otherwise imports torch and checks what needs it: the processor, the data the launcher
    could not scan (hub datasets, BEIR folders), overlap, with ``--resume`` that the checkpoint
-   can continue with these settings and data (``raggedvl.train.resume``), a local checkpoint's
+   can continue with these settings and data (``raggedvl.app.resume``), a local checkpoint's
    files (with several processes and nothing else to check, the ranks find a broken checkpoint
    when they load it: the same one-line error, after their imports); then with one process on one node (``--nproc-per-node 1``, or one CUDA device) trains
    right there, reusing what it built (no torchrun, no second process), else execs the agent
@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from raggedvl.gpu_driver import has_gpu_driver
+from raggedvl.app.gpu_driver import has_gpu_driver
 
 TORCHRUN_HELP = {  # name: (metavar, help)
     "nproc_per_node": ("N", "processes on this node: a number, or gpu (one per CUDA device), auto (one per accelerator, "
@@ -68,7 +68,7 @@ def add_torchrun_arguments(parser) -> None:
 
 def default_nproc() -> int:
     """The default ``--nproc-per-node``: the number of CUDA devices, else 2. Without a GPU
-    driver (``raggedvl.gpu_driver.has_gpu_driver``) that is 2 at once, without importing torch (seconds);
+    driver (``raggedvl.app.gpu_driver.has_gpu_driver``) that is 2 at once, without importing torch (seconds);
     with one, torch counts the devices."""
     if not has_gpu_driver():
         return 2
@@ -100,16 +100,16 @@ def local_world_size(nproc_per_node: str) -> int:
 
 
 def torchrun_command(args, train_argv: Sequence[str], command: str = "train") -> list[str]:
-    """The ``python -m raggedvl.parallel.agent TORCHRUN_OPTIONS -m raggedvl.cli COMMAND ...``
+    """The ``python -m raggedvl.app.agent TORCHRUN_OPTIONS -m raggedvl.app.cli COMMAND ...``
     command line (torchrun's agent with one-line failure reports)."""
     opts = {name: getattr(args, name) for name in TORCHRUN_OPTIONS if getattr(args, name, None) is not None}
     opts.setdefault("nproc_per_node", str(default_nproc()))
-    cmd = [sys.executable, "-m", "raggedvl.parallel.agent"]
+    cmd = [sys.executable, "-m", "raggedvl.app.agent"]
     if not is_multi_node(opts):
         cmd.append("--standalone")
     for name, value in opts.items():
         cmd += ["--" + name.replace("_", "-"), str(value)]
-    return cmd + ["-m", "raggedvl.cli", command, *train_argv]
+    return cmd + ["-m", "raggedvl.app.cli", command, *train_argv]
 
 
 def is_multi_node(options: dict[str, Any]) -> bool:
@@ -186,10 +186,10 @@ def plain_output() -> None:
 
 def check_names(cfg) -> None:
     """The launcher's first checks, before torch is imported: ``--report-to``'s packages, and
-    what ``--model``, ``--dataset`` and ``--eval-dataset`` name (:func:`raggedvl.sources.resolve_source`:
+    what ``--model``, ``--dataset`` and ``--eval-dataset`` name (:func:`raggedvl.app.sources.resolve_source`:
     a typo, an offline or unreachable hub is a one-line ``ValueError`` in seconds)."""
-    from raggedvl.sources import resolve_source
-    from raggedvl.train.tracking import check_installed, parse_report_to
+    from raggedvl.app.sources import resolve_source
+    from raggedvl.app.tracking import check_installed, parse_report_to
 
     check_installed(parse_report_to(cfg.report_to))
     resolve_source(cfg.model, repo_type="model", presets=("tiny",), what="--model")
@@ -224,7 +224,7 @@ def check_output_space(cfg) -> None:
     """Raise ``ValueError`` (one line, exit 2) when the filesystem of ``--output-dir`` cannot hold
     one checkpoint of a full fine-tune of a local ``--model`` folder: its weights in float32 and
     AdamW's two float32 moments, 3 x 4 bytes per parameter (LoRA checkpoints hold only adapters
-    and the head: not checked). Each save checks again (``raggedvl.train.checkpoint.check_free_space``)."""
+    and the head: not checked). Each save checks again (``raggedvl.app.checkpoint.check_free_space``)."""
     import shutil
 
     parameters = model_parameters(cfg.model) if not cfg.use_lora else None
@@ -350,20 +350,20 @@ def launch_train(args, argv: Sequence[str]) -> int:
     and the run raise; never returns when it starts the agent."""
     import time
 
-    from raggedvl.train.config import config_from_args
-    from raggedvl.train.startup import ENV, StartupClock, process_start_time
+    from raggedvl.app.config import config_from_args
+    from raggedvl.app.startup import ENV, StartupClock, process_start_time
 
     rank = under_torchrun()
     clock = StartupClock.from_env() if rank else StartupClock()
     cfg = config_from_args(args)
     if rank:
         plain_output()
-        from raggedvl.train.loop import train
+        from raggedvl.app.loop import train
 
         clock.add({"imports": time.time() - process_start_time()})
         train(cfg, clock=clock)  # preempted: rank 0 left its line for the agent, which exits 3
         return 0
-    from raggedvl.train.rundir import check_output_dir
+    from raggedvl.app.rundir import check_output_dir
 
     check_names(cfg)
     check_output_dir(cfg)
@@ -375,8 +375,8 @@ def launch_train(args, argv: Sequence[str]) -> int:
     if (world > 1 or multi) and not needs_torch(cfg, unchecked):  # all checked: the ranks prepare the data
         clock.add({"checks": clock.since_start()})
         exec_agent(cmd, {ENV: clock.to_env()})
-    from raggedvl.train.resume import check_resume_data, check_resume_settings, check_something_to_resume, resume_point
-    from raggedvl.train.setup import check_model_checkpoint, prepare_run_data
+    from raggedvl.app.resume import check_resume_data, check_resume_settings, check_something_to_resume, resume_point
+    from raggedvl.app.setup import check_model_checkpoint, prepare_run_data
 
     resumed = resume_point(cfg) if cfg.resume else None
     if cfg.resume:
@@ -390,8 +390,8 @@ def launch_train(args, argv: Sequence[str]) -> int:
     if resumed is not None:
         check_resume_data(cfg, data, world, *resumed)
     if world == 1 and not multi:
-        from raggedvl.train.loop import train
-        from raggedvl.train.preemption import PREEMPTED_EXIT_CODE
+        from raggedvl.app.loop import train
+        from raggedvl.app.preemption import PREEMPTED_EXIT_CODE
 
         summary = train(cfg, data=data, clock=clock)
         return PREEMPTED_EXIT_CODE if summary.get("preempted") else 0

@@ -4,7 +4,7 @@ collective (all ranks see the same directory, so all raise together).
 
 A checkpoint folder is ``<output_dir>/checkpoints/step-N`` or ``<output_dir>/best/step-N``;
 temporary folders (a name with a ``.``, e.g. ``step-4.tmp-123``) are ignored, as
-``raggedvl.train.checkpoint.list_checkpoints`` (this module's :func:`checkpoint_folders`) ignores them.
+``raggedvl.app.checkpoint.list_checkpoints`` (this module's :func:`checkpoint_folders`) ignores them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 def checkpoint_folders(root: str | Path) -> list[Path]:
     """Checkpoint folders (``step-N``) under ``root``, newest step first; [] when ``root`` is
-    not a folder (``raggedvl.train.checkpoint.list_checkpoints`` is this function)."""
+    not a folder (``raggedvl.app.checkpoint.list_checkpoints`` is this function)."""
     root = Path(root)
     if not root.is_dir():
         return []

@@ -7,7 +7,7 @@ recipe (lr 2e-4 for the backbone and 2e-3 for the head, 600 steps, global batch 
 
 Precedence: dataclass defaults (the embedded default job) < YAML file (``--config``) <
 command-line flags. Every field is a flag: ``global_batch_size`` is ``--global-batch-size``.
-Each field is declared once with :func:`raggedvl.options.option` (help text with units, bounds;
+Each field is declared once with :func:`raggedvl.app.options.option` (help text with units, bounds;
 ``Literal`` types list the choices): ``raggedvl train --help`` and the checks come from there.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from raggedvl.options import add_arguments, check_fields, check_known_keys, load_yaml, option, values_from
+from raggedvl.app.options import add_arguments, check_fields, check_known_keys, load_yaml, option, values_from
 
 # A run directory's training config. Not "config.json": transformers (ColQwen2ForRetrieval.from_pretrained)
 # would read that as a model config and build its default 80-layer model from unknown keys.
@@ -201,7 +201,7 @@ class TrainConfig:
                     f"{self.datasets}; give one weight per dataset, in order (--dataset-weights 0.7,0.3)")
             if not any(w > 0 for w in weights):
                 raise ValueError(f"dataset_weights {weights} are all 0; give at least one dataset a positive weight")
-        from raggedvl.train.tracking import parse_report_to
+        from raggedvl.app.tracking import parse_report_to
 
         parse_report_to(self.report_to)
         if self.eval_fraction is not None and not self.eval_fraction < 1:

@@ -1,7 +1,7 @@
 """``raggedvl`` command line: ``train``, ``eval``, ``encode``, ``search``, ``export``, ``data``.
 
 ``main(argv)`` is the whole CLI (it returns the exit code), so tests call it in-process;
-``run()`` is the command's entry point (console script, ``python -m raggedvl.cli``): ``main``,
+``run()`` is the command's entry point (console script, ``python -m raggedvl.app.cli``): ``main``,
 then exit without the interpreter's 2-3 s teardown of torch and transformers.
 """
 
@@ -11,11 +11,11 @@ import argparse
 import sys
 from typing import NoReturn, Sequence
 
-from raggedvl.gpu_driver import skip_triton
+from raggedvl.app.gpu_driver import skip_triton
 
 
 def _train(args, argv: Sequence[str]) -> int:
-    from raggedvl.train.launch import launch_train
+    from raggedvl.app.launch import launch_train
 
     return launch_train(args, argv)
 
@@ -24,7 +24,7 @@ def _start_ranks(args, argv: Sequence[str], command: str) -> None:
     """With ``--nproc-per-node`` N > 1 from a plain shell, replace this process with torchrun's
     agent running ``command`` on N ranks (never returns); else return and run here. Either way,
     outside a terminal ``datasets`` and the hub print no carriage-return bars (``plain_output``)."""
-    from raggedvl.train.launch import (exec_agent, local_world_size, plain_output, strip_torchrun_arguments,
+    from raggedvl.app.launch import (exec_agent, local_world_size, plain_output, strip_torchrun_arguments,
                                        torchrun_command, under_torchrun)
 
     plain_output()
@@ -35,11 +35,11 @@ def _start_ranks(args, argv: Sequence[str], command: str) -> None:
 
 def _check_inputs(args, *, model: str, what: str, columns: dict[str, str | None] | None = None) -> None:
     """Before torch is imported, in the launching process (ranks skip it: their launcher did it):
-    what the checkpoint argument ``model`` and ``--dataset`` name (:func:`raggedvl.sources.resolve_source`:
+    what the checkpoint argument ``model`` and ``--dataset`` name (:func:`raggedvl.app.sources.resolve_source`:
     a mistyped path gets "did you mean", an offline or unreachable hub fails in seconds), and, given
     ``columns``, that a local parquet ``--dataset`` (not a BEIR folder) holds them. Raises ``ValueError``."""
-    from raggedvl.sources import resolve_source
-    from raggedvl.train.launch import under_torchrun
+    from raggedvl.app.sources import resolve_source
+    from raggedvl.app.launch import under_torchrun
 
     if under_torchrun():
         return
@@ -62,7 +62,7 @@ def _eval(args, argv: Sequence[str]) -> int:
                   columns={"query_column": "query", "image_column": "image", "id_column": None,
                            **{k: v for k, v in columns.items() if v is not None}})
     _start_ranks(args, argv, "eval")
-    from raggedvl.train.evaluate_checkpoint import evaluate_checkpoint
+    from raggedvl.app.evaluate_checkpoint import evaluate_checkpoint
 
     evaluate_checkpoint(args.checkpoint, dataset=args.dataset, split=args.split, batch_size=args.batch_size,
                         max_samples=args.max_samples, output=args.output, on_bad_image=args.on_bad_image, **columns)
@@ -73,7 +73,7 @@ def _encode(args, argv: Sequence[str]) -> int:
     columns = {"query_column": args.query_column, "image_column": args.image_column, "id_column": args.id_column}
     _check_inputs(args, model=args.checkpoint, what="checkpoint", columns=columns)
     _start_ranks(args, argv, "encode")
-    from raggedvl.train.index_commands import encode_corpus
+    from raggedvl.app.index_commands import encode_corpus
 
     encode_corpus(args.checkpoint, dataset=args.dataset, split=args.split, output=args.output, batch_size=args.batch_size,
                   on_bad_image=args.on_bad_image, **columns)
@@ -83,7 +83,7 @@ def _encode(args, argv: Sequence[str]) -> int:
 def _search(args) -> int:
     _check_inputs(args, model=args.checkpoint, what="checkpoint")
     _check_search_arguments(args)
-    from raggedvl.train.index_commands import print_results, search_index
+    from raggedvl.app.index_commands import print_results, search_index
 
     results = search_index(args.checkpoint, index=args.index, queries=args.query, k=args.k, chunk_size=args.chunk_size,
                            allow_other_model=args.allow_other_model)
@@ -97,7 +97,7 @@ def _check_search_arguments(args) -> None:
     Raises ``ValueError``."""
     from pathlib import Path
 
-    from raggedvl.sources import missing_path
+    from raggedvl.app.sources import missing_path
 
     if args.k < 1 or args.chunk_size < 1:
         raise ValueError(f"-k and --chunk-size must be >= 1, got {args.k} and {args.chunk_size}")
@@ -113,7 +113,7 @@ def _check_search_arguments(args) -> None:
 
 def _export(args) -> int:
     _check_inputs(args, model=args.source, what="source")
-    from raggedvl.train.export import export
+    from raggedvl.app.export import export
 
     export(args.source, args.format, args.output, merge_lora=args.merge_lora)
     return 0
@@ -171,7 +171,7 @@ class _Parser(argparse.ArgumentParser):
             for action in self._actions:
                 if isinstance(action, argparse._SubParsersAction):
                     parser = action.choices.get(getattr(namespace, action.dest, None), self)
-            from raggedvl.options import did_you_mean
+            from raggedvl.app.options import did_you_mean
 
             flags = [flag for flag in parser._option_string_actions if flag.startswith("--")]
             unknown = next((tok.split("=", 1)[0] for tok in extras if tok.startswith("--")), None)
@@ -182,8 +182,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from raggedvl import __version__
-    from raggedvl.train.config import add_config_arguments
-    from raggedvl.train.launch import add_torchrun_arguments
+    from raggedvl.app.config import add_config_arguments
+    from raggedvl.app.launch import add_torchrun_arguments
 
     parser = _Parser(prog="raggedvl", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -290,16 +290,16 @@ def _stack_versions() -> str:
 
 def _is_input_error(exc: BaseException) -> bool:
     """Bad input (exit code 2, one line): a ``ValueError`` or a ``CheckpointError``."""
-    checkpoint = sys.modules.get("raggedvl.train.checkpoint")  # not imported: not its error
+    checkpoint = sys.modules.get("raggedvl.app.checkpoint")  # not imported: not its error
     return isinstance(exc, ValueError) or (checkpoint is not None and isinstance(exc, checkpoint.CheckpointError))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit code. Bad input is one line on stderr and exit code 2;
     Ctrl-C is exit code 130 with one line (``raggedvl train``: the step and the checkpoint to
-    resume from, ``raggedvl.parallel.interrupts``) and no traceback.
+    resume from, ``raggedvl.app.interrupts``) and no traceback.
     In a rank started by torchrun, a failure is also written to torchrun's error file, and in a
-    rank of ``raggedvl.parallel.agent`` that record is all it leaves (the agent prints the first
+    rank of ``raggedvl.app.agent`` that record is all it leaves (the agent prints the first
     failing rank's line once)."""
     skip_triton()  # before torch's compiler is imported: a machine without a GPU never uses Triton
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -319,10 +319,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _failed(exc: Exception) -> int:
     """The exit code of a command that raised ``exc`` (module docstring of ``main``), or re-raise."""
     code = 2 if _is_input_error(exc) else 1
-    from raggedvl.train.launch import under_torchrun
+    from raggedvl.app.launch import under_torchrun
 
     if under_torchrun():
-        from raggedvl.parallel.agent import quiet_ranks, record_failure
+        from raggedvl.app.agent import quiet_ranks, record_failure
 
         record_failure(exc, exit_code=code)
         if quiet_ranks():
@@ -336,14 +336,14 @@ def _failed(exc: Exception) -> int:
 
 def _interrupted(exc: BaseException) -> int:
     """Ctrl-C: ignore further SIGINTs (the process is exiting) and return 130. ``raggedvl train``'s
-    loop has already printed its one line (``raggedvl.parallel.interrupts.TrainingInterrupted``,
+    loop has already printed its one line (``raggedvl.app.interrupts.TrainingInterrupted``,
     possibly as the context of a second Ctrl-C); elsewhere the launching process (or rank 0)
     prints ``raggedvl: interrupted``."""
     import os
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    interrupts = sys.modules.get("raggedvl.parallel.interrupts")  # not imported: not the loop's
+    interrupts = sys.modules.get("raggedvl.app.interrupts")  # not imported: not the loop's
     seen, reported = exc, False
     while seen is not None and not reported:
         reported = interrupts is not None and isinstance(seen, interrupts.TrainingInterrupted)
@@ -357,13 +357,13 @@ def _interrupted(exc: BaseException) -> int:
 
 
 def run() -> NoReturn:
-    """The ``raggedvl`` command (console script and ``python -m raggedvl.cli``, the ranks' entry
+    """The ``raggedvl`` command (console script and ``python -m raggedvl.app.cli``, the ranks' entry
     too): :func:`main`, then the process ends without the interpreter's teardown
-    (``raggedvl.parallel.agent.exit_now``: atexit handlers run and stdout / stderr are flushed
+    (``raggedvl.app.agent.exit_now``: atexit handlers run and stdout / stderr are flushed
     first; every file raggedvl writes is closed when it is written). An exception that escapes
     ``main`` (a bug, not bad input) takes Python's normal way out, traceback included."""
     code = main()
-    from raggedvl.parallel.agent import exit_now
+    from raggedvl.app.agent import exit_now
 
     exit_now(code)
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from safetensors.torch import load_file
 
-from raggedvl.train.checkpoint import MANIFEST, find_checkpoint
-from raggedvl.train.config import TRAIN_CONFIG_NAME
+from raggedvl.app.checkpoint import MANIFEST, find_checkpoint
+from raggedvl.app.config import TRAIN_CONFIG_NAME
 
 CARD_KEYS = ("model", "head", "dim", "lora", "lora_r", "lora_alpha", "lora_dropout", "loss", "temperature",
              "global_batch_size", "max_steps", "epochs", "lr", "head_lr", "weight_decay", "warmup_steps",
@@ -58,7 +58,7 @@ def export(source: str, fmt: str, output: str, *, merge_lora: bool = False) -> P
     from raggedvl.models import build_retriever
     from raggedvl.models.interop.export import check_exportable, export_colpali, export_transformers
     from raggedvl.models.retriever import is_saved_retriever, weights_file
-    from raggedvl.train.evaluate_checkpoint import rebuild_retriever
+    from raggedvl.app.evaluate_checkpoint import rebuild_retriever
 
     out = Path(output)
     if out.exists() and any(out.iterdir()):
@@ -106,7 +106,7 @@ def model_card(*, source: str, checkpoint: str, fmt: str, state: dict | None, ru
                adapter: bool, base: str | None, merged: bool, prompts: Any, notes: list[str]) -> str:
     """The ``README.md`` of an exported folder (Hugging Face model-card layout: YAML front matter,
     then Markdown)."""
-    from raggedvl.train.report import format_metrics_table
+    from raggedvl.app.report import format_metrics_table
 
     library = "colpali" if fmt == "colpali" else "transformers"
     lines = ["---", f"library_name: {library}", "tags:", "- raggedvl", "- colpali", "- visual-document-retrieval",

@@ -15,10 +15,10 @@ from raggedvl import __version__
 from raggedvl.data import RetrievalCollator
 from raggedvl.evaluation.metrics import METRICS
 from raggedvl.parallel import init_distributed, load_full_state_dicts, shutdown
-from raggedvl.train.collapse import doc_cosine_warning
-from raggedvl.train.checkpoint import MANIFEST, list_checkpoints, load_checkpoint_or_latest
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.report import format_metrics_table
+from raggedvl.app.collapse import doc_cosine_warning
+from raggedvl.app.checkpoint import MANIFEST, list_checkpoints, load_checkpoint_or_latest
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.report import format_metrics_table
 
 
 def _slug(text: str) -> str:
@@ -35,7 +35,7 @@ def _processor_source(path: Path) -> str:
     limits are the ones training used), else, for a saved tiny retriever without one, the tiny
     preset's."""
     from raggedvl.models.retriever import is_saved_retriever, read_retriever_meta
-    from raggedvl.sources import PROCESSOR_FILES
+    from raggedvl.app.sources import PROCESSOR_FILES
 
     if any((path / name).is_file() for name in PROCESSOR_FILES):
         return str(path)
@@ -67,7 +67,7 @@ def rebuild_retriever(config: dict[str, Any], weights: dict[str, torch.Tensor]) 
     settings; the prompts are the model's defaults with the run's ``query_prefix`` /
     ``padding_side``. Raises ``ValueError`` for an unknown config key, ``RuntimeError`` for weights
     of another shape."""
-    from raggedvl.train.setup import build_cfg_processor, build_model
+    from raggedvl.app.setup import build_cfg_processor, build_model
 
     cfg = dataclasses.replace(TrainConfig.from_dict(dict(config)), resume=False)
     processor = build_cfg_processor(cfg)
@@ -94,7 +94,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
     missing column (naming ``--query-column``...), split or benchmark."""
     from raggedvl.evaluation.benchmark import load_benchmark
     from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
-    from raggedvl.train.setup import load_splits
+    from raggedvl.app.setup import load_splits
 
     path = Path(path)
     columns = {"query_column": query_column, "image_column": image_column, "id_column": id_column}

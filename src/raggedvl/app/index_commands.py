@@ -16,7 +16,7 @@ from raggedvl.evaluation.index import EmbeddingIndex, write_index, write_shard
 from raggedvl.evaluation.ranking import tie_keys
 from raggedvl.evaluation.search import search
 from raggedvl.parallel import all_gather_objects, barrier, init_distributed, shutdown
-from raggedvl.train.evaluate_checkpoint import load_model
+from raggedvl.app.evaluate_checkpoint import load_model
 
 
 def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str, output: str | Path, batch_size: int = 8,

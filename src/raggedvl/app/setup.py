@@ -28,7 +28,7 @@ from raggedvl.models import LoraSettings, build_retriever
 from raggedvl.parallel import DistInfo
 from raggedvl.images import ImagePolicy
 from raggedvl.sampling import BalancedDistributedBatchSampler, Mixture, SampleCosts, estimate_costs
-from raggedvl.train.config import TrainConfig
+from raggedvl.app.config import TrainConfig
 
 
 @dataclass
@@ -287,7 +287,7 @@ def prepare_run_data(cfg: TrainConfig, *, warn: bool = True) -> RunData:
     (:func:`load_splits`), and estimate the training split's costs from its image headers (a
     corrupt image is a ``BadImageError`` naming the row, the id, the file and
     ``--on-bad-image skip``). No collective. (What the names point at is checked before, by
-    :func:`raggedvl.train.launch.check_names`, in the launching process.)"""
+    :func:`raggedvl.app.launch.check_names`, in the launching process.)"""
     t0 = time.perf_counter()
     processor = build_cfg_processor(cfg)
     train_set, eval_set = load_splits(cfg, warn=warn)

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from raggedvl.evaluation.evaluator import chance_verdict
 from raggedvl.evaluation.metrics import METRICS
-from raggedvl.train.collapse import chance_loss, doc_cosine_warning
+from raggedvl.app.collapse import chance_loss, doc_cosine_warning
 
 
 class MetricsLog:
@@ -78,8 +78,8 @@ def smoothing_window(steps: int) -> int:
 
 def step_chances(records: list[dict[str, Any]], loss: str = "late_interaction") -> list[float]:
     """Per ``train`` record, the step's chance loss: its ``chance_loss`` (ln(pairs + hard
-    negatives), ``raggedvl.train.collapse``), or, in a log written before that field existed,
-    :func:`~raggedvl.train.collapse.chance_loss` of ``loss`` over its ``global_batch_size``
+    negatives), ``raggedvl.app.collapse``), or, in a log written before that field existed,
+    :func:`~raggedvl.app.collapse.chance_loss` of ``loss`` over its ``global_batch_size``
     (NaN without one)."""
     out = []
     for r in records:
@@ -204,7 +204,7 @@ def write_summary(
     """Write ``run_dir/summary.md`` and ``run_dir/report.png``, print the summary and the run
     directory's files; rank 0 only, no collective.
 
-    ``place``: where it ran, shown after the world size (``raggedvl.train.loop.run_place``:
+    ``place``: where it ran, shown after the world size (``raggedvl.app.loop.run_place``:
     ``"single process, cpu"``, ``"gloo, cpu"``); ``loss``: the loss in use, for the chance value
     when the records carry none (:func:`chance_line`).
     ``records``: the run's ``metrics.jsonl`` records, all of them: a resumed run's log keeps the

@@ -1,9 +1,9 @@
 """Ctrl-C (SIGINT) in ``raggedvl train``: one line from rank 0, a torn-down process group, exit 130.
 
 A terminal's Ctrl-C reaches the launching process: with one process, the training loop itself;
-with several, torchrun's agent (``raggedvl.parallel.agent``), which sends SIGINT on to every
+with several, torchrun's agent (``raggedvl.app.agent``), which sends SIGINT on to every
 rank (each rank runs in its own session, so it gets that one signal). On every rank,
-:func:`raggedvl.train.loop.train` turns the ``KeyboardInterrupt`` into :func:`stop_interrupted`:
+:func:`raggedvl.app.loop.train` turns the ``KeyboardInterrupt`` into :func:`stop_interrupted`:
 
 - further SIGINTs are ignored while the rank shuts down (:func:`ignore_sigint`; the caller
   restores the previous handler on its way out);
@@ -16,7 +16,7 @@ rank (each rank runs in its own session, so it gets that one signal). On every r
   before the first step could start);
 - the process group is torn down without waiting for peers (``failures.abort``: gloo's is
   destroyed, NCCL's aborted), and :class:`TrainingInterrupted`, a ``KeyboardInterrupt``,
-  propagates: ``raggedvl.cli.main`` returns 130 (128 + SIGINT) without a traceback, and the agent
+  propagates: ``raggedvl.app.cli.main`` returns 130 (128 + SIGINT) without a traceback, and the agent
   exits 130 without a line of its own.
 
 S counts the optimizer steps completed. Store operations only, no collective: a peer may be

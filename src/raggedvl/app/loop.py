@@ -43,8 +43,8 @@ from raggedvl.parallel import (
 from raggedvl.batch import RaggedBatch
 from raggedvl.evaluation.metrics import mean_pairwise_cosine
 from raggedvl.losses import loss_with_negatives
-from raggedvl.train.batches import StepIndices, step_batches
-from raggedvl.train.checkpoint import (
+from raggedvl.app.batches import StepIndices, step_batches
+from raggedvl.app.checkpoint import (
     CheckpointError,
     check_free_space,
     list_checkpoints,
@@ -52,21 +52,21 @@ from raggedvl.train.checkpoint import (
     remove_stale_temporaries,
     save_checkpoint,
 )
-from raggedvl.train.collapse import CollapseCheck, chance_loss
-from raggedvl.train.config import TRAIN_CONFIG_NAME, TrainConfig
+from raggedvl.app.collapse import CollapseCheck, chance_loss
+from raggedvl.app.config import TRAIN_CONFIG_NAME, TrainConfig
 from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
-from raggedvl.parallel.faults import FAULT_ENV, inject_fault
-from raggedvl.parallel.interrupts import ignore_sigint, peer_interrupted, restore_sigint, stop_interrupted
+from raggedvl.app.fault_injection import FAULT_ENV, inject_fault
+from raggedvl.app.interrupts import ignore_sigint, peer_interrupted, restore_sigint, stop_interrupted
 from raggedvl.gradcache import grad_cache_step
-from raggedvl.train.preemption import PreemptionRequest, report_preempted
-from raggedvl.train.report import MetricsLog, write_summary
-from raggedvl.train.resume import check_resume_settings
+from raggedvl.app.preemption import PreemptionRequest, report_preempted
+from raggedvl.app.report import MetricsLog, write_summary
+from raggedvl.app.resume import check_resume_settings
 from raggedvl.rng import capture_rng_state, restore_rng_state
-from raggedvl.train.progress import PADDING_KEYS, Progress, batch_padding, peak_memory_mib
-from raggedvl.train.rundir import check_output_dir
-from raggedvl.train.setup import RunData, build_components, load_scheduler_state, make_scheduler, training_pairs_text
-from raggedvl.train.startup import StartupClock
-from raggedvl.train.tracking import Trackers, eval_scalars, parse_report_to
+from raggedvl.app.progress import PADDING_KEYS, Progress, batch_padding, peak_memory_mib
+from raggedvl.app.rundir import check_output_dir
+from raggedvl.app.setup import RunData, build_components, load_scheduler_state, make_scheduler, training_pairs_text
+from raggedvl.app.startup import StartupClock
+from raggedvl.app.tracking import Trackers, eval_scalars, parse_report_to
 
 
 @dataclass
@@ -81,7 +81,7 @@ class RankStep:
     peak_memory_mib: float  # progress.peak_memory_mib of this rank so far
     false_negatives: int  # (query, candidate) pairs of this rank's queries the loss masked (0 with keep)
     log_candidates: float  # sum over this rank's queries of ln(candidates left after masking); nan with keep
-    signal_age_s: float  # seconds since this rank received SIGTERM / SIGUSR1 (raggedvl.train.preemption); -1: none
+    signal_age_s: float  # seconds since this rank received SIGTERM / SIGUSR1 (raggedvl.app.preemption); -1: none
 
     def to_floats(self) -> list[float]:
         """The fields in declaration order (``padding`` as its ``PADDING_KEYS`` values), for one
@@ -318,7 +318,7 @@ class Trainer:
     def batch_stream(self) -> Iterator[dict[str, Any]]:
         """This rank's collated batches, one per step, continuing across epochs (and after
         resume): ``cfg.data_workers`` processes (default 1 on CUDA, 0 on CPU) collate ahead of the training
-        (``raggedvl.train.batches``), from this call on. Sets ``sampler_position`` (what a
+        (``raggedvl.app.batches``), from this call on. Sets ``sampler_position`` (what a
         checkpoint saves) and ``epoch`` to those of the batch just handed out."""
         cuda = self.info.device.type == "cuda"
         workers = self.cfg.data_workers if self.cfg.data_workers is not None else int(cuda)
@@ -703,7 +703,7 @@ def release_wrapped_model(trainer: Trainer) -> None:
 def train(cfg: TrainConfig, *, data: RunData | None = None, clock: StartupClock | None = None) -> dict[str, Any]:
     """Run one training job in this process (one rank of a torchrun job, or a single process).
 
-    ``data``: what the launcher prepared (``raggedvl.train.setup.prepare_run_data``), reused by a
+    ``data``: what the launcher prepared (``raggedvl.app.setup.prepare_run_data``), reused by a
     single-process run; ``clock``: the start-up phases so far (``metrics.jsonl``'s ``startup``).
 
     Every collective is bounded by ``cfg.collective_timeout_s`` seconds. When this rank fails
@@ -715,7 +715,7 @@ def train(cfg: TrainConfig, *, data: RunData | None = None, clock: StartupClock 
     collective): further SIGINTs are ignored until it returns, rank 0 prints ``raggedvl:
     interrupted at step S; last checkpoint: PATH; resume with --resume`` (or ``none``), the
     process group is torn down, and ``TrainingInterrupted`` (a ``KeyboardInterrupt``) is raised
-    (``raggedvl.parallel.interrupts``)."""
+    (``raggedvl.app.interrupts``)."""
     info = init_distributed(timeout_s=cfg.collective_timeout_s)
     trainer = None
     sigint = None  # the SIGINT handler to restore after an interruption

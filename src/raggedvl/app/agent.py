@@ -1,7 +1,7 @@
 """torchrun's agent for ``raggedvl`` commands: one line from the first failing rank, no wrapper noise.
 
 ``raggedvl train`` validates its input and then replaces itself (``os.execv``) with
-``python -m raggedvl.parallel.agent TORCHRUN_ARGS -m raggedvl.cli train ...``: torchrun's own
+``python -m raggedvl.app.agent TORCHRUN_ARGS -m raggedvl.app.cli train ...``: torchrun's own
 agent (``torch.distributed.run``: the same options, rendezvous, restarts and teardown) in a
 process that holds nothing of the launcher's. What it changes is what a failure prints:
 
@@ -23,9 +23,9 @@ process that holds nothing of the launcher's. What it changes is what a failure 
   ``RAGGEDVL_PREEMPTED_FILE`` and this agent exits with ``PREEMPTED_EXIT_CODE`` (3);
 - when the job is stopped by Ctrl-C, this agent passes SIGINT on to the ranks (torchrun's
   teardown; a second Ctrl-C is ignored rather than cut that short), prints nothing (rank 0 says
-  where training stopped: ``raggedvl.parallel.interrupts``) and exits 130.
+  where training stopped: ``raggedvl.app.interrupts``) and exits 130.
 
-Under a plain ``torchrun -m raggedvl.cli ...`` the ranks still write the error file (torchrun's
+Under a plain ``torchrun -m raggedvl.app.cli ...`` the ranks still write the error file (torchrun's
 summary then shows the message and traceback instead of ``error_file: <N/A>``) and print as
 before.
 """
@@ -43,9 +43,9 @@ import time
 import traceback
 from typing import Any, NoReturn, Sequence
 
-AGENT_ENV = "RAGGEDVL_AGENT"
+from raggedvl.parallel.faults import QUIET_ENV as AGENT_ENV, REPORT_ATTRIBUTE, quiet_ranks  # noqa: E402, F401
 INPUT_ERROR_EXIT_CODE = 2
-PREEMPTED_EXIT_CODE = 3  # the job saved a checkpoint and stopped on SIGTERM / SIGUSR1 (raggedvl.train.preemption)
+PREEMPTED_EXIT_CODE = 3  # the job saved a checkpoint and stopped on SIGTERM / SIGUSR1 (raggedvl.app.preemption)
 PREEMPTED_FILE_ENV = "RAGGEDVL_PREEMPTED_FILE"  # where rank 0 leaves its preemption line for this agent
 # exists while torchrun stops the ranks (a failure, Ctrl-C, a restart): their SIGTERM is then not a preemption
 TEARDOWN_FILE_ENV = "RAGGEDVL_TEARDOWN_FILE"
@@ -78,13 +78,6 @@ def _mark_teardowns(marker: str) -> None:
     marked.raggedvl_marks = True
     api.PContext.close = marked
 
-
-def quiet_ranks() -> bool:
-    """True in a rank started by this agent: failures are recorded, not printed."""
-    return os.environ.get(AGENT_ENV) == "1"
-
-
-REPORT_ATTRIBUTE = "raggedvl_report"  # set on an exception by parallel.faults.report_failure
 
 
 def record_failure(exc: BaseException, *, exit_code: int) -> bool:
@@ -176,7 +169,7 @@ def _worker_pids() -> list[int]:
 
 def _forward_to_workers(signum, frame) -> None:
     """SIGTERM / SIGUSR1 (preemption): pass it on to the ranks, which finish their step, save a
-    checkpoint and end (``raggedvl.train.preemption``); the agent keeps waiting for them."""
+    checkpoint and end (``raggedvl.app.preemption``); the agent keeps waiting for them."""
     for pid in _worker_pids():
         try:
             os.kill(pid, signum)
@@ -254,7 +247,7 @@ def exit_now(code: int) -> NoReturn:
     run (logging, trackers, multiprocessing's workers), stdout and stderr are flushed, then
     ``os._exit``: finalising the thousands of modules torch and transformers import takes seconds
     per process (BENCHMARKS.md "The launcher"). Only for a process whose files are all
-    closed: the ``raggedvl`` command (``raggedvl.cli.run``) and this agent."""
+    closed: the ``raggedvl`` command (``raggedvl.app.cli.run``) and this agent."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

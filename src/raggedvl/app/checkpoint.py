@@ -47,7 +47,7 @@ from safetensors.torch import load_file
 
 from raggedvl.models.retriever import WEIGHTS_NAME, weights_file
 from raggedvl.models.weights import save_tensors
-from raggedvl.train.rundir import checkpoint_folders
+from raggedvl.app.rundir import checkpoint_folders
 
 FILES = (WEIGHTS_NAME, "optimizer.pt", "rng.pt", "trainer_state.json")
 MANIFEST = "MANIFEST.json"
@@ -199,7 +199,7 @@ def remove_stale_temporaries(root: str | Path) -> list[Path]:
 
 def list_checkpoints(root: str | Path) -> list[Path]:
     """Checkpoint folders under ``root``, newest step first (temporary folders excluded;
-    :func:`raggedvl.train.rundir.checkpoint_folders`, which needs no torch)."""
+    :func:`raggedvl.app.rundir.checkpoint_folders`, which needs no torch)."""
     return checkpoint_folders(root)
 
 

@@ -30,9 +30,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from raggedvl.options import field_specs
-from raggedvl.train.checkpoint import MANIFEST, list_checkpoints
-from raggedvl.train.config import TrainConfig
+from raggedvl.app.options import field_specs
+from raggedvl.app.checkpoint import MANIFEST, list_checkpoints
+from raggedvl.app.config import TrainConfig
 
 RESUME_KEYS = (
     "model", "head", "dim", "pooling", "lora", "lora_r", "lora_alpha",
@@ -126,14 +126,14 @@ def check_resume_settings(cfg: TrainConfig, world_size: int, checkpoint: Path, s
 
 
 def check_resume_data(cfg: TrainConfig, data, world_size: int, checkpoint: Path, state: dict[str, Any]) -> None:
-    """After the data is open (``data``: ``raggedvl.train.setup.RunData``): the sampler this run
+    """After the data is open (``data``: ``raggedvl.app.setup.RunData``): the sampler this run
     would build must accept the checkpoint's sampler state (same pairs, image sizes and plan),
     else ``ValueError`` in one line; catches data that changed under the same name (a rewritten
     parquet file). No collective."""
     import torch
 
     from raggedvl.parallel import DistInfo
-    from raggedvl.train.setup import make_sampler
+    from raggedvl.app.setup import make_sampler
 
     info = DistInfo(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), backend="none")
     try:

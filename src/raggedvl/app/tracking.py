@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from raggedvl.options import did_you_mean
+from raggedvl.app.options import did_you_mean
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # name: module it needs
 

@@ -11,11 +11,11 @@ one line (``raggedvl: preempted at step N by SIGTERM; checkpoint: PATH; resume w
 --resume``), and the command exits with :data:`PREEMPTED_EXIT_CODE`, which a requeue script
 can tell apart from a failure (1), bad input (2) and Ctrl-C (130).
 
-Under the agent (``raggedvl.parallel.agent``) the ranks end normally (so torchrun does not
+Under the agent (``raggedvl.app.agent``) the ranks end normally (so torchrun does not
 restart them) and rank 0 writes its line to the file named by :data:`PREEMPTED_FILE_ENV`; the
 agent then exits with :data:`PREEMPTED_EXIT_CODE`. The SIGTERM with which torchrun itself stops
 the ranks (after a failure, on Ctrl-C, before a restart) still ends them at once: the agent
-marks those moments (``raggedvl.parallel.agent.in_teardown``). Under a plain ``torchrun``
+marks those moments (``raggedvl.app.agent.in_teardown``). Under a plain ``torchrun``
 without the agent every SIGTERM is a preemption, so a rank stuck outside a collective is ended
 only by torchrun's SIGKILL after its shutdown timeout.
 """
@@ -27,7 +27,7 @@ import signal
 import time
 from pathlib import Path
 
-from raggedvl.parallel.agent import PREEMPTED_EXIT_CODE, PREEMPTED_FILE_ENV, in_teardown
+from raggedvl.app.agent import PREEMPTED_EXIT_CODE, PREEMPTED_FILE_ENV, in_teardown
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 __all__ = ["PREEMPTED_EXIT_CODE", "PREEMPTED_FILE_ENV", "PREEMPT_SIGNALS", "PreemptionRequest", "report_preempted"]

@@ -1,1 +1,0 @@
-"""raggedvl.train"""

@@ -23,7 +23,8 @@ def inject_fault(rank: int, step: int) -> None:
     forever) or ``term`` (SIGTERM to itself, as a cluster's preemption: the step goes on), at the
     start of 1-based step STEP + 1. Before acting it prints ``raggedvl:
     RAGGEDVL_FAULT=...: rank R will KIND in step S at unix time T`` to stderr (tests measure
-    from T). No-op when the variable is unset or names another rank or step; ``ValueError``
+    from T). No-op when the variable is unset, names another rank or step, or in a restarted
+    attempt of a torchrun job; ``ValueError``
     for a malformed value.
     """
     spec = os.environ.get(FAULT_ENV)
@@ -33,8 +34,8 @@ def inject_fault(rank: int, step: int) -> None:
     if len(parts) != 3 or parts[0] not in FAULT_KINDS or not all(p.isdigit() for p in parts[1:]):
         raise ValueError(f"RAGGEDVL_FAULT={spec!r} must be KIND:RANK:STEP with KIND in {FAULT_KINDS}, e.g. 'raise:1:2'")
     kind, fault_rank, fault_step = parts[0], int(parts[1]), int(parts[2])
-    if fault_rank != rank or fault_step != step:
-        return
+    if fault_rank != rank or fault_step != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return  # a torchrun restart of the job does not repeat the fault
     print(f"raggedvl: RAGGEDVL_FAULT={spec}: rank {rank} will {kind} in step {step + 1} at unix time {time.time():.3f}",
           file=sys.stderr, flush=True)
     if kind == "kill":

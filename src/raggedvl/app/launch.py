@@ -360,7 +360,10 @@ def launch_train(args, argv: Sequence[str]) -> int:
         plain_output()
         from raggedvl.app.loop import train
 
+        from raggedvl.app.restarts import resume_after_restart
+
         clock.add({"imports": time.time() - process_start_time()})
+        cfg = resume_after_restart(cfg, int(os.environ.get("RANK", "0")))  # a torchrun restart continues the run
         train(cfg, clock=clock)  # preempted: rank 0 left its line for the agent, which exits 3
         return 0
     from raggedvl.app.rundir import check_output_dir

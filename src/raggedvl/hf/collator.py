@@ -26,7 +26,11 @@ logger = logging.getLogger(__name__)
 
 class RetrievalWireCollator:
     """Wrap a retrieval collator (e.g. ``raggedvl.data.RetrievalCollator``) whose output holds
-    ``queries`` and ``docs`` :class:`RaggedBatch` es; returns ``{"queries": wire, "docs": wire}``.
+    ``queries`` and ``docs`` :class:`RaggedBatch` es; returns ``{"queries": wire, "docs": wire}``
+    plus, when the wrapped collator gives them, ``doc_keys`` and ``query_keys`` (int64 ``[B]``:
+    which page and which query text each sample holds, :mod:`raggedvl.data.keys`), which travel
+    with their samples through accelerate's dispatch and let ``RaggedTrainer`` mask false
+    negatives.
 
     ``ids`` (strings) are not passed on: accelerate cannot broadcast them and the Trainer does
     not use them. Examples the wrapped collator skipped (``skipped``: bad images under
@@ -56,7 +60,8 @@ class RetrievalWireCollator:
                 raise TypeError(
                     f"the wrapped collator must return RaggedBatch under {key!r}, got {type(out.get(key)).__name__}"
                 )
-        return {"queries": pack(out["queries"]), "docs": pack(out["docs"])}
+        keys = {k: out[k] for k in ("doc_keys", "query_keys") if isinstance(out.get(k), torch.Tensor)}
+        return {"queries": pack(out["queries"]), "docs": pack(out["docs"]), **keys}
 
 
 def _chat_text(processor: Any, n_images: int, prompt: str, answer: str) -> tuple[str, str]:

@@ -161,6 +161,11 @@ class RaggedTrainer(Trainer):
             same weights, outputs equal to float32 rounding, 2.6-4.4x faster than the Conv3d on
             CPU); a retriever has it already;
             with ``model_init``, call it there too.
+        false_negatives: retrieval only: "mask" (default) removes a candidate page that is one of
+            the query's own pages (the batch's ``doc_keys`` / ``query_keys`` from
+            :class:`~raggedvl.hf.RetrievalWireCollator`, on every process) from that query's
+            softmax denominator, as ``raggedvl train`` does; "keep" scores every other page as a
+            negative.
 
     Raises ``ValueError`` for an unknown task, a loss of the wrong kind or with parameters, a
     non-positive timeout, and for ``grad_cache_budget`` with SFT, below 1, with fp16 loss
@@ -170,9 +175,11 @@ class RaggedTrainer(Trainer):
     def __init__(self, model: nn.Module | None = None, args: Any = None, *, processor: Any, task: str = "retrieval",
                  loss: nn.Module | None = None, grad_cache_budget: int | None = None,
                  collective_timeout_s: float | None = None, expected_modalities: Sequence[str] = ("image",),
-                 **kwargs: Any) -> None:
+                 false_negatives: str = "mask", **kwargs: Any) -> None:
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        if false_negatives not in ("mask", "keep"):
+            raise ValueError(f"false_negatives must be 'mask' or 'keep', got {false_negatives!r}")
         if collective_timeout_s is not None and not collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0 seconds, got {collective_timeout_s}")
         if grad_cache_budget is not None:
@@ -208,6 +215,7 @@ class RaggedTrainer(Trainer):
         self.processor = processor
         self.retrieval_loss = loss
         self.grad_cache_budget = grad_cache_budget
+        self.false_negatives = false_negatives
         self.layout, self.token_ids = processor_batch_format(processor)
         self.pad_token_id = int(getattr(getattr(processor, "tokenizer", processor), "pad_token_id", 0) or 0)
         if task == "retrieval":
@@ -385,8 +393,9 @@ class RaggedTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         scale = 1.0 / self.current_gradient_accumulation_steps
         valid = inputs.get("valid")  # repeats completing the last batch (module docstring)
+        keys = self._keys(inputs)
         step = grad_cache_step(model, inputs["queries"], inputs["docs"],
-                               lambda q, d: self.retrieval_loss(q, d, valid=valid) * scale,
+                               lambda q, d: self.retrieval_loss(q, d, valid=valid, **keys) * scale,
                                budget=self.grad_cache_budget, autocast=self.autocast_smart_context_manager())
         return step.loss.detach()
 
@@ -397,9 +406,15 @@ class RaggedTrainer(Trainer):
                 q, d = model(inputs["queries"]), model(inputs["docs"])
             else:
                 q, d = model(queries=inputs["queries"], docs=inputs["docs"])
-            loss = self.retrieval_loss(q, d, valid=inputs.get("valid"))
+            loss = self.retrieval_loss(q, d, valid=inputs.get("valid"), **self._keys(inputs))
             return (loss, {"queries": q, "docs": d}) if return_outputs else loss
         return self._sft_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def _keys(self, inputs: Any) -> dict[str, torch.Tensor]:
+        """The false-negative keys of a retrieval batch for the loss (none with ``keep``)."""
+        if self.false_negatives != "mask" or not isinstance(inputs, Mapping) or "doc_keys" not in inputs:
+            return {}
+        return {k: inputs[k] for k in ("doc_keys", "query_keys") if k in inputs}
 
     def _sft_loss(self, model: nn.Module, batch: RaggedBatch, return_outputs: bool, num_items_in_batch):
         if not isinstance(batch, RaggedBatch) or "labels" not in batch:

@@ -73,11 +73,12 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "tokeniz
 def check_model_folder(folder: Path, what: str = "--model") -> None:
     """Raise ``ValueError`` (one line: the folder, what it lacks, what it holds, the fix) for a
     folder that cannot be a checkpoint: none of :data:`MODEL_FILES` (and no ``checkpoints/`` of a
-    run), or a transformers model folder without its processor (:data:`PROCESSOR_FILES`), which
+    run, no ``step-N`` checkpoint folders as ``--save-best`` keeps them), or a transformers model folder without its processor (:data:`PROCESSOR_FILES`), which
     the model's own image geometry and prompts would then be built without."""
     names = sorted(p.name for p in folder.iterdir())
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") if names else "nothing"
-    if not any(n in names for n in MODEL_FILES) and "checkpoints" not in names:
+    holds_checkpoints = "checkpoints" in names or any(re.fullmatch(r"step-\d+", n) for n in names)
+    if not any(n in names for n in MODEL_FILES) and not holds_checkpoints:
         raise ValueError(f"{what} {str(folder)!r} is not a model folder: it has no {' / '.join(MODEL_FILES)} "
                          f"(it holds {shown}); pass a checkpoint folder, a run folder, a hub id or 'tiny'")
     if "config.json" in names and "adapter_config.json" not in names and not any(n in names for n in PROCESSOR_FILES):

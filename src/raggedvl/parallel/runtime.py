@@ -115,13 +115,28 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None =
         return DistInfo(0, 1, local_rank, device, "none")
     dist.init_process_group(
         backend=chosen,
-        init_method="env://",
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
         device_id=device if chosen == "nccl" else None,
+        **_rendezvous(rank, world_size, timeout_s),
     )
     return DistInfo(rank, world_size, local_rank, device, chosen)
+
+
+def _rendezvous(rank: int, world_size: int, timeout_s: float) -> dict:
+    """``init_process_group``'s rendezvous: ``env://``; in a worker group torchrun restarted
+    (``TORCHELASTIC_RESTART_COUNT`` > 0) the same store under a prefix of this attempt, so that
+    no rank reads a peer address the previous attempt left in torchrun's agent store (gloo then
+    connects to a port nobody listens on)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt in ("", "0"):
+        return {"init_method": "env://"}
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_store and rank == 0, timeout=timedelta(seconds=timeout_s),
+                          multi_tenant=not agent_store)
+    return {"store": dist.PrefixStore(f"raggedvl/attempt_{attempt}", store)}
 
 
 def set_collective_timeout(timeout_s: float, group: dist.ProcessGroup | None = None) -> None:

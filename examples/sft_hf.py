@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset
 from transformers import AutoModelForImageTextToText, Qwen2VLForConditionalGeneration, TrainingArguments
 
 from raggedvl.data import RetrievalDataset, build_processor, build_rdocs
-from raggedvl.hf import RaggedTrainer, SFTCollator, apply_generation_lora
+from raggedvl.hf import RaggedSFTTrainer, SFTCollator, apply_generation_lora
 from raggedvl.models import LoraSettings, tiny_backbone_config
 from raggedvl.parallel import shutdown
 
@@ -97,9 +97,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         save_strategy="no", report_to=[], seed=args.seed, bf16=args.bf16, use_cpu=not torch.cuda.is_available(),
         activation_checkpointing=args.gradient_checkpointing,
     )
-    trainer = RaggedTrainer(
-        model, training_args, processor=processor, task="sft",
-        train_dataset=Streaming(samples) if args.streaming else samples,
+    trainer = RaggedSFTTrainer(
+        model, training_args, processor=processor, train_dataset=Streaming(samples) if args.streaming else samples,
         data_collator=SFTCollator(processor, max_length=args.max_length),
     )
     trainer.train()

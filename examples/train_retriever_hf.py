@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         save_strategy="no", report_to=[], seed=args.seed, bf16=args.bf16, use_cpu=not torch.cuda.is_available(),
     )
     trainer = RaggedTrainer(
-        model, training_args, processor=processor,  # task="retrieval": exact cross-rank contrastive loss
+        model, training_args, processor=processor,  # exact cross-rank contrastive loss
         train_dataset=Streaming(train) if args.streaming else train,
         data_collator=RetrievalWireCollator(collate),  # ragged batches that survive every launch mode
     )

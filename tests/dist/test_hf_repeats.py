@@ -43,18 +43,20 @@ LOGGED_TOL = 1e-6  # the Trainer accumulates logged losses in float32
 def _worker(rank: int, world_size: int, out_dir: str):
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     from raggedvl.data import RetrievalCollator
-    from raggedvl.hf import RaggedTrainer, RetrievalWireCollator, SFTCollator, pack
+    from raggedvl.hf import RaggedSFTTrainer, RaggedTrainer, RetrievalWireCollator, SFTCollator, pack
     from raggedvl import RetrievalBenchmark, evaluate_benchmark
     from tests.hf.helpers import retrieval_examples, retrieval_pairs, sft_examples, tiny_generator, tiny_processor, tiny_retriever, training_args
 
-    class Recorder(RaggedTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            batch = self.decode_batch(inputs)
-            if self.task == "retrieval":
-                self.seen.append({"queries": pack(batch["queries"].to("cpu")), "valid": batch["valid"].tolist()})
-            else:
-                self.seen.append({"batch": pack(batch.to("cpu"))})
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+    def recorder(base):
+        class Recorder(base):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                batch = self.decode_batch(inputs)
+                if isinstance(self, RaggedTrainer):
+                    self.seen.append({"queries": pack(batch["queries"].to("cpu")), "valid": batch["valid"].tolist()})
+                else:
+                    self.seen.append({"batch": pack(batch.to("cpu"))})
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return Recorder
 
     proc = tiny_processor()
     collator = RetrievalWireCollator(RetrievalCollator(proc))
@@ -62,8 +64,12 @@ def _worker(rank: int, world_size: int, out_dir: str):
     def run(name, dataset, task="retrieval", model=None, grad_cache_budget=None, **overrides):
         model = model if model is not None else tiny_retriever()
         args = training_args(f"{out_dir}/{name}{rank}", learning_rate=LR, train_sampling_strategy="sequential", **overrides)
-        trainer = Recorder(model, args, processor=proc, task=task, train_dataset=dataset, grad_cache_budget=grad_cache_budget,
-                           data_collator=collator if task == "retrieval" else SFTCollator(proc))
+        if task == "retrieval":
+            trainer = recorder(RaggedTrainer)(model, args, processor=proc, train_dataset=dataset,
+                                              grad_cache_budget=grad_cache_budget, data_collator=collator)
+        else:
+            trainer = recorder(RaggedSFTTrainer)(model, args, processor=proc, train_dataset=dataset,
+                                                 data_collator=SFTCollator(proc))
         trainer.seen = []
         trainer.train()
         return {"seen": trainer.seen, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
@@ -80,8 +86,8 @@ def _worker(rank: int, world_size: int, out_dir: str):
     evaluator = RaggedTrainer(tiny_retriever(), training_args(f"{out_dir}/e{rank}", per_device_eval_batch_size=2),
                               processor=proc, data_collator=collator)
     out["eval5"] = evaluator.evaluate(retrieval_examples(5))["eval_loss"]
-    sft_evaluator = RaggedTrainer(tiny_generator(), training_args(f"{out_dir}/f{rank}", per_device_eval_batch_size=2),
-                                  processor=proc, task="sft", data_collator=SFTCollator(proc))
+    sft_evaluator = RaggedSFTTrainer(tiny_generator(), training_args(f"{out_dir}/f{rank}", per_device_eval_batch_size=2),
+                                     processor=proc, data_collator=SFTCollator(proc))
     out["sft_eval3"] = sft_evaluator.evaluate(sft_examples())["eval_loss"]
     out["encode5"] = evaluate_benchmark(tiny_retriever(), RetrievalCollator(proc), RetrievalBenchmark.from_pairs(retrieval_pairs(5)),
                                         batch_size=2, device=torch.device("cpu"))

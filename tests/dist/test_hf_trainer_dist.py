@@ -44,24 +44,26 @@ def sft_stream() -> list[dict]:
 def _worker(rank: int, world_size: int, out_dir: str):
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     from raggedvl.data import RetrievalCollator
-    from raggedvl.hf import RaggedTrainer, RetrievalWireCollator, SFTCollator, pack
+    from raggedvl.hf import RaggedSFTTrainer, RaggedTrainer, RetrievalWireCollator, SFTCollator, pack
     from tests.hf.helpers import retrieval_examples, sft_examples, tiny_generator, tiny_processor, tiny_retriever, training_args
 
-    class Recorder(RaggedTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            self.local_losses.append(loss.item())
-            batch = self.decode_batch(inputs)
-            if self.task == "retrieval":
-                self.seen.append({k: pack(batch[k].to("cpu")) for k in ("queries", "docs")})
-            else:
-                self.seen.append(pack(batch.to("cpu")))
-            return loss
+    def recorder(base):
+        class Recorder(base):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+                self.local_losses.append(loss.item())
+                batch = self.decode_batch(inputs)
+                if isinstance(self, RaggedTrainer):
+                    self.seen.append({k: pack(batch[k].to("cpu")) for k in ("queries", "docs")})
+                else:
+                    self.seen.append(pack(batch.to("cpu")))
+                return loss
+        return Recorder
 
     proc = tiny_processor()
     out = {}
     model = tiny_retriever()
-    trainer = Recorder(model, training_args(f"{out_dir}/r{rank}", learning_rate=LR), processor=proc,
+    trainer = recorder(RaggedTrainer)(model, training_args(f"{out_dir}/r{rank}", learning_rate=LR), processor=proc,
                        train_dataset=Stream(retrieval_examples(8)), data_collator=RetrievalWireCollator(RetrievalCollator(proc)))
     trainer.seen, trainer.local_losses = [], []
     trainer.train()
@@ -74,8 +76,8 @@ def _worker(rank: int, world_size: int, out_dir: str):
     }
     gen = tiny_generator()
     examples = sft_examples() + [{"images": [], "prompt": "name a plot", "answer": "a biplot of multivariate data"}]
-    trainer = Recorder(gen, training_args(f"{out_dir}/s{rank}", learning_rate=LR, max_steps=1), processor=proc,
-                       task="sft", train_dataset=examples, data_collator=SFTCollator(proc))
+    trainer = recorder(RaggedSFTTrainer)(gen, training_args(f"{out_dir}/s{rank}", learning_rate=LR, max_steps=1),
+                                         processor=proc, train_dataset=examples, data_collator=SFTCollator(proc))
     trainer.seen, trainer.local_losses = [], []
     trainer.train()
     out["sft"] = {
@@ -83,8 +85,8 @@ def _worker(rank: int, world_size: int, out_dir: str):
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "params": trainable(gen),
     }
-    trainer = Recorder(tiny_generator(), training_args(f"{out_dir}/d{rank}", max_steps=1), processor=proc,
-                       task="sft", train_dataset=Stream(sft_stream()), data_collator=SFTCollator(proc))
+    trainer = recorder(RaggedSFTTrainer)(tiny_generator(), training_args(f"{out_dir}/d{rank}", max_steps=1),
+                                         processor=proc, train_dataset=Stream(sft_stream()), data_collator=SFTCollator(proc))
     trainer.seen, trainer.local_losses = [], []
     trainer.train()
     out["sft_dispatch"] = {"seen": trainer.seen, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}

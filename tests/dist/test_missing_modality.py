@@ -5,7 +5,7 @@ only, video vs text only), for Qwen2-VL, Qwen2.5-VL and Qwen3-VL (deepstack), wi
 activation checkpointing, full fine-tuning and LoRA, DDP and FSDP2. Before the fix these runs
 hung or aborted:
 
-- SFT through ``RaggedTrainer(task="sft")`` with activation checkpointing (DDP then runs with
+- SFT through ``RaggedSFTTrainer`` with activation checkpointing (DDP then runs with
   ``find_unused_parameters=False``), full fine-tuning: rank 0 (images) blocked forever in the
   first backward, waiting for vision-tower gradients rank 1 (text only) never produced;
 - FSDP2 (``wrap_model(strategy="fsdp2")``): the ranks all-gathered the vision blocks' and the
@@ -203,10 +203,10 @@ def _sft_stream():
 
 
 def _run_trainer(rank: int, out_dir: str) -> dict:
-    """The reported hang: RaggedTrainer SFT, full fine-tuning, activation checkpointing, DDP."""
+    """The reported hang: RaggedSFTTrainer, full fine-tuning, activation checkpointing, DDP."""
     from torch.utils.data import IterableDataset
 
-    from raggedvl.hf import RaggedTrainer, SFTCollator
+    from raggedvl.hf import RaggedSFTTrainer, SFTCollator
     from tests.hf.helpers import tiny_generator, tiny_processor, training_args
 
     class Stream(IterableDataset):
@@ -217,7 +217,7 @@ def _run_trainer(rank: int, out_dir: str) -> dict:
     model = tiny_generator()
     args = training_args(f"{out_dir}/trainer{rank}", learning_rate=LR, max_steps=2, activation_checkpointing=True,
                          activation_checkpointing_kwargs={"use_reentrant": False})
-    trainer = RaggedTrainer(model, args, processor=proc, task="sft", train_dataset=Stream(),
+    trainer = RaggedSFTTrainer(model, args, processor=proc, train_dataset=Stream(),
                             data_collator=SFTCollator(proc))
     trainer.train()
     ddp = trainer.model_wrapped

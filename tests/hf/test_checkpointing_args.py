@@ -56,7 +56,7 @@ def _best_run(tmp_path, lora, callbacks=()):
 def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path, lora):
     from safetensors.torch import load_file
 
-    from raggedvl.models.retriever import weights_file
+    from raggedvl.models.saved import weights_file
 
     trainer, model = _best_run(tmp_path, lora)
     best = trainer.state.best_model_checkpoint

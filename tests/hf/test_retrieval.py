@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from raggedvl.data import RetrievalCollator
-from raggedvl.hf import RaggedTrainer, RetrievalWireCollator, SFTCollator
+from raggedvl.hf import RaggedSFTTrainer, RaggedTrainer, RetrievalWireCollator, SFTCollator
 from raggedvl.losses import InfoNCELoss, LateInteractionLoss
 from raggedvl.models import LoraSettings
 from raggedvl.parallel import RaggedDataParallel
@@ -94,8 +94,7 @@ def test_several_devices_wrap_in_ragged_data_parallel(tmp_path):
     inputs = retr._prepare_inputs(collator()(retrieval_examples(4)))
     torch.testing.assert_close(retr.compute_loss(wrapped, inputs), retr.compute_loss(retr.model, inputs), rtol=0, atol=1e-12)
 
-    gen = RaggedTrainer(tiny_generator(), training_args(tmp_path), processor=proc, task="sft",
-                        train_dataset=sft_examples(), data_collator=SFTCollator(proc))
+    gen = RaggedSFTTrainer(tiny_generator(), training_args(tmp_path), processor=proc, train_dataset=sft_examples(), data_collator=SFTCollator(proc))
     gen.args._n_gpu = 2
     batch = gen.decode_batch(SFTCollator(proc)(sft_examples()))
     exact = int(batch["labels"][:, 1:].ne(-100).sum())
@@ -121,18 +120,18 @@ def test_lora_retriever_trains_adapters_and_head_only(tmp_path):
 def test_argument_errors(tmp_path):
     proc = tiny_processor()
     args = training_args(tmp_path)
-    with pytest.raises(ValueError, match="task must be one of"):
-        RaggedTrainer(tiny_retriever(), args, processor=proc, task="classify")
+    with pytest.raises(TypeError, match="RaggedSFTTrainer"):
+        RaggedTrainer(tiny_retriever(), args, processor=proc, task="sft")
     with pytest.raises(ValueError, match="learnable_scale"):
         RaggedTrainer(tiny_retriever(), args, processor=proc, loss=InfoNCELoss(learnable_scale=True, temperature=0.05))
     with pytest.raises(ValueError, match="must be a raggedvl"):
         RaggedTrainer(tiny_retriever(), args, processor=proc, loss=nn.MSELoss())
-    with pytest.raises(ValueError, match="grad_cache_budget is for task='retrieval'"):
-        RaggedTrainer(tiny_generator(), args, processor=proc, task="sft", grad_cache_budget=64)
+    with pytest.raises(ValueError, match="grad_cache_budget is for retrieval"):
+        RaggedSFTTrainer(tiny_generator(), args, processor=proc, grad_cache_budget=64)
     with pytest.raises(ValueError, match="grad_cache_budget must be >= 1"):
         RaggedTrainer(tiny_retriever(), args, processor=proc, grad_cache_budget=0)
     with pytest.raises(ValueError, match="causal-LM loss"):
-        RaggedTrainer(tiny_generator(), args, processor=proc, task="sft", loss=LateInteractionLoss())
+        RaggedSFTTrainer(tiny_generator(), args, processor=proc, loss=LateInteractionLoss())
 
 
 def test_evaluate_reports_the_loss_of_the_eval_set(tmp_path):

@@ -1,4 +1,4 @@
-"""Generative fine-tuning through RaggedTrainer: label masking, placeholder alignment, one exact
+"""Generative fine-tuning through RaggedSFTTrainer: label masking, placeholder alignment, one exact
 step on multi-image samples, LoRA."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from raggedvl.batch import TokenIds
-from raggedvl.hf import IGNORE_INDEX, RaggedTrainer, SFTCollator, apply_generation_lora, unpack
+from raggedvl.hf import IGNORE_INDEX, RaggedSFTTrainer, SFTCollator, apply_generation_lora, unpack
 from raggedvl.models import LoraSettings
 from tests.hf.helpers import sft_examples, tiny_generator, tiny_processor, training_args
 
@@ -83,7 +83,7 @@ def test_one_trainer_step_is_the_models_own_step(tmp_path):
     model = tiny_generator()
     args = training_args(tmp_path, per_device_train_batch_size=3, max_steps=1, learning_rate=LR)
     assert args.remove_unused_columns  # the default: the ragged collator must survive it
-    trainer = RaggedTrainer(model, args, processor=tiny_processor(), task="sft", train_dataset=examples,
+    trainer = RaggedSFTTrainer(model, args, processor=tiny_processor(), train_dataset=examples,
                             data_collator=SFTCollator(tiny_processor()))
     trainer.train()
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -98,8 +98,8 @@ def test_evaluate_reports_the_token_mean_of_the_eval_set(tmp_path, batch_size):
     training normalises it), not a mean of per-batch means, so the batch size does not change it."""
     examples = sft_examples()
     model = tiny_generator()
-    trainer = RaggedTrainer(model, training_args(tmp_path, per_device_eval_batch_size=batch_size),
-                            processor=tiny_processor(), task="sft", eval_dataset=examples,
+    trainer = RaggedSFTTrainer(model, training_args(tmp_path, per_device_eval_batch_size=batch_size),
+                            processor=tiny_processor(), eval_dataset=examples,
                             data_collator=SFTCollator(tiny_processor()))
     metrics = trainer.evaluate()
     sums = tokens = 0.0
@@ -124,8 +124,8 @@ def test_lora_sft_trains_only_adapters(tmp_path):
     assert {n.split(".lora_")[0] for n in trainable} == expected
     with pytest.raises(ValueError, match="match no Linear of Qwen2VLForConditionalGeneration's language model"):
         apply_generation_lora(tiny_generator(), LoraSettings(target_modules=("qkv",)))
-    trainer = RaggedTrainer(model, training_args(tmp_path, per_device_train_batch_size=3, max_steps=1),
-                            processor=tiny_processor(), task="sft", train_dataset=sft_examples(),
+    trainer = RaggedSFTTrainer(model, training_args(tmp_path, per_device_train_batch_size=3, max_steps=1),
+                            processor=tiny_processor(), train_dataset=sft_examples(),
                             data_collator=SFTCollator(tiny_processor()))
     trainer.train()
     changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}

@@ -16,7 +16,7 @@ def _inputs(seed=0):
 
 def test_late_interaction_shapes_mask_and_unit_norm():
     hidden, mask = _inputs()
-    head = RetrievalHead(16, dim=8, head="late_interaction").double()
+    head = RetrievalHead(16, dim=8, head="late_interaction", pooling="last", eps=1e-6).double()
     out = head(hidden, mask)
     assert out.embeddings.shape == (3, 5, 8) and out.mask.dtype == torch.bool
     assert torch.equal(out.mask, mask.bool())
@@ -29,7 +29,7 @@ def test_late_interaction_shapes_mask_and_unit_norm():
 
 
 def test_late_interaction_eps_keeps_zero_vectors_finite():
-    head = RetrievalHead(4, dim=3)
+    head = RetrievalHead(4, dim=3, head="late_interaction", pooling="last", eps=1e-6)
     with torch.no_grad():
         head.proj.weight.zero_(), head.proj.bias.zero_()
     hidden = torch.randn(1, 2, 4, requires_grad=True)
@@ -47,7 +47,7 @@ def test_bi_encoder_pooling_left_and_right_padding(pooling):
         real = hidden[b, mask[b].bool()]
         want = real[-1] if pooling == "last" else real.mean(0)
         assert torch.allclose(pooled[b], want)
-    head = RetrievalHead(16, dim=8, head="bi_encoder", pooling=pooling).double()
+    head = RetrievalHead(16, dim=8, head="bi_encoder", pooling=pooling, eps=1e-6).double()
     out = head(hidden, mask)
     assert out.embeddings.shape == (3, 8) and out.mask is None
     assert torch.allclose(out.embeddings, F.normalize(head.proj(pooled), dim=-1), atol=1e-12)
@@ -55,8 +55,8 @@ def test_bi_encoder_pooling_left_and_right_padding(pooling):
 
 def test_bad_settings_and_empty_rows_are_rejected():
     with pytest.raises(ValueError, match="head must be one of"):
-        RetrievalHead(4, head="colbert")
+        RetrievalHead(4, 8, "colbert", "last", 1e-6)
     with pytest.raises(ValueError, match="pooling must be one of"):
-        RetrievalHead(4, pooling="cls")
+        RetrievalHead(4, 8, "late_interaction", "cls", 1e-6)
     with pytest.raises(ValueError, match=r"samples \[1\]"):
         pool_hidden(torch.zeros(2, 3, 4), torch.tensor([[1, 0, 0], [0, 0, 0]]).bool(), "last")

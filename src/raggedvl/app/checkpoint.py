@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file
 
-from raggedvl.models.retriever import WEIGHTS_NAME, weights_file
+from raggedvl.models.saved import WEIGHTS_NAME, weights_file
 from raggedvl.models.weights import save_tensors
 from raggedvl.app.rundir import checkpoint_folders
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from raggedvl.models.head_options import DEFAULT_DIM, DEFAULT_HEAD, DEFAULT_POOLING
 from raggedvl.app.options import add_arguments, check_fields, check_known_keys, load_yaml, option, values_from
 
 # A run directory's training config. Not "config.json": transformers (ColQwen2ForRetrieval.from_pretrained)
@@ -35,9 +36,9 @@ class TrainConfig:
     model: str = option("tiny", "backbone: 'tiny' (built from a config, no download), a hub id or a local directory; "
                                 "also a colpali-engine or transformers ColQwen2 checkpoint or LoRA adapter")
     head: Literal["late_interaction", "bi_encoder"] = option(
-        "late_interaction", "embedding head: ColQwen-style multi-vector (late_interaction) or one vector (bi_encoder)")
-    pooling: Literal["last", "mean"] = option("last", "bi-encoder pooling over the last hidden states")
-    dim: int = option(128, "embedding dimension of the projection head", at_least=1)
+        DEFAULT_HEAD, "embedding head: ColQwen-style multi-vector (late_interaction) or one vector (bi_encoder)")
+    pooling: Literal["last", "mean"] = option(DEFAULT_POOLING, "bi-encoder pooling over the last hidden states")
+    dim: int = option(DEFAULT_DIM, "embedding dimension of the projection head", at_least=1)
     lora: bool | None = option(None, "train LoRA adapters on the language model (none: yes for pretrained "
                                      "checkpoints, full training for 'tiny'); a LoRA adapter given as --model "
                                      "keeps its own r/alpha/dropout, and false merges it into its base")

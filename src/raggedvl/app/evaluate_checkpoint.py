@@ -34,7 +34,7 @@ def _processor_source(path: Path) -> str:
     """Where a model directory's processor comes from: the processor saved in it (its pixel
     limits are the ones training used), else, for a saved tiny retriever without one, the tiny
     preset's."""
-    from raggedvl.models.retriever import is_saved_retriever, read_retriever_meta
+    from raggedvl.models.saved import is_saved_retriever, read_retriever_meta
     from raggedvl.app.sources import PROCESSOR_FILES
 
     if any((path / name).is_file() for name in PROCESSOR_FILES):

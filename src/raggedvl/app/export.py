@@ -57,7 +57,7 @@ def export(source: str, fmt: str, output: str, *, merge_lora: bool = False) -> P
     from raggedvl.data import build_processor
     from raggedvl.models import build_retriever
     from raggedvl.models.interop.export import check_exportable, export_colpali, export_transformers
-    from raggedvl.models.retriever import is_saved_retriever, weights_file
+    from raggedvl.models.saved import is_saved_retriever, weights_file
     from raggedvl.app.evaluate_checkpoint import rebuild_retriever
 
     out = Path(output)

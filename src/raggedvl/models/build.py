@@ -21,7 +21,8 @@ from .backbone import load_backbone
 from .tiny import TinySizes, special_token_ids, tiny_backbone_config
 from .lora import LoraSettings
 from .interop.detect import checkpoint_reference
-from .retriever import Retriever, RetrieverConfig, is_saved_retriever, read_retriever_meta
+from .retriever import Retriever, RetrieverConfig
+from .saved import is_saved_retriever, read_retriever_meta
 
 
 def _as_dtype(torch_dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -37,7 +38,7 @@ def _tokenizer_of(processor: Any) -> Any:
     return getattr(processor, "tokenizer", processor)
 
 
-_HEAD_DEFAULTS = {"head": "late_interaction", "dim": 128, "pooling": "last", "lora": None}
+_DEFAULTS = RetrieverConfig()
 
 
 def _check_saved_settings(model: str, saved: RetrieverConfig, **requested: Any) -> None:
@@ -45,7 +46,7 @@ def _check_saved_settings(model: str, saved: RetrieverConfig, **requested: Any) 
     conflicts = [
         f"{key}={value!r} (saved: {getattr(saved, key)!r})"
         for key, value in requested.items()
-        if value != _HEAD_DEFAULTS[key] and value != getattr(saved, key)
+        if value != getattr(_DEFAULTS, key) and value != getattr(saved, key)
     ]
     if conflicts:
         raise ValueError(
@@ -68,15 +69,15 @@ def build_retriever(
     model: str = "tiny",
     *,
     processor: Any = None,
-    head: str = "late_interaction",
-    dim: int = 128,
-    pooling: str = "last",
+    head: str = RetrieverConfig.head,
+    dim: int = RetrieverConfig.dim,
+    pooling: str = RetrieverConfig.pooling,
     lora: LoraSettings | None = None,
     attn_implementation: str | None = None,
     torch_dtype: torch.dtype | str | None = None,
     gradient_checkpointing: bool = False,
     packing: bool = False,
-    eps: float = 1e-6,
+    eps: float = RetrieverConfig.eps,
     expected_modalities: tuple[str, ...] = ("image",),
     tiny_family: str = "qwen2_vl",
     tiny_sizes: TinySizes | None = None,

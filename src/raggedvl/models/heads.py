@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-HEADS = ("late_interaction", "bi_encoder")
-POOLINGS = ("last", "mean")
+from .head_options import HEADS, POOLINGS
 
 
 @dataclass
@@ -65,8 +64,7 @@ class RetrievalHead(nn.Module):
     float32: bf16 cosine scores lose ~3 significant digits, enough to tie MaxSim candidates.
     """
 
-    def __init__(self, hidden_size: int, dim: int = 128, head: str = "late_interaction",
-                 pooling: str = "last", eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, dim: int, head: str, pooling: str, eps: float) -> None:
         super().__init__()
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {head!r}")

@@ -13,48 +13,31 @@ DDP sees one forward per backward (two forwards per backward need ``static_graph
 with gradient checkpointing); :meth:`Retriever.encode_pair` is the same call on an unwrapped
 module.
 
-The state dict is a plain ``nn.Module`` state dict (``backbone.*`` and ``head.*``);
-``save_pretrained(dir)`` writes it as ``raggedvl_retriever.safetensors`` beside
-``raggedvl_retriever.json`` (the head settings, the prompts and the backbone config), and
-``Retriever.from_pretrained(dir)`` rebuilds the module offline from those two files (no code is
-executed from the directory). Neither file has a transformers name on purpose: given a folder
-with ``model.safetensors``, transformers' ``ColQwen2ForRetrieval.from_pretrained`` builds its
-default 80-layer model whatever ``config.json`` says (or without one) and runs out of memory;
-given a raggedvl folder it stops at once ("no file named model.safetensors"). Folders written
-before these names (``config.json`` with ``"format": "raggedvl-retriever"`` and
-``model.safetensors``) still load.
+The state dict is a plain ``nn.Module`` state dict (``backbone.*`` and ``head.*``); its files
+(``save_pretrained`` / ``from_pretrained``) are described in :mod:`raggedvl.models.saved`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from raggedvl.families import FAMILIES, family_of
+from raggedvl.families import family_of
 from raggedvl.prompts import DEFAULT_PROMPTS, LEGACY_PROMPTS, RetrievalPrompts
 
-from .attention import resolve_attn_implementation
 from .dummy_vision import check_modalities, drop_empty_vision, dummy_vision_inputs, install_dummy_vision
+from .head_options import DEFAULT_DIM, DEFAULT_EPS, DEFAULT_HEAD, DEFAULT_POOLING
 from .heads import EmbeddingOutput, RetrievalHead
 from .lora import LoraSettings, apply_lora
 from .packed_attention import set_packed_attention
 from .packing import pack_batch, unpack_hidden
 from .patch_embed import install_linear_patch_embed
-from .weights import save_tensors, write_json
-
-CONFIG_NAME = "raggedvl_retriever.json"
-WEIGHTS_NAME = "raggedvl_retriever.safetensors"
-LEGACY_CONFIG_NAME = "config.json"
-LEGACY_WEIGHTS_NAME = "model.safetensors"
-FORMAT_VERSION = 1
-
+from . import saved
 
 @dataclass
 class RetrieverConfig:
@@ -72,10 +55,10 @@ class RetrieverConfig:
     whose random base no checkpoint holds, or no LoRA).
     """
 
-    head: str = "late_interaction"
-    dim: int = 128
-    pooling: str = "last"
-    eps: float = 1e-6
+    head: str = DEFAULT_HEAD
+    dim: int = DEFAULT_DIM
+    pooling: str = DEFAULT_POOLING
+    eps: float = DEFAULT_EPS
     expected_modalities: tuple[str, ...] = ("image",)
     lora: LoraSettings | None = None
     source: str = "tiny"
@@ -274,7 +257,8 @@ class Retriever(nn.Module):
         return {k: v for k, v in state.items() if k in keep}
 
     def save_pretrained(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-        """Write ``raggedvl_retriever.json`` and ``raggedvl_retriever.safetensors`` into ``directory``.
+        """Write ``raggedvl_retriever.json`` and ``raggedvl_retriever.safetensors`` into ``directory``
+        (:mod:`raggedvl.models.saved`).
 
         The weights are :meth:`weights_to_save` (``state_dict``: the full state dict when this
         module's own is sharded): with LoRA on a named base only the adapters and the head, the
@@ -284,7 +268,7 @@ class Retriever(nn.Module):
         """
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        save_tensors(out / WEIGHTS_NAME, self.weights_to_save(state_dict))
+        saved.write_weights(out, self.weights_to_save(state_dict))
         self.save_settings(out)
         return out
 
@@ -292,35 +276,17 @@ class Retriever(nn.Module):
         """Write ``raggedvl_retriever.json`` (head settings, prompts, base, backbone config) into
         ``directory``: beside a ``raggedvl_retriever.safetensors`` of :meth:`weights_to_save`, the folder
         loads with ``build_retriever`` (training checkpoints write both this way)."""
-        meta = {
-            "format": "raggedvl-retriever",
-            "format_version": FORMAT_VERSION,
-            "family": self.family.name,
-            "weights": "trainable" if self.saves_trainable_only else "full",
-            "retriever": self.config.to_dict(),
-            "backbone_config": self.base_model.config.to_dict(),
-        }
-        path = Path(directory) / CONFIG_NAME
-        write_json(path, meta)
-        return path
+        return saved.write_settings(directory, family=self.family.name, trainable_only=self.saves_trainable_only,
+                                    retriever=self.config.to_dict(), backbone_config=self.base_model.config.to_dict())
 
     def load_saved_weights(self, directory: str | os.PathLike, *, trainable_only: bool | None = None) -> None:
         """Load the weights file of a folder written by :meth:`save_pretrained` (or a training
         checkpoint) into this module. ``trainable_only`` (default: what the folder's settings
         say): the file may leave out frozen parameters, but must hold every trainable one.
         Raises ``ValueError`` naming the file and the missing / unexpected keys."""
-        path = Path(directory)
-        weights = weights_file(path)
         if trainable_only is None:
-            trainable_only = read_retriever_meta(path)[0].get("weights", "full") == "trainable"
-        missing, unexpected = self.load_state_dict(load_file(str(weights)), strict=False)
-        if trainable_only:  # the frozen base is already in place; every trainable tensor must be saved
-            missing = sorted(set(missing) & self.trainable_state_names())
-        if missing or unexpected:
-            raise ValueError(
-                f"{weights} does not match this retriever: {len(missing)} missing keys (e.g. {list(missing)[:3]}), "
-                f"{len(unexpected)} unexpected (e.g. {list(unexpected)[:3]})"
-            )
+            trainable_only = saved.saves_trainable_only(saved.read_retriever_meta(directory)[0])
+        saved.load_weights(self, directory, required=self.trainable_state_names() if trainable_only else None)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, *, attn_implementation: str | None = None,
@@ -334,83 +300,20 @@ class Retriever(nn.Module):
         (listing missing / unexpected keys).
         """
         path = Path(directory)
-        meta, config_file = read_retriever_meta(path)
+        meta, config_file = saved.read_retriever_meta(path)
         config = RetrieverConfig.from_dict(meta["retriever"])
-        trainable_only = meta.get("weights", "full") == "trainable"
+        trainable_only = saved.saves_trainable_only(meta)
         if trainable_only:
             if backbone is None:
                 raise ValueError(
                     f"{path} holds only the trainable weights (LoRA and head) of a retriever on the base {config.base}; "
                     "load it with raggedvl.models.build_retriever, which loads that base first"
                 )
-            _check_same_base(meta["backbone_config"], backbone.config.to_dict(), config_file, config.base)
+            saved.check_same_base(meta, config_file, backbone)
         else:
-            family = FAMILIES[meta["family"]]
-            backbone = family.model_class._from_config(
-                family.config_class.from_dict(meta["backbone_config"]),
-                attn_implementation=resolve_attn_implementation(attn_implementation),
-            )
+            backbone = saved.backbone_from_settings(meta, attn_implementation)
         model = cls(backbone, config)
         model.load_saved_weights(path, trainable_only=trainable_only)
         if torch_dtype is not None:
             model.backbone.to(torch_dtype)  # the head stays float32 (heads.RetrievalHead)
         return model
-
-
-_SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-              "vocab_size", "depth", "embed_dim", "out_hidden_size")
-
-
-def _check_same_base(saved: dict, loaded: dict, config_file: Path, base: str | None) -> None:
-    """``ValueError`` when the loaded base's sizes differ from those the adapters were trained on."""
-    for part in ("text_config", "vision_config"):
-        for key in _SIZE_KEYS:
-            want, got = saved.get(part, {}).get(key), loaded.get(part, {}).get(key)
-            if want is not None and want != got:
-                raise ValueError(
-                    f"{config_file}: the adapters were trained on a base with {part}.{key} = {want}, but the base "
-                    f"{base} has {got}; the base checkpoint changed or is another model"
-                )
-
-
-def retriever_config_file(directory: str | os.PathLike) -> Path | None:
-    """The settings file of a saved retriever in ``directory`` (new or legacy name), or None."""
-    directory = Path(directory)
-    if (directory / CONFIG_NAME).is_file():
-        return directory / CONFIG_NAME
-    legacy = directory / LEGACY_CONFIG_NAME
-    try:
-        if legacy.is_file() and json.loads(legacy.read_text()).get("format") == "raggedvl-retriever":
-            return legacy
-    except (OSError, json.JSONDecodeError):
-        return None
-    return None
-
-
-def read_retriever_meta(directory: Path) -> tuple[dict, Path]:
-    """Parsed settings of a saved retriever and the file they came from; ``ValueError`` if the
-    folder is not one."""
-    cfg = retriever_config_file(directory)
-    if cfg is None or weights_file(directory) is None:
-        raise ValueError(f"{directory} is not a saved raggedvl retriever (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
-    meta = json.loads(cfg.read_text())
-    if meta.get("format") != "raggedvl-retriever":
-        raise ValueError(f"{cfg} is not a raggedvl retriever config (format={meta.get('format')!r})")
-    if meta.get("format_version") != FORMAT_VERSION or meta.get("family") not in FAMILIES:
-        raise ValueError(
-            f"{cfg}: unsupported format_version {meta.get('format_version')} / family {meta.get('family')!r}"
-        )
-    return meta, cfg
-
-
-def weights_file(directory: str | os.PathLike) -> Path | None:
-    """The weights file of a saved retriever or training checkpoint (new or legacy name), or None."""
-    for name in (WEIGHTS_NAME, LEGACY_WEIGHTS_NAME):
-        if (Path(directory) / name).is_file():
-            return Path(directory) / name
-    return None
-
-
-def is_saved_retriever(directory: str | os.PathLike) -> bool:
-    """True when ``directory`` holds settings written by :meth:`Retriever.save_pretrained`."""
-    return retriever_config_file(directory) is not None

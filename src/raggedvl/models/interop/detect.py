@@ -22,7 +22,7 @@ from typing import Iterable
 
 from raggedvl.prompts import RetrievalPrompts
 
-from ..retriever import is_saved_retriever
+from ..saved import is_saved_retriever
 from ..weights import TensorFiles
 
 KINDS = ("raggedvl", "colpali_adapter", "transformers", "colpali", "backbone")

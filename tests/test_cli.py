@@ -15,6 +15,7 @@ import torch
 import raggedvl
 from raggedvl import __version__
 from raggedvl.app.cli import build_parser, main
+from raggedvl.app.command_options import EvalOptions, options_from
 from raggedvl.app.options import field_specs
 from raggedvl.app.config import TrainConfig, config_from_args
 from raggedvl.app.launch import TORCHRUN_OPTIONS, check_world_fits, local_world_size, strip_torchrun_arguments, torchrun_command
@@ -216,7 +217,10 @@ def test_eval_columns_have_their_own_keys_defaulting_to_the_training_ones(tmp_pa
     assert TrainConfig.from_yaml(path).eval_columns == {"query_column": "query", "image_column": "img", "id_column": "pid"}
     eval_parser = _subparsers()["eval"]
     args = eval_parser.parse_args(["runs/a", "--query-column", "question", "--image-column", "page"])
-    assert (args.query_column, args.image_column, args.id_column) == ("question", "page", None)
+    opts = options_from(args, EvalOptions)
+    assert opts.columns(with_defaults=False) == {"query_column": "question", "image_column": "page", "id_column": None}
+    assert options_from(eval_parser.parse_args(["runs/a"]), EvalOptions).columns(with_defaults=True) == {
+        "query_column": "query", "image_column": "image", "id_column": None}
 
 
 def _message_strings():

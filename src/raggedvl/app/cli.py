@@ -11,7 +11,17 @@ import argparse
 import sys
 from typing import NoReturn, Sequence
 
+from raggedvl.app.command_options import (
+    DataOptions,
+    EncodeOptions,
+    EvalOptions,
+    ExportOptions,
+    SearchOptions,
+    command_arguments,
+    options_from,
+)
 from raggedvl.app.gpu_driver import skip_triton
+from raggedvl.app.options import add_arguments
 
 
 def _train(args, argv: Sequence[str]) -> int:
@@ -28,7 +38,8 @@ def _start_ranks(args, argv: Sequence[str], command: str) -> None:
                                        torchrun_command, under_torchrun)
 
     plain_output()
-    if args.nproc_per_node is None or under_torchrun() or local_world_size(args.nproc_per_node) == 1:
+    nproc = getattr(args, "nproc_per_node", None)
+    if nproc is None or under_torchrun() or local_world_size(nproc) == 1:
         return
     exec_agent(torchrun_command(args, strip_torchrun_arguments(argv), command=command))
 
@@ -57,72 +68,71 @@ def _check_inputs(args, *, model: str, what: str, columns: dict[str, str | None]
 
 
 def _eval(args, argv: Sequence[str]) -> int:
-    columns = {"query_column": args.query_column, "image_column": args.image_column, "id_column": args.id_column}
-    _check_inputs(args, model=args.checkpoint, what="checkpoint",
-                  columns={"query_column": "query", "image_column": "image", "id_column": None,
-                           **{k: v for k, v in columns.items() if v is not None}})
+    opts = options_from(args, EvalOptions)
+    _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns(with_defaults=True))
     _start_ranks(args, argv, "eval")
     from raggedvl.app.evaluate_checkpoint import evaluate_checkpoint
 
-    evaluate_checkpoint(args.checkpoint, dataset=args.dataset, split=args.split, batch_size=args.batch_size,
-                        max_samples=args.max_samples, output=args.output, on_bad_image=args.on_bad_image, **columns)
+    kwargs = command_arguments(opts)
+    kwargs.update(opts.columns(with_defaults=False))
+    evaluate_checkpoint(args.checkpoint, **kwargs)
     return 0
 
 
 def _encode(args, argv: Sequence[str]) -> int:
-    columns = {"query_column": args.query_column, "image_column": args.image_column, "id_column": args.id_column}
-    _check_inputs(args, model=args.checkpoint, what="checkpoint", columns=columns)
+    opts = options_from(args, EncodeOptions)
+    _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns(with_defaults=True))
     _start_ranks(args, argv, "encode")
     from raggedvl.app.index_commands import encode_corpus
 
-    encode_corpus(args.checkpoint, dataset=args.dataset, split=args.split, output=args.output, batch_size=args.batch_size,
-                  on_bad_image=args.on_bad_image, **columns)
+    kwargs = command_arguments(opts)
+    kwargs.update(opts.columns(with_defaults=True))
+    encode_corpus(args.checkpoint, **kwargs)
     return 0
 
 
 def _search(args) -> int:
-    _check_inputs(args, model=args.checkpoint, what="checkpoint")
-    _check_search_arguments(args)
+    opts = options_from(args, SearchOptions)
+    _check_inputs(opts, model=args.checkpoint, what="checkpoint")
+    _check_search_arguments(opts)
     from raggedvl.app.index_commands import print_results, search_index
 
-    results = search_index(args.checkpoint, index=args.index, queries=args.query, k=args.k, chunk_size=args.chunk_size,
-                           allow_other_model=args.allow_other_model)
-    print_results(args.query, results)
+    results = search_index(args.checkpoint, index=opts.index, queries=opts.query, k=opts.k, chunk_size=opts.chunk_size,
+                           allow_other_model=opts.allow_other_model)
+    print_results(opts.query, results)
     return 0
 
 
-def _check_search_arguments(args) -> None:
-    """Before torch: ``-k`` and ``--chunk-size`` at least 1, no empty ``--query``, and an
-    ``--index`` folder that exists (else "did you mean" a neighbour) and holds ``index.json``.
-    Raises ``ValueError``."""
+def _check_search_arguments(opts: SearchOptions) -> None:
+    """Before torch: no empty ``--query``, and an ``--index`` folder that exists (else "did you
+    mean" a neighbour) and holds ``index.json``. Raises ``ValueError``."""
     from pathlib import Path
 
     from raggedvl.app.sources import missing_path
 
-    if args.k < 1 or args.chunk_size < 1:
-        raise ValueError(f"-k and --chunk-size must be >= 1, got {args.k} and {args.chunk_size}")
-    for i, query in enumerate(args.query):
+    for i, query in enumerate(opts.query):
         if not query.strip():
             raise ValueError(f"--query number {i + 1} is empty ({query!r}); give the text to search for")
-    index = Path(args.index).expanduser()
+    index = Path(opts.index).expanduser()
     if not index.exists():
-        raise missing_path(args.index, (), "--index", "folder")
+        raise missing_path(opts.index, (), "--index", "folder")
     if not (index / "index.json").is_file():
-        raise ValueError(f"--index {args.index!r} is not an embedding index (no index.json); build one with raggedvl encode")
+        raise ValueError(f"--index {opts.index!r} is not an embedding index (no index.json); build one with raggedvl encode")
 
 
 def _export(args) -> int:
-    _check_inputs(args, model=args.source, what="source")
+    opts = options_from(args, ExportOptions)
+    _check_inputs(opts, model=args.source, what="source")
     from raggedvl.app.export import export
 
-    export(args.source, args.format, args.output, merge_lora=args.merge_lora)
+    export(args.source, opts.format, opts.output, merge_lora=opts.merge_lora)
     return 0
 
 
 def _data(args) -> int:
     from raggedvl.data import build_rdocs
 
-    path = build_rdocs(cache_dir=args.cache_dir, train_limit=args.train_limit, dev_limit=args.dev_limit)
+    path = build_rdocs(**command_arguments(options_from(args, DataOptions)))
     print(path)
     return 0
 
@@ -203,56 +213,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     checkpoint_help = ("a checkpoint folder (run/checkpoints/step-N), a run directory (its newest checkpoint that verifies) "
                        "or a model directory build_retriever loads")
-    nproc_help = "processes to shard the work over (raggedvl starts torchrun; default: 1)"
     p_eval = sub.add_parser("eval", help="nDCG@1/3/5/10, Recall@1/5/10, MRR@10, MAP@10 of a checkpoint on a benchmark",
                             description="Score a checkpoint on a benchmark as ViDoRe / BEIR report it (trec_eval's "
                                         "definitions and tie order); prints a table and writes a results JSON.")
     p_eval.add_argument("checkpoint", help=checkpoint_help)
-    p_eval.add_argument("--dataset", default=None, metavar="PATH_OR_ID",
-                        help="benchmark: (query, image) pairs (parquet file, folder, hub id) or a BEIR layout "
-                             "(corpus*/queries*/qrels*, or hub configs); default: the run's own evaluation split")
-    p_eval.add_argument("--split", default=None, help="split (default: the run's eval split; with --dataset: test)")
-    p_eval.add_argument("--batch-size", type=int, default=16, help="samples per forward pass (default: 16)")
-    p_eval.add_argument("--max-samples", type=int, default=None,
-                        help="at most this many pairs (BEIR: queries, over the whole corpus) (default: all)")
-    p_eval.add_argument("--output", default=None, metavar="JSON",
-                        help="results file (default: RUN/eval/DATASET-SPLIT.json, or MODEL_FOLDER/eval/DATASET-SPLIT.json)")
-    p_eval.add_argument("--on-bad-image", choices=["error", "skip"], default="error",
-                        help="an unreadable document image stops (error) or is never retrieved and counted (skip)")
-    for name, what, default in (("query", "the query text", "query"), ("image", "the document image", "image"),
-                                ("id", "each row's id", "none: '<split>-<row>'")):
-        p_eval.add_argument(f"--{name}-column", default=None, metavar="COLUMN",
-                            help=f"column of the --dataset pairs holding {what} (default: {default}; without "
-                                 "--dataset, the run's evaluation columns; a BEIR layout names its own)")
-    p_eval.add_argument("--nproc-per-node", default=None, metavar="N", help=nproc_help)
+    add_arguments(p_eval, EvalOptions)
 
     p_encode = sub.add_parser("encode", help="embed a corpus's document images into an index folder (safetensors shards + ids)")
     p_encode.add_argument("checkpoint", help=checkpoint_help)
-    p_encode.add_argument("--dataset", required=True, metavar="PATH_OR_ID",
-                          help="documents: a BEIR corpus, or the distinct images of (query, image) rows")
-    p_encode.add_argument("--split", default="test", help="split (default: test)")
-    p_encode.add_argument("--output", required=True, metavar="DIR", help="new index folder")
-    p_encode.add_argument("--batch-size", type=int, default=8, help="documents per forward pass (default: 8)")
-    p_encode.add_argument("--on-bad-image", choices=["error", "skip"], default="error",
-                          help="an unreadable image stops (error) or is left out of the index and counted (skip)")
-    for name, what, default in (("query", "the query text (rows without one are still encoded)", "query"),
-                                ("image", "the document image", "image"), ("id", "each document's id, as search prints it",
-                                                                           "none: '<split>-<row>'")):
-        p_encode.add_argument(f"--{name}-column", default=None if name == "id" else default, metavar="COLUMN",
-                              help=f"column of the --dataset rows holding {what} (default: {default}; "
-                                   "a BEIR corpus names its own)")
-    p_encode.add_argument("--nproc-per-node", default=None, metavar="N", help=nproc_help)
+    add_arguments(p_encode, EncodeOptions)
 
     p_search = sub.add_parser("search", help="top-k documents of a query in an index (exact, chunked MaxSim / cosine)")
     p_search.add_argument("checkpoint", help=checkpoint_help + " (the one that built the index)")
-    p_search.add_argument("--index", required=True, metavar="DIR", help="index folder written by raggedvl encode")
-    p_search.add_argument("--query", required=True, action="append", help="query text (repeat for several)")
-    p_search.add_argument("-k", type=int, default=10, help="results per query (default: 10)")
-    p_search.add_argument("--chunk-size", type=int, default=1024,
-                          help="documents scored at once; bounds memory (default: 1024)")
-    p_search.add_argument("--allow-other-model", action="store_true",
-                          help="search an index that another checkpoint (or step) encoded; its scores then compare "
-                               "embeddings of two different models")
+    add_arguments(p_search, SearchOptions)
 
     p_export = sub.add_parser(
         "export", help="write a trained retriever for colpali-engine or transformers, with a model card",
@@ -260,19 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "loads, with its processor and a model card (README.md).")
     p_export.add_argument("source", help="a run directory (newest checkpoint), a checkpoint folder, or any checkpoint "
                                          "raggedvl loads (a saved retriever, a colpali or transformers checkpoint)")
-    p_export.add_argument("--format", required=True, choices=["colpali", "transformers"],
-                          help="colpali: ColQwen2.from_pretrained (128-d projection only); transformers: "
-                               "ColQwen2ForRetrieval.from_pretrained (any dim)")
-    p_export.add_argument("--output", required=True, help="a new (or empty) folder to write")
-    p_export.add_argument("--merge-lora", action="store_true",
-                          help="colpali: fold LoRA into the weights and write a full checkpoint instead of an adapter "
-                               "(transformers always merges)")
+    add_arguments(p_export, ExportOptions)
 
     p_data = sub.add_parser("data", help="build an embedded dataset and print its path")
     p_data.add_argument("name", choices=["rdocs"], help="dataset name")
-    p_data.add_argument("--cache-dir", default=None, help="where to build it (default: ~/.cache/raggedvl)")
-    p_data.add_argument("--train-limit", type=int, default=None, help="build at most this many training pairs")
-    p_data.add_argument("--dev-limit", type=int, default=None, help="build at most this many dev pairs")
+    add_arguments(p_data, DataOptions)
     return parser
 
 

@@ -40,10 +40,14 @@ import yaml
 _SCALARS = (bool, int, float, str)
 
 
-def option(default: Any, help: str, *, at_least: float | None = None, above: float | None = None) -> Any:
+def option(default: Any, help: str, *, at_least: float | None = None, above: float | None = None,
+           required: bool = False, short: str | None = None) -> Any:
     """A dataclass field with its one-line ``help`` (units and meaning) and optional bounds:
-    ``at_least`` (value >= bound) or ``above`` (value > bound); null values skip the bounds."""
-    return field(default=default, metadata={"help": help, "at_least": at_least, "above": above})
+    ``at_least`` (value >= bound) or ``above`` (value > bound); null values skip the bounds.
+    ``required``: the flag must be given (its ``default`` is what a constructor without it
+    gets); ``short``: a one-letter alias such as ``-k``."""
+    return field(default=default, metadata={"help": help, "at_least": at_least, "above": above,
+                                            "required": required, "short": short})
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class FieldSpec:
     above: float | None
     many: bool = False  # a list of values of ``kind`` (a plain ``kind`` value too when ``one`` is set)
     one: bool = False  # ``X | list[X]``: one value or a list
+    required: bool = False  # the flag must be given
+    short: str | None = None  # a one-letter alias, e.g. "-k"
 
     @property
     def flag(self) -> str:
@@ -75,6 +81,8 @@ class FieldSpec:
         if self.many:
             parts.append(f"repeat {self.flag} for several" + (", or separate them with commas"
                                                               if self.kind in (int, float) else ""))
+        if self.required:
+            return ("; ".join(parts) + " (required)").replace("%", "%%")
         default = "none" if self.default is None else str(self.default).lower() if self.kind is bool else self.default
         return ("; ".join(parts) + f" (default: {default})").replace("%", "%%")
 
@@ -121,8 +129,9 @@ class FieldSpec:
         if self.nullable and text.lower() in ("none", "null"):
             return None
         if self.many:
-            parts = text.split(",") if self.kind in (int, float) else [text]
-            return [self._parse_one(part.strip()) for part in parts]
+            if self.kind in (int, float):
+                return [self._parse_one(part.strip()) for part in text.split(",")]
+            return [self._parse_one(text)]
         return self._parse_one(text)
 
     def _parse_one(self, text: str) -> Any:
@@ -164,7 +173,8 @@ def field_specs(cls: type) -> dict[str, FieldSpec]:
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported type {hint}")
         meta = f.metadata
         specs[f.name] = FieldSpec(f.name, hint, nullable, choices, f.default, meta.get("help", ""),
-                                  meta.get("at_least"), meta.get("above"), many, one)
+                                  meta.get("at_least"), meta.get("above"), many, one,
+                                  meta.get("required", False), meta.get("short"))
     return specs
 
 
@@ -303,7 +313,10 @@ def add_arguments(parser: argparse.ArgumentParser | Any, cls: type) -> None:
             kwargs["action"] = _ExtendAction
         elif spec.choices is not None:
             kwargs["choices"] = spec.choices + ((_NoneChoice(),) if spec.nullable else ())
-        parser.add_argument(spec.flag, type=convert, **kwargs)
+        if spec.required:
+            kwargs["required"] = True
+        flags = (spec.short, spec.flag) if spec.short else (spec.flag,)
+        parser.add_argument(*flags, type=convert, **kwargs)
 
 
 def values_from(args: argparse.Namespace, cls: type) -> dict[str, Any]:

@@ -1,0 +1,106 @@
+"""The options of ``raggedvl eval | encode | search | export | data``, declared once each as
+:func:`raggedvl.app.options.option` fields like ``TrainConfig``'s: flags, help, choices and
+checks are derived from them (:func:`raggedvl.app.options.add_arguments`).
+
+The column options are declared once (:class:`ColumnOptions`) for the commands that read
+(query, image) rows."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from raggedvl.app.options import field_specs, option, values_from
+
+_NPROC = "processes to shard the work over (raggedvl starts torchrun)"
+
+
+@dataclass
+class ColumnOptions:
+    """Which columns of (query, image) rows hold what; a BEIR layout names its own."""
+
+    query_column: str | None = option(None, "column of the --dataset rows holding the query text "
+                                            "(none: query; eval without --dataset: the run's evaluation columns)")
+    image_column: str | None = option(None, "column of the --dataset rows holding the document image "
+                                            "(none: image; eval without --dataset: the run's evaluation columns)")
+    id_column: str | None = option(None, "column of the --dataset rows holding each row's id (none: '<split>-<row>')")
+
+    def columns(self, *, with_defaults: bool) -> dict[str, str | None]:
+        """``{query_column, image_column, id_column}``; ``with_defaults``: unset names become
+        the defaults ``query`` / ``image`` (else they stay None: the run's own columns)."""
+        named = {"query_column": self.query_column, "image_column": self.image_column, "id_column": self.id_column}
+        if with_defaults:
+            named["query_column"] = named["query_column"] or "query"
+            named["image_column"] = named["image_column"] or "image"
+        return named
+
+
+@dataclass
+class EvalOptions(ColumnOptions):
+    dataset: str | None = option(None, "benchmark: (query, image) pairs (parquet file, folder, hub id) or a BEIR layout "
+                                       "(corpus*/queries*/qrels*, or hub configs) (none: the run's own evaluation split)")
+    split: str | None = option(None, "split (none: the run's eval split; with --dataset: test)")
+    batch_size: int = option(16, "samples per forward pass", at_least=1)
+    max_samples: int | None = option(None, "at most this many pairs (BEIR: queries, over the whole corpus) "
+                                           "(none: all)", at_least=1)
+    output: str | None = option(None, "results JSON file (none: RUN/eval/DATASET-SPLIT.json, or "
+                                      "MODEL_FOLDER/eval/DATASET-SPLIT.json)")
+    on_bad_image: Literal["error", "skip"] = option(
+        "error", "an unreadable document image stops (error) or is never retrieved and counted (skip)")
+    nproc_per_node: str | None = option(None, _NPROC + " (none: 1)")
+
+
+@dataclass
+class EncodeOptions(ColumnOptions):
+    dataset: str = option(None, "documents: a BEIR corpus, or the distinct images of (query, image) rows", required=True)
+    split: str = option("test", "split")
+    output: str = option(None, "a new index folder", required=True)
+    batch_size: int = option(8, "documents per forward pass", at_least=1)
+    on_bad_image: Literal["error", "skip"] = option(
+        "error", "an unreadable image stops (error) or is left out of the index and counted (skip)")
+    nproc_per_node: str | None = option(None, _NPROC + " (none: 1)")
+
+
+@dataclass
+class SearchOptions:
+    index: str = option(None, "index folder written by raggedvl encode", required=True)
+    query: list[str] = option(None, "query text", required=True)
+    k: int = option(10, "results per query", at_least=1, short="-k")
+    chunk_size: int = option(1024, "documents scored at once; bounds memory", at_least=1)
+    allow_other_model: bool = option(False, "search an index that another checkpoint (or step) encoded; its scores "
+                                            "then compare embeddings of two different models")
+
+
+@dataclass
+class ExportOptions:
+    format: Literal["colpali", "transformers"] = option(
+        None, "colpali: ColQwen2.from_pretrained (128-d projection only); transformers: "
+              "ColQwen2ForRetrieval.from_pretrained (any dim)", required=True)
+    output: str = option(None, "a new (or empty) folder to write", required=True)
+    merge_lora: bool = option(False, "colpali: fold LoRA into the weights and write a full checkpoint instead of an "
+                                     "adapter (transformers always merges)")
+
+
+@dataclass
+class DataOptions:
+    cache_dir: str | None = option(None, "where to build it (none: ~/.cache/raggedvl)")
+    train_limit: int | None = option(None, "build at most this many training pairs", at_least=1)
+    dev_limit: int | None = option(None, "build at most this many dev pairs", at_least=1)
+
+
+def options_from(args: Any, cls: type) -> Any:
+    """The ``cls`` options given on the command line (argparse namespace), checked against
+    their declarations; ``ValueError`` naming the flag."""
+    opts = cls(**values_from(args, cls))
+    for spec in field_specs(cls).values():
+        try:
+            spec.check(getattr(opts, spec.name))
+        except ValueError as exc:
+            raise ValueError(f"{spec.short or spec.flag}: {exc}") from None
+    return opts
+
+
+def command_arguments(opts: Any, *, drop: tuple[str, ...] = ("nproc_per_node",)) -> dict[str, Any]:
+    """The options as keyword arguments of the command's function (launcher-only fields dropped)."""
+    return {k: v for k, v in dataclasses.asdict(opts).items() if k not in drop}

@@ -16,6 +16,7 @@ import raggedvl
 from raggedvl import __version__
 from raggedvl.app.cli import build_parser, main
 from raggedvl.app.command_options import EvalOptions, options_from
+from raggedvl.data.columns import Columns
 from raggedvl.app.options import field_specs
 from raggedvl.app.config import TrainConfig, config_from_args
 from raggedvl.app.launch import TORCHRUN_OPTIONS, check_world_fits, local_world_size, strip_torchrun_arguments, torchrun_command
@@ -209,18 +210,17 @@ def test_config_file_errors_are_one_line(tmp_path, capsys):
 
 def test_eval_columns_have_their_own_keys_defaulting_to_the_training_ones(tmp_path):
     cfg = _config("--query-column", "question", "--id-column", "doc_id")
-    assert cfg.eval_columns == {"query_column": "question", "image_column": "image", "id_column": "doc_id"}
+    assert cfg.eval_columns == Columns(query="question", image="image", id="doc_id")
     cfg = _config("--query-column", "question", "--eval-query-column", "q", "--eval-image-column", "page")
-    assert cfg.eval_columns == {"query_column": "q", "image_column": "page", "id_column": None}
+    assert cfg.eval_columns == Columns(query="q", image="page", id=None)
     path = tmp_path / "c.yaml"
     path.write_text("eval_id_column: pid\nimage_column: img\n")
-    assert TrainConfig.from_yaml(path).eval_columns == {"query_column": "query", "image_column": "img", "id_column": "pid"}
+    assert TrainConfig.from_yaml(path).eval_columns == Columns(query="query", image="img", id="pid")
     eval_parser = _subparsers()["eval"]
     args = eval_parser.parse_args(["runs/a", "--query-column", "question", "--image-column", "page"])
     opts = options_from(args, EvalOptions)
-    assert opts.columns(with_defaults=False) == {"query_column": "question", "image_column": "page", "id_column": None}
-    assert options_from(eval_parser.parse_args(["runs/a"]), EvalOptions).columns(with_defaults=True) == {
-        "query_column": "query", "image_column": "image", "id_column": None}
+    assert (opts.query_column, opts.image_column, opts.id_column) == ("question", "page", None)
+    assert options_from(eval_parser.parse_args(["runs/a"]), EvalOptions).columns() == Columns()
 
 
 def _message_strings():

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from raggedvl.data.columns import Columns
 from raggedvl.data import RetrievalDataset, load_retrieval_dataset
 from raggedvl.data.arrow_cache import MappedTable, mapped_split
 from raggedvl.data.scan import UnreadableParquet, image_sizes, parquet_split
@@ -57,15 +58,15 @@ def test_folder_of_parquet_reads_as_datasets_does(tmp_path, monkeypatch):
     _write(folder / "train-00000.parquet", 0, 7)
     _write(folder / "train-00001.parquet", 7, 5)
     _write(folder / "dev.parquet", 100, 4)
-    ours = load_retrieval_dataset(folder, "train", id_column="doc_id", negatives_column="negs", limit=9)
+    ours = load_retrieval_dataset(folder, "train", columns=Columns(id="doc_id", negatives="negs"), limit=9)
     assert isinstance(ours.image_sources.table, MappedTable)  # read through the Arrow cache
     reference = datasets.load_dataset(str(folder))["train"]
-    theirs = RetrievalDataset.from_hf(reference, "train", id_column="doc_id", negatives_column="negs", limit=9,
+    theirs = RetrievalDataset.from_hf(reference, "train", columns=Columns(id="doc_id", negatives="negs"), limit=9,
                                       base_dir=folder)
     assert len(ours) == 9 and _view(ours) == _view(theirs)
     assert ours.image_sizes() == theirs.image_sizes() and ours.image_digests() == theirs.image_digests()
     assert list(ours.image_inputs()) == list(theirs.image_inputs())  # what a size estimate reads
-    dev = load_retrieval_dataset(folder, "dev", id_column="doc_id")
+    dev = load_retrieval_dataset(folder, "dev", columns=Columns(id="doc_id"))
     assert dev.ids() == [f"d{i}" for i in range(100, 104)]
     assert len(list((tmp_path / "cache" / "arrow").glob("*.arrow"))) == 2  # one table per split
 
@@ -74,9 +75,9 @@ def test_local_parquet_needs_no_datasets_import(tmp_path):  # training pairs, an
     folder = tmp_path / "data"
     folder.mkdir()
     _write(folder / "train.parquet", 0, 4, negatives=False)
-    code = ("import sys; from raggedvl.data import load_retrieval_dataset\n"
+    code = ("import sys; from raggedvl.data import Columns, load_retrieval_dataset\n"
             "from raggedvl.evaluation.benchmark import load_benchmark, load_corpus\n"
-            f"ds = load_retrieval_dataset({str(folder)!r}, 'train', id_column='doc_id')\n"
+            f"ds = load_retrieval_dataset({str(folder)!r}, 'train', columns=Columns(id='doc_id'))\n"
             f"bench, docs = load_benchmark({str(folder)!r}, 'train'), load_corpus({str(folder)!r}, 'train')\n"
             "assert len(bench.queries) == len(docs) == 4, (len(bench.queries), len(docs))\n"
             "print(len(ds), ds[3]['image'].size, 'datasets' in sys.modules, 'pandas' in sys.modules)")
@@ -89,7 +90,7 @@ def test_local_parquet_needs_no_datasets_import(tmp_path):  # training pairs, an
 def test_pickles_as_a_path_and_maps_again(tmp_path, monkeypatch):
     monkeypatch.setenv("RAGGEDVL_CACHE", str(tmp_path / "cache"))
     _write(tmp_path / "train.parquet", 0, 40, negatives=False)
-    ds = load_retrieval_dataset(tmp_path / "train.parquet", "train", id_column="doc_id")
+    ds = load_retrieval_dataset(tmp_path / "train.parquet", "train", columns=Columns(id="doc_id"))
     image_bytes = sum(len(v["bytes"]) for v in ds.image_sources)
     blob = pickle.dumps(ds.image_sources)
     assert len(blob) < image_bytes / 4  # the rows stay in the file, not in the pickle
@@ -100,10 +101,10 @@ def test_pickles_as_a_path_and_maps_again(tmp_path, monkeypatch):
 def test_changed_file_is_converted_again(tmp_path, monkeypatch):
     monkeypatch.setenv("RAGGEDVL_CACHE", str(tmp_path / "cache"))
     path = _write(tmp_path / "train.parquet", 0, 3, negatives=False)
-    assert load_retrieval_dataset(path, "train", id_column="doc_id").ids() == ["d0", "d1", "d2"]
+    assert load_retrieval_dataset(path, "train", columns=Columns(id="doc_id")).ids() == ["d0", "d1", "d2"]
     _write(path, 10, 2, negatives=False)
     os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
-    assert load_retrieval_dataset(path, "train", id_column="doc_id").ids() == ["d10", "d11"]
+    assert load_retrieval_dataset(path, "train", columns=Columns(id="doc_id")).ids() == ["d10", "d11"]
 
 
 def test_differing_schemas_are_left_to_datasets(tmp_path, monkeypatch):
@@ -114,7 +115,7 @@ def test_differing_schemas_are_left_to_datasets(tmp_path, monkeypatch):
     first = pq.read_table(folder / "train-0.parquet")
     pq.write_table(first.select(["doc_id", "query", "image"]).slice(1), folder / "train-1.parquet")  # other column order
     assert mapped_split([folder / "train-0.parquet", folder / "train-1.parquet"]) is None
-    ds = load_retrieval_dataset(folder, "train", id_column="doc_id")
+    ds = load_retrieval_dataset(folder, "train", columns=Columns(id="doc_id"))
     assert not isinstance(ds.image_sources.table, MappedTable)  # datasets read it
     assert ds.ids() == ["d0", "d1", "d1"] and ds[2]["image"].size == (21, 11)
 
@@ -154,7 +155,7 @@ def test_unreadable_parquet_is_one_error_naming_the_file(tmp_path, monkeypatch, 
     else:
         _damaged(path)
     with pytest.raises(UnreadableParquet, match=r"train\.parquet: cannot read this parquet file .*re-write or remove it"):
-        load_retrieval_dataset(path, "train", id_column="doc_id")
+        load_retrieval_dataset(path, "train", columns=Columns(id="doc_id"))
     if damage == "damaged pages":  # the launcher's header scan reads the same pages
         with pytest.raises(UnreadableParquet, match=r"train\.parquet: cannot read"):
             image_sizes(parquet_split(path, "train"), "image", workers=1)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from raggedvl.data.columns import Columns
 from raggedvl.data import BadImageError, RetrievalDataset, load_retrieval_dataset
 
 
@@ -50,7 +51,7 @@ def test_manifest_dataset(small_rdocs):
 def test_local_parquet_with_image_feature(tmp_path):
     rows = _rows(5)
     path = _write_parquet(tmp_path / "train.parquet", rows)
-    ds = load_retrieval_dataset(path, "train", id_column="doc_id")
+    ds = load_retrieval_dataset(path, "train", columns=Columns(id="doc_id"))
     assert len(ds) == 5 and ds.ids() == [f"d{i}" for i in range(5)]
     assert ds.image_sizes() == [(40 + 7 * i, 30 + 3 * i) for i in range(5)]
     item = ds[3]
@@ -80,8 +81,8 @@ def test_image_folder(tmp_path):
 
 
 def test_bad_rows_are_named_or_counted(tmp_path):
-    with pytest.raises(ValueError, match=r"no column 'qeury'.*did you mean 'query'\? pass --query-column \(key query_column\)"):
-        load_retrieval_dataset(_write_parquet(tmp_path / "a.parquet", _rows(2)), "train", query_column="qeury")
+    with pytest.raises(ValueError, match=r"no column 'qeury'.*did you mean 'query'\? pass Columns\(query=...\)"):
+        load_retrieval_dataset(_write_parquet(tmp_path / "a.parquet", _rows(2)), "train", columns=Columns(query="qeury"))
 
     empty = _rows(3)
     empty[1]["query"] = "   "
@@ -89,20 +90,20 @@ def test_bad_rows_are_named_or_counted(tmp_path):
     empty_path = _write_parquet(tmp_path / "b.parquet", empty)
     with pytest.raises(ValueError, match=r"row 1 \(id 'train-1'\) has an empty.*pass --on-empty-query skip \(key on_empty_query"):
         load_retrieval_dataset(empty_path, "train")
-    kept = load_retrieval_dataset(empty_path, "train", on_empty_query="skip", id_column="doc_id")
+    kept = load_retrieval_dataset(empty_path, "train", on_empty_query="skip", columns=Columns(id="doc_id"))
     assert kept.ids() == ["d0"] and [r["id"] for r in kept.skipped_rows] == ["d1", "d2"]
     assert kept[0]["image"].size == (40, 30)
 
     corrupt = _rows(3)
     corrupt[2]["image"] = {"bytes": b"\x89PNG\r\n\x1a\n garbage", "path": None}
     path = _write_parquet(tmp_path / "c.parquet", corrupt)
-    strict = load_retrieval_dataset(path, "train", id_column="doc_id")
+    strict = load_retrieval_dataset(path, "train", columns=Columns(id="doc_id"))
     assert strict[0]["image"] is not None
     with pytest.raises(BadImageError, match=r"row 2 \(id 'd2'\)"):
         strict[2]
     with pytest.raises(BadImageError, match="d2"):
         strict.image_sizes()
-    lenient = load_retrieval_dataset(path, "train", id_column="doc_id", on_bad_image="skip")
+    lenient = load_retrieval_dataset(path, "train", columns=Columns(id="doc_id"), on_bad_image="skip")
     item = lenient[2]
     assert item["image"] is None and "cannot be decoded" in item["image_error"]
     assert lenient.image_sizes()[2] is None and lenient.image_sizes()[0] == (40, 30)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from raggedvl.data.columns import Columns
 from raggedvl.data import RetrievalCollator, load_retrieval_dataset
 from raggedvl.data.concat import concat_datasets
 from raggedvl.images import BadImageError, ImagePolicy
@@ -42,8 +43,8 @@ def negatives_parquet(path, n=6, k=2, *, single=False, rows=None, feature=None):
 
 
 def test_items_hold_k_decoded_negatives_and_the_estimate_counts_their_patches(tmp_path, tiny_processor):
-    lists = load_retrieval_dataset(negatives_parquet(tmp_path / "k2.parquet"), negatives_column="negs")
-    single = load_retrieval_dataset(negatives_parquet(tmp_path / "k1.parquet", single=True), negatives_column="negs")
+    lists = load_retrieval_dataset(negatives_parquet(tmp_path / "k2.parquet"), columns=Columns(negatives="negs"))
+    single = load_retrieval_dataset(negatives_parquet(tmp_path / "k1.parquet", single=True), columns=Columns(negatives="negs"))
     assert (lists.negatives_per_row, single.negatives_per_row) == (2, 1)
     item = lists[3]
     assert [im.size for im in item["negatives"]] == [Image.open(io.BytesIO(png(130 + j))).size for j in range(2)]
@@ -62,7 +63,7 @@ def test_items_hold_k_decoded_negatives_and_the_estimate_counts_their_patches(tm
 
 
 def test_the_collator_encodes_negatives_exactly_as_documents(tmp_path, tiny_processor):
-    ds = load_retrieval_dataset(negatives_parquet(tmp_path / "k2.parquet", n=3), negatives_column="negs")
+    ds = load_retrieval_dataset(negatives_parquet(tmp_path / "k2.parquet", n=3), columns=Columns(negatives="negs"))
     collate = RetrievalCollator(tiny_processor)
     batch = collate([ds[i] for i in range(3)])
     negs = batch["negatives"]
@@ -84,12 +85,12 @@ def test_the_collator_encodes_negatives_exactly_as_documents(tmp_path, tiny_proc
 def test_a_bad_negative_drops_its_row_under_skip_and_names_it_under_error(tmp_path, tiny_processor):
     cut = {"bytes": b"\x89PNG\r\n\x1a\n cut", "path": None}
     path = negatives_parquet(tmp_path / "bad.parquet", n=4, rows={2: [image(7), cut]})
-    strict = load_retrieval_dataset(path, negatives_column="negs")
+    strict = load_retrieval_dataset(path, columns=Columns(negatives="negs"))
     with pytest.raises(BadImageError, match=r"row 2 .*hard negative 1"):
         strict[2]
     with pytest.raises(BadImageError, match=r"row 2 .*image 2"):  # the startup header scan finds it too
         estimate_costs(strict.image_inputs(), 32, names=[strict.row_name(i) for i in range(4)])
-    lenient = load_retrieval_dataset(path, negatives_column="negs", on_bad_image="skip")
+    lenient = load_retrieval_dataset(path, columns=Columns(negatives="negs"), on_bad_image="skip")
     batch = RetrievalCollator(tiny_processor, on_bad_image="skip")([lenient[i] for i in range(4)])
     assert batch["ids"] == ["train-0", "train-1", "train-3"] and batch["negatives"].num_samples == 6
     assert [s["id"] for s in batch["skipped"]] == ["train-2"]
@@ -103,22 +104,23 @@ def test_a_bad_negative_drops_its_row_under_skip_and_names_it_under_error(tmp_pa
 def test_rows_without_negatives_or_with_another_count_are_refused(tmp_path, rows, feature, match):
     path = negatives_parquet(tmp_path / "rows.parquet", rows=rows, feature=feature)
     with pytest.raises(ValueError, match=match):
-        load_retrieval_dataset(path, negatives_column="negs")
+        load_retrieval_dataset(path, columns=Columns(negatives="negs"))
 
 
-def test_a_column_that_is_missing_or_holds_no_images_names_the_flag(tmp_path):
+def test_a_column_that_is_missing_or_holds_no_images_names_the_fix(tmp_path):
     path = negatives_parquet(tmp_path / "k2.parquet")
-    with pytest.raises(ValueError, match=r"no hard-negatives column 'negatives' .*--negatives-column"):
-        load_retrieval_dataset(path, negatives_column="negatives")
+    with pytest.raises(ValueError, match=r"no hard-negatives column 'negatives' .*did you mean 'negs'\? "
+                                         r"pass Columns\(negatives=...\)"):
+        load_retrieval_dataset(path, columns=Columns(negatives="negatives"))
     numbers = tmp_path / "numbers.parquet"
     datasets.Dataset.from_dict({"query": ["a", "b"], "image": [image(1), image(2)], "negs": [[1, 2], [3, 4]]},
                                features=datasets.Features({"query": datasets.Value("string"), "image": datasets.Image(),
                                                            "negs": datasets.List(datasets.Value("int64"))})
                                ).to_parquet(str(numbers))
     with pytest.raises(ValueError, match=r"column 'negs' holds int64 values, not images"):
-        load_retrieval_dataset(numbers, negatives_column="negs")
+        load_retrieval_dataset(numbers, columns=Columns(negatives="negs"))
     with pytest.raises(ValueError, match="rdocs manifest, which has no hard-negatives column"):
-        load_retrieval_dataset("rdocs", negatives_column="negs")
+        load_retrieval_dataset("rdocs", columns=Columns(negatives="negs"))
 
 
 def test_collator_refuses_examples_with_different_negative_counts(tiny_processor):
@@ -132,14 +134,14 @@ def test_collator_refuses_examples_with_different_negative_counts(tiny_processor
 
 
 def test_concatenated_datasets_keep_negatives_rows_and_distinct_ids(tmp_path):
-    a = load_retrieval_dataset(negatives_parquet(tmp_path / "a.parquet", n=3), negatives_column="negs")
-    b = load_retrieval_dataset(negatives_parquet(tmp_path / "b.parquet", n=2), negatives_column="negs")
+    a = load_retrieval_dataset(negatives_parquet(tmp_path / "a.parquet", n=3), columns=Columns(negatives="negs"))
+    b = load_retrieval_dataset(negatives_parquet(tmp_path / "b.parquet", n=2), columns=Columns(negatives="negs"))
     both = concat_datasets([a, b], ["a", "b"])
     assert len(both) == 5 and both.part_sizes == [3, 2] and both.negatives_per_row == 2
     assert both.ids() == ["0:train-0", "0:train-1", "0:train-2", "1:train-0", "1:train-1"]
     assert both.row_name(4).startswith(f"{b.where} row 1") and len(both[4]["negatives"]) == 2
     assert len(both.image_inputs()[4]) == 3  # the image and its two negatives
-    one = load_retrieval_dataset(negatives_parquet(tmp_path / "c.parquet", n=2, single=True), negatives_column="negs")
+    one = load_retrieval_dataset(negatives_parquet(tmp_path / "c.parquet", n=2, single=True), columns=Columns(negatives="negs"))
     with pytest.raises(ValueError, match="a has 2 hard negatives per row but c has 1"):
         concat_datasets([a, one], ["a", "c"])
 
@@ -147,7 +149,7 @@ def test_concatenated_datasets_keep_negatives_rows_and_distinct_ids(tmp_path):
 def test_a_benchmark_of_training_pairs_holds_documents_without_negatives(tmp_path):
     from raggedvl.evaluation.benchmark import RetrievalBenchmark
 
-    ds = load_retrieval_dataset(negatives_parquet(tmp_path / "k2.parquet", n=4), negatives_column="negs")
+    ds = load_retrieval_dataset(negatives_parquet(tmp_path / "k2.parquet", n=4), columns=Columns(negatives="negs"))
     bench = RetrievalBenchmark.from_pairs(ds)
     assert bench.documents.negatives_per_row == 0 and "negatives" not in bench.documents[0]
     assert len(ds.select([1, 2])[1]["negatives"]) == 2  # a plain selection keeps them

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from raggedvl.data.columns import Columns
 from raggedvl.data import load_retrieval_dataset
 from raggedvl.data import scan
 from raggedvl.data.scan import cached_image_sizes, image_sizes, parquet_split
@@ -210,10 +211,10 @@ def test_the_loader_takes_the_cached_negative_sizes_so_costs_read_no_negative(tm
 
     cells = [[(30, 40), (31, 41)], [(32, 42), (33, 43)], [(34, 44), None], [(35, 45), (36, 46)]]
     path = str(_write_negatives(tmp_path / "pairs.parquet", cells))
-    before = load_retrieval_dataset(path, negatives_column="negs", on_bad_image="skip")
+    before = load_retrieval_dataset(path, columns=Columns(negatives="negs"), on_bad_image="skip")
     assert isinstance(before.image_inputs()[0][1], dict)  # no cache yet: the negatives' sources
     image_sizes(parquet_split(path, "train"), "negs", workers=1, item="hard negative")
-    train = load_retrieval_dataset(path, negatives_column="negs", on_bad_image="skip")
+    train = load_retrieval_dataset(path, columns=Columns(negatives="negs"), on_bad_image="skip")
     inputs = train.image_inputs()
     assert inputs[0][1:] == [(30, 40), (31, 41)] and inputs[3][1:] == [(35, 45), (36, 46)]
     assert inputs[2][1] == (34, 44) and isinstance(inputs[2][2], dict)  # the corrupt one: its source
@@ -232,6 +233,8 @@ def test_a_column_of_text_named_as_images_is_refused_and_a_column_of_paths_is_no
     """check_image_column: the query column, or strings that are neither files nor image names,
     are text (ValueError with the first value and the flag); paths pass, even to missing files
     (those are a BadImageError naming the row later); image structs are not read at all."""
+    from raggedvl.app.column_flags import column_fix
+    from raggedvl.data.columns import ColumnError
     from raggedvl.data.dataset import RetrievalDataset
     from raggedvl.data.scan import check_image_column
 
@@ -243,24 +246,28 @@ def test_a_column_of_text_named_as_images_is_refused_and_a_column_of_paths_is_no
     pq.write_table(table, tmp_path / "pairs.parquet")
     split = parquet_split(tmp_path / "pairs.parquet", "train")
     for column in ("page", "bare", "image"):
-        check_image_column(split, column, flag="--image-column", query_column="query")
-    with pytest.raises(ValueError) as info:
-        check_image_column(split, "note", flag="--image-column", query_column="query")
+        check_image_column(split, "image", Columns(image=column))
+    with pytest.raises(ColumnError) as info:
+        check_image_column(split, "image", Columns(image="note"))
+    assert info.value.role == "image"
     assert str(info.value) == (
-        "--image-column 'note' holds text, not images: row 0's value 'first page' is not an image file (no file of "
+        "the image column 'note' holds text, not images: row 0's value 'first page' is not an image file (no file of "
         "that name, and none of the first 2 values has an image extension such as .png; "
-        f"{tmp_path / 'pairs.parquet'} split 'train'); pass --image-column naming the column of images or image "
-        "paths (columns: ['query', 'page', 'bare', 'note', 'negs', 'image'])")
-    with pytest.raises(ValueError, match=r"^--negatives-column 'query' holds text, not images: row 0's value "
-                                         r"'what is on page 0' is not an image file \(it is the query column; .*"
-                                         r", or leave it out$"):
-        check_image_column(split, "query", flag="--negatives-column", query_column="query", or_none=", or leave it out")
-    with pytest.raises(ValueError, match=r"^--negatives-column 'negs' holds text, not images: row 0's value 'one'"):
-        check_image_column(split, "negs", flag="--negatives-column", query_column="query")
+        f"{tmp_path / 'pairs.parquet'} split 'train'; columns: ['query', 'page', 'bare', 'note', 'negs', 'image']); "
+        "pass Columns(image=...) naming the right one")
+    # the command line names its flag for the same fix
+    assert str(info.value.with_fix(column_fix("image", "eval_"))).endswith(
+        "pass --eval-image-column (key eval_image_column) naming the right one")
+    with pytest.raises(ColumnError, match=r"^the hard-negatives column 'query' holds text, not images: row 0's value "
+                                          r"'what is on page 0' is not an image file \(it is the query column; .*"):
+        check_image_column(split, "negatives", Columns(negatives="query"))
+    with pytest.raises(ColumnError, match=r"^the hard-negatives column 'negs' holds text, not images: row 0's value 'one'"):
+        check_image_column(split, "negatives", Columns(negatives="negs"))
+    assert column_fix("negatives") == "pass --negatives-column (key negatives_column) naming the right one, or none"
     # the loader (raggedvl eval / encode, hub data) refuses the same columns with the same message
     hf = datasets.Dataset.from_parquet(str(tmp_path / "pairs.parquet"))
-    with pytest.raises(ValueError, match=r"^--eval-image-column 'note' holds text, not images: row 0's value"):
-        RetrievalDataset.from_hf(hf, image_column="note", option_prefix="eval_")
-    with pytest.raises(ValueError, match=r"^--negatives-column 'query' holds text.*it is the query column"):
-        RetrievalDataset.from_hf(hf, image_column="image", negatives_column="query")
-    assert len(RetrievalDataset.from_hf(hf, image_column="page", base_dir=tmp_path)) == 2
+    with pytest.raises(ColumnError, match=r"^the image column 'note' holds text, not images: row 0's value"):
+        RetrievalDataset.from_hf(hf, columns=Columns(image="note"))
+    with pytest.raises(ColumnError, match=r"^the hard-negatives column 'query' holds text.*it is the query column"):
+        RetrievalDataset.from_hf(hf, columns=Columns(image="image", negatives="query"))
+    assert len(RetrievalDataset.from_hf(hf, columns=Columns(image="page"), base_dir=tmp_path)) == 2

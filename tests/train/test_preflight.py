@@ -312,16 +312,17 @@ def test_negatives_eval_split_and_output_dir_fail_in_one_line_before_torch(tmp_p
     assert "rdocs is an rdocs manifest, which has no hard-negatives column 'negs'" in errors[5]
     # a text column named as images: refused before any image is read, with the fix (not "file
     # not found ... --on-bad-image skip", which would skip every row)
-    assert errors[6] == ("raggedvl: error: --negatives-column 'query' holds text, not images: row 0's value 'question 0' "
-                         f"is not an image file (it is the query column; {listed} split 'train'); pass --negatives-column "
-                         "naming the column of images or image paths (columns: ['query', 'image', 'doc_id', 'negs']), "
-                         "or leave it out\n")
-    assert errors[7].startswith("raggedvl: error: --image-column 'doc_id' holds text, not images: row 0's value 'doc-0' "
-                                "is not an image file (no file of that name, and none of the first 5 values has an "
-                                "image extension such as .png;")
-    assert "pass --image-column naming the column of images or image paths" in errors[7]
-    assert errors[8].startswith("raggedvl: error: --eval-image-column 'query' holds text, not images: row 0's value "
+    assert errors[6] == ("raggedvl: error: the hard-negatives column 'query' holds text, not images: row 0's value "
+                         f"'question 0' is not an image file (it is the query column; {listed} split 'train'; columns: "
+                         "['query', 'image', 'doc_id', 'negs']); pass --negatives-column (key negatives_column) naming "
+                         "the right one, or none\n")
+    assert errors[7].startswith("raggedvl: error: the image column 'doc_id' holds text, not images: row 0's value "
+                                "'doc-0' is not an image file (no file of that name, and none of the first 5 values has "
+                                "an image extension such as .png;")
+    assert "pass --image-column (key image_column) naming the right one" in errors[7]
+    assert errors[8].startswith("raggedvl: error: the image column 'query' holds text, not images: row 0's value "
                                 "'question 0' is not an image file (it is the query column;")
+    assert "pass --eval-image-column (key eval_image_column)" in errors[8]
     assert not any("--on-bad-image" in e for e in errors[6:])
 
 
@@ -358,12 +359,13 @@ def test_reading_local_parquet_imports_neither_pandas_nor_pyarrow_dataset(tmp_pa
     which trains in the launching process (BENCHMARKS.md, "vs colpali-engine")."""
     good = _parquet(tmp_path / "good.parquet")
     code = ("import sys\n"
+            "from raggedvl.data.columns import Columns\n"
             "from raggedvl.data.dataset import load_retrieval_dataset\n"
             "from raggedvl.app import launch\n"
             "from raggedvl.app.config import TrainConfig\n"
             f"cfg = TrainConfig(dataset={good!r}, id_column='doc_id', eval_before=False, eval_after=False)\n"
             "unchecked = launch.check_data(cfg)\n"
-            f"data = load_retrieval_dataset({good!r}, id_column='doc_id', cache_dir={str(tmp_path / 'cache')!r})\n"
+            f"data = load_retrieval_dataset({good!r}, columns=Columns(id='doc_id'), cache_dir={str(tmp_path / 'cache')!r})\n"
             "print(unchecked, len(data), 'pyarrow.dataset' in sys.modules, 'pandas' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.stdout.split() == ["[]", "8", "False", "False"], out.stdout + out.stderr

@@ -22,6 +22,7 @@ from raggedvl.app.command_options import (
 )
 from raggedvl.app.gpu_driver import skip_triton
 from raggedvl.app.options import add_arguments
+from raggedvl.data.columns import Columns
 
 
 def _train(args, argv: Sequence[str]) -> int:
@@ -44,7 +45,7 @@ def _start_ranks(args, argv: Sequence[str], command: str) -> None:
     exec_agent(torchrun_command(args, strip_torchrun_arguments(argv), command=command))
 
 
-def _check_inputs(args, *, model: str, what: str, columns: dict[str, str | None] | None = None) -> None:
+def _check_inputs(args, *, model: str, what: str, columns: Columns | None = None) -> None:
     """Before torch is imported, in the launching process (ranks skip it: their launcher did it):
     what the checkpoint argument ``model`` and ``--dataset`` name (:func:`raggedvl.app.sources.resolve_source`:
     a mistyped path gets "did you mean", an offline or unreachable hub fails in seconds), and, given
@@ -60,34 +61,33 @@ def _check_inputs(args, *, model: str, what: str, columns: dict[str, str | None]
         return
     resolve_source(dataset, repo_type="dataset", presets=("rdocs",), what="--dataset")
     if columns is not None:
+        from raggedvl.app.column_flags import flags_for_columns
         from raggedvl.data.scan import check_columns, parquet_split
 
         table = parquet_split(dataset, args.split or "test")  # None for a BEIR layout, a hub id...
         if table is not None:
-            check_columns(table.columns, table.where, **columns)
+            with flags_for_columns():
+                check_columns(table.columns, table.where, columns)
 
 
 def _eval(args, argv: Sequence[str]) -> int:
     opts = options_from(args, EvalOptions)
-    _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns(with_defaults=True))
+    _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns())
     _start_ranks(args, argv, "eval")
     from raggedvl.app.evaluate_checkpoint import evaluate_checkpoint
 
-    kwargs = command_arguments(opts)
-    kwargs.update(opts.columns(with_defaults=False))
-    evaluate_checkpoint(args.checkpoint, **kwargs)
+    evaluate_checkpoint(args.checkpoint, **command_arguments(opts))
     return 0
 
 
 def _encode(args, argv: Sequence[str]) -> int:
     opts = options_from(args, EncodeOptions)
-    _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns(with_defaults=True))
+    _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns())
     _start_ranks(args, argv, "encode")
     from raggedvl.app.index_commands import encode_corpus
 
-    kwargs = command_arguments(opts)
-    kwargs.update(opts.columns(with_defaults=True))
-    encode_corpus(args.checkpoint, **kwargs)
+    kwargs = command_arguments(opts, drop=("nproc_per_node", "query_column", "image_column", "id_column"))
+    encode_corpus(args.checkpoint, columns=opts.columns(), **kwargs)
     return 0
 
 

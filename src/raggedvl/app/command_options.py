@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from raggedvl.app.options import field_specs, option, values_from
+from raggedvl.data.columns import Columns
 
 _NPROC = "processes to shard the work over (raggedvl starts torchrun)"
 
@@ -26,14 +27,9 @@ class ColumnOptions:
                                             "(none: image; eval without --dataset: the run's evaluation columns)")
     id_column: str | None = option(None, "column of the --dataset rows holding each row's id (none: '<split>-<row>')")
 
-    def columns(self, *, with_defaults: bool) -> dict[str, str | None]:
-        """``{query_column, image_column, id_column}``; ``with_defaults``: unset names become
-        the defaults ``query`` / ``image`` (else they stay None: the run's own columns)."""
-        named = {"query_column": self.query_column, "image_column": self.image_column, "id_column": self.id_column}
-        if with_defaults:
-            named["query_column"] = named["query_column"] or "query"
-            named["image_column"] = named["image_column"] or "image"
-        return named
+    def columns(self) -> Columns:
+        """The columns given; unset names are the defaults ``query`` / ``image``, no id column."""
+        return Columns(query=self.query_column or "query", image=self.image_column or "image", id=self.id_column)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from raggedvl.data.columns import Columns
 from raggedvl.models.head_options import DEFAULT_DIM, DEFAULT_HEAD, DEFAULT_POOLING
 from raggedvl.app.options import add_arguments, check_fields, check_known_keys, load_yaml, option, values_from
 
@@ -224,12 +225,17 @@ class TrainConfig:
         return list(self.dataset) if isinstance(self.dataset, list) else [self.dataset]
 
     @property
-    def eval_columns(self) -> dict[str, str | None]:
-        """The evaluation pairs' ``query_column`` / ``image_column`` / ``id_column`` (each
-        ``eval_*`` key, else the training one's), as keyword arguments of ``load_benchmark``."""
-        keys = ("query_column", "image_column", "id_column")
-        own = {key: getattr(self, "eval_" + key) for key in keys}
-        return {key: getattr(self, key) if own[key] is None else own[key] for key in keys}
+    def columns(self) -> Columns:
+        """The training pairs' columns."""
+        return Columns(query=self.query_column, image=self.image_column, id=self.id_column,
+                       negatives=self.negatives_column)
+
+    @property
+    def eval_columns(self) -> Columns:
+        """The evaluation pairs' columns: each ``eval_*`` key, else the training one's."""
+        return Columns(query=self.eval_query_column or self.query_column,
+                       image=self.eval_image_column or self.image_column,
+                       id=self.eval_id_column if self.eval_id_column is not None else self.id_column)
 
     @property
     def resolved_max_pixels(self) -> int | None:

@@ -94,7 +94,9 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
     missing column (naming ``--query-column``...), split or benchmark."""
     from raggedvl.evaluation.benchmark import load_benchmark
     from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
+    from raggedvl.app.column_flags import flags_for_columns
     from raggedvl.app.setup import load_splits
+    from raggedvl.data.columns import Columns
 
     path = Path(path)
     columns = {"query_column": query_column, "image_column": image_column, "id_column": id_column}
@@ -107,12 +109,13 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             cfg = dataclasses.replace(cfg, eval_split=split or cfg.eval_split,
                                       max_eval_samples=max_samples if max_samples is not None else cfg.max_eval_samples,
                                       **{f"eval_{k}": v for k, v in columns.items() if v is not None})
-            _, bench = load_splits(cfg, warn=info.is_main, eval_option_prefix="")
+            _, bench = load_splits(cfg, warn=info.is_main, eval_flags="")
             name, split = cfg.eval_dataset or cfg.datasets[0], cfg.eval_split
         else:
             split = split or "test"
-            bench = load_benchmark(dataset, split, limit=max_samples, on_bad_image=on_bad_image,
-                                   **{k: v for k, v in columns.items() if v is not None})
+            given = Columns(query=query_column or "query", image=image_column or "image", id=id_column)
+            with flags_for_columns():
+                bench = load_benchmark(dataset, split, limit=max_samples, on_bad_image=on_bad_image, columns=given)
             name = dataset
         max_length = cfg.max_length if cfg is not None else None
         collate = RetrievalCollator(processor, max_length=max_length, on_bad_image=on_bad_image, prompts=model.config.prompts,

@@ -16,19 +16,21 @@ from raggedvl.evaluation.index import EmbeddingIndex, write_index, write_shard
 from raggedvl.evaluation.ranking import tie_keys
 from raggedvl.evaluation.search import search
 from raggedvl.parallel import all_gather_objects, barrier, init_distributed, shutdown
+from raggedvl.app.column_flags import flags_for_columns
 from raggedvl.app.evaluate_checkpoint import load_model
+from raggedvl.data.columns import Columns
 
 
 def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str, output: str | Path, batch_size: int = 8,
-                  on_bad_image: str = "error", dtype: torch.dtype = torch.float16, query_column: str = "query",
-                  image_column: str = "image", id_column: str | None = None) -> Path:
+                  on_bad_image: str = "error", dtype: torch.dtype = torch.float16,
+                  columns: Columns = Columns()) -> Path:
     """Encode every distinct document image of ``dataset`` (a BEIR corpus, or the distinct
     images of (query, image) rows) into an index folder (``raggedvl.evaluation.index``). Under
     torchrun each rank encodes a contiguous shard and writes its own safetensors file; rank 0
     writes ``index.json``. Unreadable images under ``on_bad_image="skip"`` are left out and
-    counted. ``query_column`` / ``image_column`` / ``id_column``: the rows' columns (the ids are
-    what ``search`` prints; None: ``<split>-<row>``). Refuses an ``output`` that already holds an
-    index and a missing column, naming ``--query-column``... (``ValueError``)."""
+    counted. ``columns``: the rows' columns (the ids are what ``search`` prints; no id column:
+    ``<split>-<row>``). Refuses an ``output`` that already holds an index and a missing column,
+    naming ``--query-column``... (``ValueError``)."""
     from raggedvl.evaluation.benchmark import load_corpus
 
     out = Path(output)
@@ -37,8 +39,8 @@ def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str, output: s
     info = init_distributed()
     try:
         model, processor, _, described = load_model(Path(checkpoint), info)
-        docs = load_corpus(dataset, split, on_bad_image=on_bad_image, query_column=query_column,
-                           image_column=image_column, id_column=id_column)
+        with flags_for_columns():
+            docs = load_corpus(dataset, split, on_bad_image=on_bad_image, columns=columns)
         collate = RetrievalCollator(processor, on_bad_image=on_bad_image, prompts=model.config.prompts,
                                     layout=model.family.name)
         lo, rows = encode_shard(model, len(docs), document_collate(collate, docs), document_sizes(docs), batch_size=batch_size,

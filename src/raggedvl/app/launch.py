@@ -259,6 +259,7 @@ def check_data(cfg) -> list[str]:
     with its row, id, file and ``--on-bad-image skip``; with ``--eval-fraction``, left to
     ``prepare_run_data``). Returns what it could NOT check here, one phrase each (empty when
     everything the ranks would refuse was checked; see :func:`needs_torch`)."""
+    from raggedvl.app.column_flags import flags_for_columns
     from raggedvl.data.scan import check_columns, check_image_column, parquet_split
 
     unchecked = []
@@ -277,9 +278,9 @@ def check_data(cfg) -> list[str]:
         flag = "--eval-dataset" if cfg.eval_dataset is not None else "--dataset"
         table = None if source == "rdocs" else parquet_split(source, cfg.eval_split)  # a missing split raises
         if table is not None:  # its own columns: a missing one names --eval-query-column...
-            check_columns(table.columns, table.where, **cfg.eval_columns, option_prefix="eval_")
-            check_image_column(table, cfg.eval_columns["image_column"], flag="--eval-image-column",
-                               query_column=cfg.eval_columns["query_column"])
+            with flags_for_columns("eval_"):
+                check_columns(table.columns, table.where, cfg.eval_columns)
+                check_image_column(table, "image", cfg.eval_columns)
         elif source != "rdocs":  # a BEIR layout, a hub id...
             unchecked.append(f"{flag} {source} split {cfg.eval_split!r} (not local parquet)")
     return unchecked
@@ -303,15 +304,16 @@ def needs_torch(cfg, unchecked: Sequence[str]) -> list[str]:
 def _check_parquet_data(cfg, name: str) -> bool:
     """Check one training set (:func:`check_data`); False when it is not local parquet."""
     from raggedvl.data.dataset import check_negatives_type, kept_rows, negative_count
+    from raggedvl.app.column_flags import flags_for_columns
     from raggedvl.data.scan import check_columns, check_image_column, image_sizes, parquet_split, read_column
     from raggedvl.images import BadImageError
 
     table = parquet_split(name, cfg.train_split)
     if table is None:
         return False
-    check_columns(table.columns, table.where, query_column=cfg.query_column, image_column=cfg.image_column,
-                  id_column=cfg.id_column, negatives_column=cfg.negatives_column)
-    check_image_column(table, cfg.image_column, flag="--image-column", query_column=cfg.query_column)
+    with flags_for_columns():
+        check_columns(table.columns, table.where, cfg.columns)
+        check_image_column(table, "image", cfg.columns)
     queries = read_column(table, cfg.query_column)
     if not queries:
         raise ValueError(f"{table.where} has no rows: nothing to train on; pass a --dataset with training pairs")
@@ -328,8 +330,8 @@ def _check_parquet_data(cfg, name: str) -> bool:
 
         kind = pq.ParquetFile(table.files[0]).schema_arrow.field(cfg.negatives_column).type
         check_negatives_type(kind, cfg.negatives_column, table.where)
-        check_image_column(table, cfg.negatives_column, flag="--negatives-column", query_column=cfg.query_column,
-                           or_none=", or leave it out")
+        with flags_for_columns():
+            check_image_column(table, "negatives", cfg.columns)
         negatives = image_sizes(table, cfg.negatives_column, item="hard negative")
         negative_count(negatives.counts, used, [ids[r] for r in used], cfg.negatives_column, table.where)
     sizes = image_sizes(table, cfg.image_column)

@@ -28,6 +28,7 @@ from raggedvl.models import LoraSettings, build_retriever
 from raggedvl.parallel import DistInfo
 from raggedvl.images import ImagePolicy
 from raggedvl.sampling import BalancedDistributedBatchSampler, Mixture, SampleCosts, estimate_costs
+from raggedvl.app.column_flags import flags_for_columns
 from raggedvl.app.config import TrainConfig
 
 
@@ -66,7 +67,7 @@ def _rdocs_source(cfg: TrainConfig) -> Path:
 
 
 def load_splits(cfg: TrainConfig, *, warn: bool = True,
-                eval_option_prefix: str = "eval_") -> tuple[RetrievalDataset, RetrievalBenchmark | None]:
+                eval_flags: str = "eval_") -> tuple[RetrievalDataset, RetrievalBenchmark | None]:
     """The training pairs and the evaluation benchmark (None when the run does not evaluate).
 
     Several datasets (``cfg.datasets``) are each loaded (``max_train_samples`` per dataset) and
@@ -75,13 +76,11 @@ def load_splits(cfg: TrainConfig, *, warn: bool = True,
     content-hash split of each training split, held-out rows together), ``eval_dataset`` (its
     ``eval_split``), else the first dataset's own ``eval_split``; a dataset without that split is
     a ``ValueError`` naming the two options. The evaluation pairs are read with ``cfg.eval_columns``;
-    a missing column's message names ``--<eval_option_prefix>query-column`` (``raggedvl eval``,
-    whose flags are ``--query-column``..., passes "").
+    a missing column's message names ``--<eval_flags>query-column`` (``raggedvl eval``, whose
+    flags are ``--query-column``..., passes "").
     Evaluation documents or queries that also occur in the training pairs (by content, see
     ``raggedvl.data.splits``) are refused (``ValueError``) unless ``allow_eval_overlap``, then
     reported as a warning; either way before any training or collective."""
-    common = {"on_bad_image": cfg.on_bad_image, "query_column": cfg.query_column, "image_column": cfg.image_column,
-              "id_column": cfg.id_column}
     sources, trains, held = [], [], []
     for name in cfg.datasets:
         if name == "rdocs":
@@ -89,8 +88,9 @@ def load_splits(cfg: TrainConfig, *, warn: bool = True,
             train_limit = None  # the build already holds max_train_samples pairs
         else:
             source, train_limit = name, cfg.max_train_samples
-        train = load_retrieval_dataset(source, split=cfg.train_split, on_empty_query=cfg.on_empty_query, cache_dir=cfg.data_cache,
-                                       negatives_column=cfg.negatives_column, **common)
+        with flags_for_columns():
+            train = load_retrieval_dataset(source, split=cfg.train_split, on_empty_query=cfg.on_empty_query,
+                                           cache_dir=cfg.data_cache, columns=cfg.columns, on_bad_image=cfg.on_bad_image)
         if cfg.eval_fraction is not None:
             train, held_out = hash_split(train, cfg.eval_fraction)
             held.append(held_out)
@@ -104,8 +104,9 @@ def load_splits(cfg: TrainConfig, *, warn: bool = True,
     elif not cfg.evaluates:
         bench = None
     else:
-        bench = load_benchmark(cfg.eval_dataset or sources[0], cfg.eval_split, limit=cfg.max_eval_samples,
-                               on_bad_image=cfg.on_bad_image, option_prefix=eval_option_prefix, **cfg.eval_columns)
+        with flags_for_columns(eval_flags):
+            bench = load_benchmark(cfg.eval_dataset or sources[0], cfg.eval_split, limit=cfg.max_eval_samples,
+                                   on_bad_image=cfg.on_bad_image, columns=cfg.eval_columns)
     if bench is not None:
         check_overlap(cfg, train, bench, warn=warn)
     return train, bench

@@ -25,6 +25,8 @@ _EXPORTS = {
     "TINY_MIN_PIXELS": "raggedvl.data.processing",
     "build_processor": "raggedvl.data.processing",
     "build_rdocs": "raggedvl.data.rdocs",
+    "ColumnError": "raggedvl.data.columns",
+    "Columns": "raggedvl.data.columns",
     "build_tiny_tokenizer": "raggedvl.data.processing",
     "cache_root": "raggedvl.data.cache",
     "load_image": "raggedvl.images",

@@ -2,7 +2,7 @@
 
 Items are dicts ``{"query": str, "image": PIL.Image (RGB, decoded on access), "id": str, ...}``
 plus metadata (rdocs: split, pdf, page, pages, view, dpi, width, height, source). Query i's
-relevant document is item i's image. With a hard-negatives column (``negatives_column=``) an
+relevant document is item i's image. With a hard-negatives column (``Columns(negatives=...)``) an
 item also holds ``"negatives"``: a list of k PIL images, the same k for every row (the losses
 score k hard negatives per query), decoded on access like the image. Every item carries
 ``"doc_key"`` (and with negatives ``"negative_keys"``): the document key of its page
@@ -11,7 +11,7 @@ from being a negative of a query it answers.
 
 Bad input policy:
 - a missing ``query`` / ``image`` column (or manifest key): ValueError at construction, naming
-  the columns present and the ``query_column=`` / ``image_column=`` fix;
+  the columns present and the ``Columns(query=...)`` / ``Columns(image=...)`` fix;
 - an empty or non-string query: ValueError at construction naming the row and id, or with
   ``on_empty_query="skip"`` the row is left out and listed in ``dataset.skipped_rows``
   (``{"row", "id", "reason"}``), or with ``on_empty_query="keep"`` the row stays with query
@@ -50,6 +50,7 @@ from raggedvl.data.scan import (
     parquet_split,
     pick_split,
 )
+from raggedvl.data.columns import Columns
 from raggedvl.data.keys import bytes_key, image_key
 from raggedvl.images import BadImageError, BadImagePolicy, check_bad_image_policy, load_image, read_size
 
@@ -380,30 +381,25 @@ class RetrievalDataset(Sequence):
         dataset,
         split: str = "train",
         *,
-        query_column: str = "query",
-        image_column: str = "image",
-        id_column: str | None = None,
-        negatives_column: str | None = None,
+        columns: Columns = Columns(),
         limit: int | None = None,
         base_dir: str | os.PathLike | None = None,
         on_empty_query: str = "error",
         sizes: Sequence[tuple[int, int] | None] | None = None,
         negative_sizes: Sequence[list[tuple[int, int] | None]] | None = None,
-        option_prefix: str = "",
         **kwargs,
     ) -> "RetrievalDataset":
         """Wrap a ``datasets.Dataset`` (or a ``pyarrow.Table``, or a ``MappedTable`` from
-        ``raggedvl.data.arrow_cache``) with a query column and an image column (the datasets
-        ``Image`` feature, encoded bytes, or strings holding paths relative to ``base_dir``), and
-        optionally a hard-negatives column (one image or a list of images per row, the same
-        count in each).
+        ``raggedvl.data.arrow_cache``) with the ``columns`` (:class:`~raggedvl.data.columns.Columns`):
+        a query column and an image column (the datasets ``Image`` feature, encoded bytes, or
+        strings holding paths relative to ``base_dir``), optionally an id column and a
+        hard-negatives column (one image or a list of images per row, the same count in each).
         ``sizes``: each row's image (width, height) when known (``raggedvl.data.scan``'s cache;
         None: read the header when needed), so that a size estimate reads no image;
         ``negative_sizes``: likewise, per row the list of its hard negatives' sizes.
-        ``option_prefix``: how a missing column's message names the option that fixes it
-        (``raggedvl.data.scan.check_columns``; ``"eval_"``: ``--eval-query-column``).
-        Raises ``ValueError`` for a missing column, and for an image or hard-negatives column
-        that holds text, e.g. the queries (``raggedvl.data.scan.check_not_text``).
+        Raises :class:`~raggedvl.data.columns.ColumnError` (a ``ValueError``) for a missing
+        column, and for an image or hard-negatives column that holds text, e.g. the queries
+        (``raggedvl.data.scan.check_not_text``).
 
         Rows are read from the Arrow data, undecoded (an ``Image`` value is its
         ``{"bytes", "path"}`` storage), row by row on access, and decoded by this package's
@@ -411,28 +407,26 @@ class RetrievalDataset(Sequence):
         """
         source = _arrow_of_hf(dataset)  # what the columns keep a reference to (a MappedTable pickles small)
         table = _arrow(source)
-        columns = list(table.column_names)
+        available = list(table.column_names)
         where = kwargs.pop("where", None) or f"dataset split {split!r}"
-        check_columns(columns, where, query_column=query_column, image_column=image_column,
-                      id_column=id_column, negatives_column=negatives_column, option_prefix=option_prefix)
-        for column, key, or_none in ((image_column, option_prefix + "image_column", ""),
-                                     (negatives_column, "negatives_column", ", or leave it out")):
+        check_columns(available, where, columns)
+        for role in ("image", "negatives"):
+            column = getattr(columns, role)
             if column is not None and is_text_type(table.schema.field(column).type):  # paths, or text?
-                check_not_text(table.column(column).slice(0, TEXT_SAMPLE_ROWS).to_pylist(), column=column,
-                               flag="--" + key.replace("_", "-"), where=where, columns=columns,
-                               base_dir=base_dir, query_column=query_column, or_none=or_none)
-        queries = table.column(query_column).to_pylist()
-        ids = ([str(v) for v in table.column(id_column).to_pylist()] if id_column
+                check_not_text(table.column(column).slice(0, TEXT_SAMPLE_ROWS).to_pylist(), role=role,
+                               columns=columns, where=where, available=available, base_dir=base_dir)
+        queries = table.column(columns.query).to_pylist()
+        ids = ([str(v) for v in table.column(columns.id).to_pylist()] if columns.id
                else [f"{split}-{i}" for i in range(len(queries))])
         keep, skipped = kept_rows(queries, ids, where, on_empty_query, limit)
         records = [{"query": queries[i], "id": ids[i], "row": i} for i in keep]
         negatives, k = None, 0
-        if negatives_column is not None:
-            k = _negative_counts(table, negatives_column, keep, [ids[i] for i in keep], where)
-            negatives = _RowLists(_ImageColumn(source, negatives_column, keep, None), base_dir)
+        if columns.negatives is not None:
+            k = _negative_counts(table, columns.negatives, keep, [ids[i] for i in keep], where)
+            negatives = _RowLists(_ImageColumn(source, columns.negatives, keep, None), base_dir)
             if negative_sizes is not None:
                 kwargs["negative_inputs"] = _KnownOrSources([negative_sizes[i] for i in keep], negatives)
-        result = cls(records, _ImageColumn(source, image_column, keep, base_dir), split, where=where,
+        result = cls(records, _ImageColumn(source, columns.image, keep, base_dir), split, where=where,
                      on_empty_query=on_empty_query, negative_sources=negatives, negatives_per_row=k,
                      sizes=None if sizes is None else [sizes[i] for i in keep], **kwargs)
         result.skipped_rows = skipped
@@ -629,17 +623,14 @@ def load_retrieval_dataset(
     split: str = "train",
     *,
     limit: int | None = None,
-    query_column: str = "query",
-    image_column: str = "image",
-    id_column: str | None = None,
-    negatives_column: str | None = None,
+    columns: Columns = Columns(),
     on_bad_image: BadImagePolicy = "error",
     on_empty_query: str = "error",
     cache_dir: str | os.PathLike | None = None,
-    option_prefix: str = "",
     **load_kwargs,
 ) -> RetrievalDataset:
-    """Load a split of a retrieval dataset with ``query`` and ``image`` columns.
+    """Load a split of a retrieval dataset with a query and an image column (``columns``:
+    :class:`~raggedvl.data.columns.Columns`).
 
     ``name_or_path`` may be:
     - ``"rdocs"``: the embedded dataset (full build, cached; see ``build_rdocs`` for subsets),
@@ -652,9 +643,9 @@ def load_retrieval_dataset(
     - a hub dataset id (``vidore/colpali_train_set``) through ``datasets.load_dataset``.
     ``split`` names one of the splits present; "dev" and "validation" (and the other
     ``raggedvl.data.scan.SPLIT_ALIASES``) find each other. A missing split is a ``ValueError`` listing those present.
-    ``limit`` keeps a stable hash sample of that many rows. ``negatives_column`` names a column
+    ``limit`` keeps a stable hash sample of that many rows. ``columns.negatives`` names a column
     of hard negatives (one image or a list of images per row; not for rdocs manifests, which have
-    none). ``option_prefix``: see ``RetrievalDataset.from_hf``. Local parquet is read as one
+    none). Local parquet is read as one
     memory-mapped Arrow table in the cache under ``cache_dir`` (``raggedvl.data.arrow_cache``),
     without ``datasets``; extra ``load_kwargs`` send every source through ``datasets.load_dataset``.
     """
@@ -663,9 +654,9 @@ def load_retrieval_dataset(
     common = {"on_bad_image": on_bad_image, "on_empty_query": on_empty_query}
     path = Path(name_or_path)
     is_manifest = str(name_or_path) == "rdocs" or (path / "manifest.jsonl").is_file()
-    if negatives_column is not None and is_manifest:
+    if columns.negatives is not None and is_manifest:
         raise ValueError(f"{name_or_path} is an rdocs manifest, which has no hard-negatives column "
-                         f"{negatives_column!r}; leave out --negatives-column or train on a parquet file that has one")
+                         f"{columns.negatives!r}; leave Columns(negatives=...) unset or load a parquet file that has one")
     if str(name_or_path) == "rdocs":
         from raggedvl.data.rdocs import build_rdocs
 
@@ -675,11 +666,10 @@ def load_retrieval_dataset(
 
     rows, base = _load_split(name_or_path, split, cache_dir, **load_kwargs)
     return RetrievalDataset.from_hf(
-        rows, split, query_column=query_column, image_column=image_column, id_column=id_column,
-        negatives_column=negatives_column, limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}",
-        sizes=_cached_sizes(name_or_path, split, image_column, _num_rows(rows)), option_prefix=option_prefix,
-        negative_sizes=(None if negatives_column is None
-                        else _cached_negative_sizes(name_or_path, split, negatives_column, _num_rows(rows))),
+        rows, split, columns=columns, limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}",
+        sizes=_cached_sizes(name_or_path, split, columns.image, _num_rows(rows)),
+        negative_sizes=(None if columns.negatives is None
+                        else _cached_negative_sizes(name_or_path, split, columns.negatives, _num_rows(rows))),
         **common,
     )
 

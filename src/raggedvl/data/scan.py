@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from raggedvl.data.columns import ROLES, ColumnError, Columns
+
 SCAN_VERSION = 3  # in the cache key: 2 added list columns (hard negatives); 3: a PNG without its IEND chunk is unreadable
 _LABEL = "\x00"  # stands for the row's label in a stored reason; replaced when reported
 PARALLEL_ROWS = 2048  # fewer rows are read in this process (worker start-up would dominate)
@@ -213,24 +215,18 @@ def is_beir_layout(name_or_path: str | os.PathLike) -> bool:
     return root.is_dir() and all(beir_part(root, stem) is not None for stem in ("corpus", "queries", "qrels"))
 
 
-def check_columns(columns: Sequence[str], where: str, *, query_column: str, image_column: str,
-                  id_column: str | None, negatives_column: str | None = None, option_prefix: str = "") -> None:
-    """Raises ``ValueError`` naming the missing column, the columns present, the closest of them
-    ("did you mean", ``difflib``) and the option that names the right one: the key
-    ``<option_prefix>query_column`` and its flag (``--query-column``; ``option_prefix="eval_"``
-    for ``raggedvl train``'s evaluation set: ``--eval-query-column``)."""
-    columns = list(columns)
-    checks = [("query_column", query_column, "column", ""), ("image_column", image_column, "column", ""),
-              ("id_column", id_column, "id column", "" if option_prefix else ", or none"),  # eval: none is id_column's
-              ("negatives_column", negatives_column, "hard-negatives column", ", or none")]
-    for key, column, noun, or_none in checks:
-        if column is None or column in columns:
+def check_columns(available: Sequence[str], where: str, columns: Columns) -> None:
+    """Raises :class:`~raggedvl.data.columns.ColumnError` naming the missing column, the
+    columns present and the closest of them ("did you mean", ``difflib``)."""
+    available = list(available)
+    nouns = {"query": "column", "image": "column", "id": "id column", "negatives": "hard-negatives column"}
+    for role in ROLES:
+        column = getattr(columns, role)
+        if column is None or column in available:
             continue
-        option = key if key == "negatives_column" else option_prefix + key  # negatives: training only
-        close = difflib.get_close_matches(column, columns, n=1, cutoff=0.6)
-        raise ValueError(f"{where} has no {noun} {column!r} (columns: {columns}); "
-                         + (f"did you mean {close[0]!r}? " if close else "")
-                         + f"pass --{option.replace('_', '-')} (key {option}) naming the right one{or_none}")
+        close = difflib.get_close_matches(column, available, n=1, cutoff=0.6)
+        raise ColumnError(f"{where} has no {nouns[role]} {column!r} (columns: {available})"
+                          + (f"; did you mean {close[0]!r}?" if close else ""), role)
 
 
 TEXT_SAMPLE_ROWS = 5  # rows whose strings decide whether an image column holds text
@@ -264,21 +260,22 @@ def _names_an_image(value: str, base_dir: Path | None) -> bool:
         return False
 
 
-def check_not_text(values: Sequence[Any], *, column: str, flag: str, where: str, columns: Sequence[str],
-                   base_dir: str | os.PathLike | None, query_column: str | None = None, or_none: str = "") -> None:
-    """Raises ``ValueError`` when an image column (``flag`` names it: ``--image-column``,
-    ``--negatives-column``, ...) holds text, not images or image paths: it is ``query_column``,
-    or none of the strings in ``values`` (its first rows' cells, each one value or a list; see
+def check_not_text(values: Sequence[Any], *, role: str, columns: Columns, where: str, available: Sequence[str],
+                   base_dir: str | os.PathLike | None) -> None:
+    """Raises :class:`~raggedvl.data.columns.ColumnError` when the image column of ``role``
+    ("image" or "negatives") holds text, not images or image paths: it is the query column, or
+    none of the strings in ``values`` (its first rows' cells, each one value or a list; see
     ``TEXT_SAMPLE_ROWS``) has an image extension or is an existing file (relative to
-    ``base_dir``). The message quotes the first string, names the columns present and the fix;
-    ``or_none`` ends it (``", or leave it out"``). A column of image paths passes even when
-    some of its files are missing (a missing file is a ``BadImageError`` naming its row); values
-    that are not strings (bytes, the ``datasets`` Image struct) always pass."""
+    ``base_dir``). The message quotes the first string and names the columns present. A column
+    of image paths passes even when some of its files are missing (a missing file is a
+    ``BadImageError`` naming its row); values that are not strings (bytes, the ``datasets``
+    Image struct) always pass."""
+    column = getattr(columns, role)
     strings = [(row, v) for row, cell in enumerate(values)
                for v in (cell if isinstance(cell, list) else [cell]) if isinstance(v, str)]
     if not strings:
         return
-    is_query = column == query_column
+    is_query = column == columns.query
     if not is_query and any(_names_an_image(v, None if base_dir is None else Path(base_dir)) for _, v in strings):
         return
     row, value = strings[0]
@@ -286,26 +283,26 @@ def check_not_text(values: Sequence[Any], *, column: str, flag: str, where: str,
     why = ("it is the query column" if is_query
            else f"no file of that name, and none of the first {len(strings)} values has an image extension "
                 "such as .png")
-    raise ValueError(f"{flag} {column!r} holds text, not images: row {row}'s value {shown!r} is not an image file "
-                     f"({why}; {where}); pass {flag} naming the column of images or image paths "
-                     f"(columns: {list(columns)}){or_none}")
+    raise ColumnError(f"the {'hard-negatives' if role == 'negatives' else role} column {column!r} holds text, not "
+                      f"images: row {row}'s value {shown!r} is not an image file ({why}; {where}; "
+                      f"columns: {list(available)})", role)
 
 
-def check_image_column(split: ParquetSplit, column: str, *, flag: str, query_column: str | None,
-                       or_none: str = "") -> None:
-    """:func:`check_not_text` on the first ``TEXT_SAMPLE_ROWS`` rows of ``split``'s ``column``
-    when its Arrow type holds strings (only then are values read: an image column's bytes are
-    not). Raises ``ValueError`` as that does."""
+def check_image_column(split: ParquetSplit, role: str, columns: Columns) -> None:
+    """:func:`check_not_text` on the first ``TEXT_SAMPLE_ROWS`` rows of ``split``'s column of
+    ``role`` when its Arrow type holds strings (only then are values read: an image column's
+    bytes are not). Raises ``ColumnError`` as that does."""
     import pyarrow.parquet as pq
 
+    column = getattr(columns, role)
     with reading_parquet(split.files[0]):
         file = pq.ParquetFile(split.files[0])
         if not is_text_type(file.schema_arrow.field(column).type):
             return
         batch = next(file.iter_batches(batch_size=TEXT_SAMPLE_ROWS, columns=[column]), None)
     values = [] if batch is None else batch.column(0).to_pylist()[:TEXT_SAMPLE_ROWS]
-    check_not_text(values, column=column, flag=flag, where=split.where, columns=split.columns,
-                   base_dir=split.base_dir, query_column=query_column, or_none=or_none)
+    check_not_text(values, role=role, columns=columns, where=split.where, available=split.columns,
+                   base_dir=split.base_dir)
 
 
 def read_column(split: ParquetSplit, column: str) -> list[Any]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raggedvl.data.columns import Columns
 from raggedvl.data.dataset import RetrievalDataset, load_retrieval_dataset, pick_split
 from raggedvl.data.scan import beir_part, is_beir_layout
 
@@ -110,17 +111,15 @@ def distinct_images(rows: RetrievalDataset) -> list[int]:
 
 
 def load_corpus(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_image: str = "error",
-                query_column: str = "query", image_column: str = "image", id_column: str | None = None,
-                **load_kwargs) -> RetrievalDataset:
+                columns: Columns = Columns(), **load_kwargs) -> RetrievalDataset:
     """The documents of a benchmark or dataset, each distinct image once (for indexing): the
-    ``corpus`` of a BEIR layout, else the distinct images of the rows (the ``query_column`` must
+    ``corpus`` of a BEIR layout, else the distinct images of the rows (``columns.query`` must
     exist; rows with an empty query are kept). Local pairs are read without ``datasets``."""
     path = Path(name_or_path)
     if is_beir_layout(path) or (not path.exists() and str(name_or_path) != "rdocs" and _hub_has_corpus(name_or_path)):
         return _corpus_documents(name_or_path, split, on_bad_image, **load_kwargs)
     rows = load_retrieval_dataset(name_or_path, split, on_bad_image=on_bad_image, on_empty_query="keep",
-                                  query_column=query_column, image_column=image_column, id_column=id_column,
-                                  **load_kwargs)
+                                  columns=columns, **load_kwargs)
     return rows.select(sorted(set(distinct_images(rows))))
 
 
@@ -163,9 +162,9 @@ def _corpus_documents(name_or_path, split: str, on_bad_image: str, **load_kwargs
     cid = _column(corpus.column_names, ("corpus-id", "corpus_id", "_id", "id"), "corpus")
     corpus = corpus.cast_column(cid, datasets.Value("string"))
     base = Path(name_or_path) if Path(name_or_path).is_dir() else None
-    return RetrievalDataset.from_hf(corpus.add_column("_no_query", [None] * len(corpus)), split,
-                                    query_column="_no_query", image_column=_column(corpus.column_names, ("image",), "corpus"),
-                                    id_column=cid, base_dir=base, on_empty_query="keep", on_bad_image=on_bad_image)
+    columns = Columns(query="_no_query", image=_column(corpus.column_names, ("image",), "corpus"), id=cid)
+    return RetrievalDataset.from_hf(corpus.add_column("_no_query", [None] * len(corpus)), split, columns=columns,
+                                    base_dir=base, on_empty_query="keep", on_bad_image=on_bad_image)
 
 
 def load_beir(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_image: str = "error", **load_kwargs) -> RetrievalBenchmark:
@@ -207,14 +206,12 @@ def load_beir(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_im
 
 
 def load_benchmark(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_image: str = "error",
-                   query_column: str = "query", image_column: str = "image", id_column: str | None = None,
-                   limit: int | None = None, cache_dir: str | os.PathLike | None = None, option_prefix: str = "",
-                   **load_kwargs) -> RetrievalBenchmark:
+                   columns: Columns = Columns(), limit: int | None = None,
+                   cache_dir: str | os.PathLike | None = None, **load_kwargs) -> RetrievalBenchmark:
     """A benchmark from a BEIR-layout folder or hub dataset (configs ``corpus``/``queries``/``qrels``)
-    or from (query, image) pairs (any source :func:`raggedvl.data.load_retrieval_dataset` reads;
-    query-less rows kept as corpus-only documents). ``limit``: pairs, a stable sample of that
-    many rows; BEIR, that many queries over the whole corpus. ``option_prefix``: how a missing
-    column's message names its option (``"eval_"``: ``--eval-query-column``)."""
+    or from (query, image) pairs (any source :func:`raggedvl.data.load_retrieval_dataset` reads,
+    with ``columns``; query-less rows kept as corpus-only documents). ``limit``: pairs, a stable
+    sample of that many rows; BEIR, that many queries over the whole corpus."""
     path = Path(name_or_path)
     if is_beir_layout(path):
         return load_beir(path, split, on_bad_image=on_bad_image, **load_kwargs).sample_queries(limit)
@@ -228,6 +225,5 @@ def load_benchmark(name_or_path: str | os.PathLike, split: str = "test", *, on_b
         if {"corpus", "queries", "qrels"} <= set(configs):
             return load_beir(name_or_path, split, on_bad_image=on_bad_image, **load_kwargs).sample_queries(limit)
     pairs = load_retrieval_dataset(name_or_path, split, on_bad_image=on_bad_image, on_empty_query="keep", limit=limit,
-                                   query_column=query_column, image_column=image_column, id_column=id_column,
-                                   cache_dir=cache_dir, option_prefix=option_prefix, **load_kwargs)
+                                   columns=columns, cache_dir=cache_dir, **load_kwargs)
     return RetrievalBenchmark.from_pairs(pairs, name=str(name_or_path))

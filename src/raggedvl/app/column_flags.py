@@ -1,0 +1,27 @@
+"""Column errors named by the command line's flags: a library :class:`~raggedvl.data.columns.ColumnError`
+says which column is wrong; here its fix names the flag and config key that set it."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from raggedvl.data.columns import ColumnError
+
+
+def column_fix(role: str, prefix: str = "") -> str:
+    """How a user fixes the column of ``role``: its flag and key (``prefix`` ``"eval_"``: the
+    evaluation set's own, ``--eval-query-column``; hard negatives have no evaluation key)."""
+    key = "negatives_column" if role == "negatives" else f"{prefix}{role}_column"
+    unset = role == "negatives" or (role == "id" and not prefix)  # an evaluation id falls back to id_column
+    return f"pass --{key.replace('_', '-')} (key {key}) naming the right one" + (", or none" if unset else "")
+
+
+@contextlib.contextmanager
+def flags_for_columns(prefix: str = "") -> Iterator[None]:
+    """Re-raise a ``ColumnError`` from the block as a ``ValueError`` whose fix names the flag
+    (:func:`column_fix`)."""
+    try:
+        yield
+    except ColumnError as exc:
+        raise exc.with_fix(column_fix(exc.role, prefix)) from None

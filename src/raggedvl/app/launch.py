@@ -245,7 +245,7 @@ def check_output_space(cfg) -> None:
 def check_data(cfg) -> list[str]:
     """The launcher's data checks before torch is imported, for each training set held in local
     parquet files (``raggedvl.data.scan``; other sources are checked by ``prepare_run_data``):
-    the columns (an image or hard-negatives column holding text, such as the queries, is refused:
+    the columns (``--source-column`` too, with a value in every row trained on; an image or hard-negatives column holding text, such as the queries, is refused:
     ``raggedvl.data.scan.check_image_column``), the queries (``--on-empty-query``), the hard
     negatives (``--negatives-column``: the column's type and every row's count), and every
     image's header, documents and hard negatives, read in parallel and cached beside the data, so the ranks' size estimate reads no
@@ -302,7 +302,7 @@ def needs_torch(cfg, unchecked: Sequence[str]) -> list[str]:
 
 def _check_parquet_data(cfg, name: str) -> bool:
     """Check one training set (:func:`check_data`); False when it is not local parquet."""
-    from raggedvl.data.dataset import check_negatives_type, kept_rows, negative_count
+    from raggedvl.data.dataset import check_negatives_type, kept_rows, negative_count, source_values
     from raggedvl.data.scan import check_columns, check_image_column, image_sizes, parquet_split, read_column
     from raggedvl.images import BadImageError
 
@@ -310,7 +310,7 @@ def _check_parquet_data(cfg, name: str) -> bool:
     if table is None:
         return False
     check_columns(table.columns, table.where, query_column=cfg.query_column, image_column=cfg.image_column,
-                  id_column=cfg.id_column, negatives_column=cfg.negatives_column)
+                  id_column=cfg.id_column, negatives_column=cfg.negatives_column, source_column=cfg.source_column)
     check_image_column(table, cfg.image_column, flag="--image-column", query_column=cfg.query_column)
     queries = read_column(table, cfg.query_column)
     if not queries:
@@ -321,6 +321,9 @@ def _check_parquet_data(cfg, name: str) -> bool:
     if not used:
         raise ValueError(f"{table.where}: all {len(skipped)} rows were left out for an empty or non-string query "
                          "(--on-empty-query skip); nothing is left to train on")
+    if cfg.source_column is not None:  # a row without a source value
+        source_values(read_column(table, cfg.source_column), used, [ids[r] for r in used], cfg.source_column,
+                      table.where)
 
     negatives = None
     if cfg.negatives_column is not None:

@@ -91,6 +91,21 @@ def _bad_query_rows(queries: list[Any], ids: list[str], where: str, policy: str)
     return bad
 
 
+def source_values(values: Sequence[Any], rows: Sequence[int], ids: Sequence[str], column: str,
+                  where: str) -> list[str]:
+    """Each of ``rows``' value of the source column ``column`` (``values``: the whole column), as
+    text (``raggedvl train --source-column``: rows with equal values form one source). Raises
+    ``ValueError`` naming the first row whose value is missing (null)."""
+    out = []
+    for row, ident in zip(rows, ids):
+        value = values[row]
+        if value is None:
+            raise ValueError(f"{where}: row {row} (id {ident!r}) has no value in the source column {column!r}; fill "
+                             "it in, leave the row out, or pass --source-column none")
+        out.append(str(value))
+    return out
+
+
 def kept_rows(queries: list[Any], ids: list[str], where: str, on_empty_query: str,
               limit: int | None = None) -> tuple[list[int], list[dict[str, Any]]]:
     """(rows kept, rows skipped): the rows a loader keeps of a table with these ``queries`` and
@@ -342,12 +357,13 @@ class RetrievalDataset(Sequence):
     @classmethod
     def from_manifest(
         cls, directory: str | os.PathLike, split: str | None = "train", *, limit: int | None = None,
-        on_empty_query: str = "error", **kwargs,
+        on_empty_query: str = "error", source_column: str | None = None, **kwargs,
     ) -> "RetrievalDataset":
         """Rows of ``<directory>/manifest.jsonl`` whose ``split`` matches (None: all rows).
+        ``source_column``: a manifest key whose value is each row's ``"source_value"``.
 
-        Raises ValueError for a missing manifest, a row without ``query``/``image``/``id``, or a
-        split with no rows (naming the splits present).
+        Raises ValueError for a missing manifest, a row without ``query``/``image``/``id`` (or
+        ``source_column``), or a split with no rows (naming the splits present).
         """
         root = Path(directory)
         manifest = root / "manifest.jsonl" if root.is_dir() else root
@@ -369,6 +385,13 @@ class RetrievalDataset(Sequence):
         sizes = [(r["width"], r["height"]) if "width" in r and "height" in r else None for r in chosen]
         sources = [manifest.parent / r["image"] for r in chosen]
         records = [{k: v for k, v in r.items() if k != "image"} for r in chosen]
+        if source_column is not None:
+            missing = next((r for r in chosen if r.get(source_column) is None), None)
+            if missing is not None:
+                raise ValueError(f"{manifest}: row {missing['id']!r} has no {source_column!r} (keys present: "
+                                 f"{sorted(missing)}); pass --source-column naming a key every row has, or none")
+            for record in records:
+                record["source_value"] = str(record[source_column])
         dataset = cls(records, sources, split or "all", sizes=None if None in sizes else sizes, where=str(manifest),
                       on_empty_query=on_empty_query, **kwargs)
         dataset.skipped_rows = skipped
@@ -384,6 +407,7 @@ class RetrievalDataset(Sequence):
         image_column: str = "image",
         id_column: str | None = None,
         negatives_column: str | None = None,
+        source_column: str | None = None,
         limit: int | None = None,
         base_dir: str | os.PathLike | None = None,
         on_empty_query: str = "error",
@@ -400,6 +424,8 @@ class RetrievalDataset(Sequence):
         ``sizes``: each row's image (width, height) when known (``raggedvl.data.scan``'s cache;
         None: read the header when needed), so that a size estimate reads no image;
         ``negative_sizes``: likewise, per row the list of its hard negatives' sizes.
+        ``source_column``: a column whose value (as text) is each row's ``"source_value"``
+        (``source_values``: a null value is a ``ValueError`` naming the row).
         ``option_prefix``: how a missing column's message names the option that fixes it
         (``raggedvl.data.scan.check_columns``; ``"eval_"``: ``--eval-query-column``).
         Raises ``ValueError`` for a missing column, and for an image or hard-negatives column
@@ -414,7 +440,8 @@ class RetrievalDataset(Sequence):
         columns = list(table.column_names)
         where = kwargs.pop("where", None) or f"dataset split {split!r}"
         check_columns(columns, where, query_column=query_column, image_column=image_column,
-                      id_column=id_column, negatives_column=negatives_column, option_prefix=option_prefix)
+                      id_column=id_column, negatives_column=negatives_column, option_prefix=option_prefix,
+                      source_column=source_column)
         for column, key, or_none in ((image_column, option_prefix + "image_column", ""),
                                      (negatives_column, "negatives_column", ", or leave it out")):
             if column is not None and is_text_type(table.schema.field(column).type):  # paths, or text?
@@ -426,6 +453,11 @@ class RetrievalDataset(Sequence):
                else [f"{split}-{i}" for i in range(len(queries))])
         keep, skipped = kept_rows(queries, ids, where, on_empty_query, limit)
         records = [{"query": queries[i], "id": ids[i], "row": i} for i in keep]
+        if source_column is not None:
+            values = source_values(table.column(source_column).to_pylist(), keep, [ids[i] for i in keep],
+                                   source_column, where)
+            for record, value in zip(records, values):
+                record["source_value"] = value
         negatives, k = None, 0
         if negatives_column is not None:
             k = _negative_counts(table, negatives_column, keep, [ids[i] for i in keep], where)
@@ -633,6 +665,7 @@ def load_retrieval_dataset(
     image_column: str = "image",
     id_column: str | None = None,
     negatives_column: str | None = None,
+    source_column: str | None = None,
     on_bad_image: BadImagePolicy = "error",
     on_empty_query: str = "error",
     cache_dir: str | os.PathLike | None = None,
@@ -654,13 +687,14 @@ def load_retrieval_dataset(
     ``raggedvl.data.scan.SPLIT_ALIASES``) find each other. A missing split is a ``ValueError`` listing those present.
     ``limit`` keeps a stable hash sample of that many rows. ``negatives_column`` names a column
     of hard negatives (one image or a list of images per row; not for rdocs manifests, which have
-    none). ``option_prefix``: see ``RetrievalDataset.from_hf``. Local parquet is read as one
+    none). ``source_column`` names a column (a manifest key) whose value is each row's
+    ``"source_value"`` (``raggedvl train --source-column``). ``option_prefix``: see ``RetrievalDataset.from_hf``. Local parquet is read as one
     memory-mapped Arrow table in the cache under ``cache_dir`` (``raggedvl.data.arrow_cache``),
     without ``datasets``; extra ``load_kwargs`` send every source through ``datasets.load_dataset``.
     """
     if on_empty_query not in EMPTY_QUERY_POLICIES:
         raise ValueError(f"on_empty_query must be one of {EMPTY_QUERY_POLICIES}, got {on_empty_query!r}")
-    common = {"on_bad_image": on_bad_image, "on_empty_query": on_empty_query}
+    common = {"on_bad_image": on_bad_image, "on_empty_query": on_empty_query, "source_column": source_column}
     path = Path(name_or_path)
     is_manifest = str(name_or_path) == "rdocs" or (path / "manifest.jsonl").is_file()
     if negatives_column is not None and is_manifest:

@@ -214,7 +214,8 @@ def is_beir_layout(name_or_path: str | os.PathLike) -> bool:
 
 
 def check_columns(columns: Sequence[str], where: str, *, query_column: str, image_column: str,
-                  id_column: str | None, negatives_column: str | None = None, option_prefix: str = "") -> None:
+                  id_column: str | None, negatives_column: str | None = None, option_prefix: str = "",
+                  source_column: str | None = None) -> None:
     """Raises ``ValueError`` naming the missing column, the columns present, the closest of them
     ("did you mean", ``difflib``) and the option that names the right one: the key
     ``<option_prefix>query_column`` and its flag (``--query-column``; ``option_prefix="eval_"``
@@ -222,11 +223,13 @@ def check_columns(columns: Sequence[str], where: str, *, query_column: str, imag
     columns = list(columns)
     checks = [("query_column", query_column, "column", ""), ("image_column", image_column, "column", ""),
               ("id_column", id_column, "id column", "" if option_prefix else ", or none"),  # eval: none is id_column's
-              ("negatives_column", negatives_column, "hard-negatives column", ", or none")]
+              ("negatives_column", negatives_column, "hard-negatives column", ", or none"),
+              ("source_column", source_column, "source column", ", or none")]
     for key, column, noun, or_none in checks:
         if column is None or column in columns:
             continue
-        option = key if key == "negatives_column" else option_prefix + key  # negatives: training only
+        training_only = key in ("negatives_column", "source_column")
+        option = key if training_only else option_prefix + key
         close = difflib.get_close_matches(column, columns, n=1, cutoff=0.6)
         raise ValueError(f"{where} has no {noun} {column!r} (columns: {columns}); "
                          + (f"did you mean {close[0]!r}? " if close else "")

@@ -138,3 +138,22 @@ def test_a_missing_source_column_or_value_is_a_one_line_error_before_any_process
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "row 1 (id 'train-1') has no value in the source column 'kind'; fill it in" in err, err
+
+
+def test_a_manifest_key_is_a_source_column(small_data_cache):
+    """rdocs rows carry ``source`` (how the page's query was made: outline or help_title)."""
+    from tests.conftest import SMALL_DEV_PAIRS, SMALL_TRAIN_PAIRS
+
+    cfg = TrainConfig(source_column="source", batch_sampling="one-source", global_batch_size=4,
+                      max_train_samples=SMALL_TRAIN_PAIRS, max_eval_samples=SMALL_DEV_PAIRS, eval_before=False,
+                      eval_after=False, data_cache=str(small_data_cache))
+    data = prepare_run_data(cfg, warn=False)
+    values = row_sources(cfg, data.train_set)
+    assert values == [r["source"] for r in data.train_set.records] and set(values) == {"outline", "help_title"}
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none")
+    sampler = make_sampler(cfg, data.costs, info, data.train_set.part_sizes, values)
+    assert sampler.mixture.names == tuple(sorted(set(values)))
+    for k, rows in enumerate(sampler):
+        assert {values[i] for i in rows} == {sampler.step_source(k)}
+    with pytest.raises(ValueError, match=r"has no 'sorce' \(keys present: .*\); pass --source-column naming a key"):
+        prepare_run_data(TrainConfig(**{**cfg.to_dict(), "source_column": "sorce"}), warn=False)

@@ -67,12 +67,13 @@ class TrainConfig:
               "is never drawn, as the start line says)", at_least=0)
     batch_sampling: Literal["mixed", "one-source"] = option(
         "mixed", "how a global batch draws its sources: each sample by the weights (mixed), or one source per global "
-                 "batch, chosen by the weights, every sample of the step from it (one-source: harder in-batch "
-                 "negatives); the sources are the datasets, or source_column's values")
+                 "batch, chosen by the weights (none given: in proportion to each source's rows), every sample of the "
+                 "step from it, so in-batch negatives share the query's source; metrics.jsonl names each step's "
+                 "source (one-source); the sources are the datasets, or source_column's values")
     source_column: str | None = option(
         None, "column of the (one) training dataset whose values name each row's source (rows with equal values "
-              "form one source) for batch_sampling and source_weights; an rdocs manifest key works too "
-              "(none: each dataset is a source)")
+              "form one source), used by batch_sampling one-source and by source_weights (mixed batches without "
+              "source_weights draw every row alike); an rdocs manifest key works too (none: each dataset is a source)")
     source_weights: list[str] | None = option(
         None, "with source_column: the weight of each source, as NAME=WEIGHT, one entry per source value "
               "(normalised to sum 1; 0: never drawn) (none: proportional to each source's rows, every row equally "

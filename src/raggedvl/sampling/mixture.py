@@ -22,8 +22,8 @@ global batch k of epoch e draws ONE source with probability ``weights[d]`` (nump
 ``Generator.choice`` on ``PCG64(SeedSequence([seed, e, 4, k]))``: a pure function of (seed,
 epoch, k), whatever the world size) and takes all its samples from it: ``min(G, size_d)`` rows
 of d's seeded permutation rounds (the same rounds as above; the held rows of a batch wait for
-the next round, so no row occurs twice in a global batch). Every sample of a step then is an
-in-batch negative from the same source as the query (harder negatives than a mix of sources).
+the next round, so no row occurs twice in a global batch). Every in-batch negative of a step
+then comes from the query's own source (typically harder to tell apart than pages of other sources).
 Expected share of source d among an epoch's S batches: ``weights[d] * S``, binomial spread
 ``sqrt(S * w_d * (1 - w_d))``.
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from raggedvl.parallel import DistInfo
-from raggedvl.train.checkpoint import list_checkpoints
-from raggedvl.train.config import TRAIN_CONFIG_NAME, TrainConfig
-from raggedvl.train.setup import make_sampler, prepare_run_data, row_sources
+from raggedvl.app.checkpoint import list_checkpoints
+from raggedvl.app.config import TRAIN_CONFIG_NAME, TrainConfig
+from raggedvl.app.setup import make_sampler, prepare_run_data, row_sources
 from tests.data.test_negatives import negatives_parquet
 from tests.jobs import TRAIN_READY, run_job
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 def _train(run_dir, cache, paths, *extra, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RAGGEDVL_FAULT", None)
-    cmd = [sys.executable, "-m", "raggedvl.cli", "train", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "raggedvl.app.cli", "train", "--nproc-per-node", "2",
            *[a for p in paths for a in ("--dataset", p)], "--batch-sampling", "one-source", "--max-steps", "4",
            "--checkpoint-every", "2", "--global-batch-size", "4", "--eval-before", "false", "--eval-after", "false",
            "--data-workers", "1", "--output-dir", str(run_dir), "--data-cache", str(cache), *extra]

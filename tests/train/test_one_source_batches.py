@@ -13,11 +13,11 @@ import datasets
 import pytest
 import torch
 
-from raggedvl.cli import main
+from raggedvl.app.cli import main
 from raggedvl.parallel import DistInfo
-from raggedvl.train.checkpoint import list_checkpoints
-from raggedvl.train.config import TRAIN_CONFIG_NAME, TrainConfig
-from raggedvl.train.setup import make_sampler, prepare_run_data, row_sources
+from raggedvl.app.checkpoint import list_checkpoints
+from raggedvl.app.config import TRAIN_CONFIG_NAME, TrainConfig
+from raggedvl.app.setup import make_sampler, prepare_run_data, row_sources
 from tests.data.test_negatives import image, negatives_parquet
 
 pytestmark = pytest.mark.slow  # tiny model, a few training steps

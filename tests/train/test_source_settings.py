@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from raggedvl.cli import main
+from raggedvl.app.cli import main
 from raggedvl.parallel import DistInfo
 from raggedvl.sampling import SampleCosts
-from raggedvl.train import launch
-from raggedvl.train.config import TrainConfig
-from raggedvl.train.setup import make_sampler, one_source_text, training_pairs_text
+from raggedvl.app import launch
+from raggedvl.app.config import TrainConfig
+from raggedvl.app.setup import make_sampler, one_source_text, training_pairs_text
 
 
 def _costs(n, rejected=()):

@@ -111,14 +111,14 @@ def test_a_source_column_within_one_parquet_file(tmp_path, monkeypatch, small_da
     path = _sources_parquet(tmp_path / "pages.parquet", kinds)
     run = tmp_path / "run"
     _train(run, small_data_cache, "--dataset", path, "--source-column", "kind", "--batch-sampling", "one-source",
-           "--source-weights", "scan=2", "--source-weights", "slide=1", "--source-weights", "chart=0")
+           "--dataset-weights", "0,2,1")  # the values in sorted order: chart, scan, slide
     steps = _records(run)
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for record, (source, rows, train_set) in zip(steps, _trained_plan(run, 4)):
         assert record["source"] == source in ("scan", "slide")  # chart has weight 0
         assert len(rows) == 4 and {kinds[train_set.records[i]["row"]] for i in rows} == {source}
     config = _records(run, "config")[0]
-    assert (config["source_column"], config["source_weights"]) == ("kind", ["scan=2", "slide=1", "chart=0"])
+    assert (config["source_column"], config["dataset_weights"]) == ("kind", [0, 2, 1])
     state = json.loads((run / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
     # sources sorted by name: chart, scan, slide; weights 0, 2/3, 1/3
     assert state["sampler"]["mixture"]["sizes"] == [3, 5, 4]
@@ -138,6 +138,12 @@ def test_a_missing_source_column_or_value_is_a_one_line_error_before_any_process
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "row 1 (id 'train-1') has no value in the source column 'kind'; fill it in" in err, err
+    code = main(["train", "--dataset", path.replace("holes", "pages"), "--source-column", "kind", "--batch-sampling",
+                 "one-source", "--dataset-weights", "1,2,3", "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert ("dataset_weights has 3 values [1.0, 2.0, 3.0] for the 2 values of source column 'kind': 'a' (2 rows), "
+            "'b' (2 rows); give one weight per value, in this order" in err), err
 
 
 def test_a_manifest_key_is_a_source_column(small_data_cache):

@@ -1,7 +1,7 @@
 """The sources of ``raggedvl train`` (several --dataset, or --source-column values) and their
 weights, as ``make_sampler`` builds them: one-source steps hold rows of one source, default
-weights follow the rows, --source-weights name every value, bad combinations are one-line
-errors, and the default (mixed) sampler is the one built before one-source batches existed.
+weights follow the rows, --dataset-weights weigh a source column's values in sorted order, bad
+combinations are one-line errors, and the default (mixed) sampler's plans are pinned by hashes.
 No data or processor: the size estimate and the per-row source values are given."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from raggedvl.parallel import DistInfo
 from raggedvl.sampling import SampleCosts
 from raggedvl.app import launch
 from raggedvl.app.config import TrainConfig
-from raggedvl.app.setup import make_sampler, one_source_text, training_pairs_text
+from raggedvl.app.setup import make_sampler, sources_text, training_pairs_text
 
 
 def _costs(n, rejected=()):
@@ -59,28 +59,29 @@ def test_one_source_steps_over_a_source_column_hold_rows_of_one_value(w):
             seen.add(name)
     assert seen == {"x", "y", "z"}
     assert "one-source global batches from: x (11 pairs, p=0.379), y (12 pairs, p=0.414), z (6 pairs, p=0.207)" == \
-        one_source_text(mixture)
+        sources_text(cfg, mixture)
 
 
-def test_source_weights_name_each_value_and_zero_is_never_drawn():
+def test_dataset_weights_weigh_the_values_in_sorted_order_and_zero_is_never_drawn():
     cfg = TrainConfig(source_column="kind", batch_sampling="one-source", global_batch_size=4,
-                      source_weights=["z=3", "x=1", "y=0"])
+                      dataset_weights=[1, 0, 3])  # x, y, z
     sampler = make_sampler(cfg, _costs(30), _info(), row_sources=VALUES)
-    assert sampler.mixture.weights == pytest.approx((0.25, 0.0, 0.75))
+    assert sampler.mixture.names == ("x", "y", "z") and sampler.mixture.weights == pytest.approx((0.25, 0.0, 0.75))
     assert {name for e in range(5) for name, _ in _steps(sampler, e)} == {"x", "z"}
     assert training_pairs_text(cfg, _costs(30), row_sources=VALUES) == "30 training pairs (y: 13 of them at weight 0, never drawn)"
-    mixed = TrainConfig(source_column="kind", global_batch_size=4, source_weights=["z=3", "x=1", "y=0"])
+    mixed = TrainConfig(source_column="kind", global_batch_size=4, dataset_weights=[1, 0, 3])
     sampler = make_sampler(mixed, _costs(30), _info(), row_sources=VALUES)  # mixed: each sample's source by weight
     drawn = [VALUES[i] for e in range(5) for _, ix in _steps(sampler, e) for i in ix]
     assert set(drawn) == {"x", "z"} and sampler.step_source(0) is None
+    assert sources_text(mixed, sampler.mixture) == (
+        "mixed global batches from: x (11 pairs, p=0.25), y (13 pairs, p=0), z (6 pairs, p=0.75)")
 
 
-@pytest.mark.parametrize("weights, match", [
-    (["x=1", "y=1"], r"source_weights gives no weight to 'z' \(6 rows\) of column 'kind'; give every value one"),
-    (["x=1", "y=1", "z=1", "w=2"], r"source_weights names 'w', which is not a value of column 'kind' \(its values: \['x', 'y', 'z'\]\)"),
-])
-def test_source_weights_must_match_the_columns_values(weights, match):
-    cfg = TrainConfig(source_column="kind", batch_sampling="one-source", global_batch_size=4, source_weights=weights)
+@pytest.mark.parametrize("weights", [[1, 1], [1, 1, 1, 2]])
+def test_dataset_weights_must_give_one_weight_per_value(weights):
+    cfg = TrainConfig(source_column="kind", batch_sampling="one-source", global_batch_size=4, dataset_weights=weights)
+    match = (rf"dataset_weights has {len(weights)} values .* for the 3 values of source column 'kind': 'x' \(11 rows\), "
+             r"'y' \(13 rows\), 'z' \(6 rows\); give one weight per value, in this order")
     with pytest.raises(ValueError, match=match):
         make_sampler(cfg, _costs(30), _info(), row_sources=VALUES)
 
@@ -101,21 +102,13 @@ def test_two_datasets_one_source_steps_and_default_weights():
     ({"batch_sampling": "one-source"}, "batch_sampling 'one-source' draws each global batch from one of several sources"),
     ({"dataset": ["a", "b"], "source_column": "kind"}, "source_column 'kind' splits one dataset into sources, but 2 datasets"),
     ({"source_column": "kind", "dataset": ["a", "b"], "dataset_weights": [1, 1]}, "splits one dataset"),
-    ({"source_column": "kind", "dataset_weights": [1]}, "with source_column, weight the sources with --source-weights"),
-    ({"source_weights": ["x=1"]}, "source_weights weighs the values of source_column: pass --source-column too"),
-    ({"source_column": "kind", "source_weights": ["x"]}, "source_weights entry 'x' is not NAME=WEIGHT"),
-    ({"source_column": "kind", "source_weights": ["x=-1"]}, "source_weights entry 'x=-1': the weight must be finite and >= 0"),
-    ({"source_column": "kind", "source_weights": ["x=1", "x=2"]}, "source_weights names 'x' twice"),
-    ({"source_column": "kind", "source_weights": ["x=0", "y=0"]}, r"source_weights \['x=0', 'y=0'\] are all 0"),
+    ({"source_column": "kind", "dataset_weights": [0, 0]}, r"dataset_weights \[0, 0\] are all 0"),
+    ({"source_column": "kind", "dataset_weights": [1, -1]}, "dataset_weights must be >= 0"),
+    ({"dataset": ["a", "b"], "dataset_weights": [1, 1, 1]}, "dataset_weights has 3 values .* for 2 datasets"),
 ])
 def test_source_settings_that_do_not_go_together_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**kwargs)
-
-
-def test_a_source_value_with_an_equals_sign_keeps_it():
-    cfg = TrainConfig(source_column="kind", source_weights=["a=b=2", "c=1"])
-    assert cfg.parsed_source_weights() == {"a=b": 2.0, "c": 1.0}
 
 
 def test_the_flags_reach_the_config_and_errors_are_one_line_before_any_process(capsys, tmp_path, monkeypatch):
@@ -124,8 +117,8 @@ def test_the_flags_reach_the_config_and_errors_are_one_line_before_any_process(c
     code = main(["train", "--output-dir", str(tmp_path / "run"), "--dataset", "a.parquet", "--batch-sampling", "one-source"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "give several --dataset, or --source-column" in err, err
-    cfg = TrainConfig.from_dict({"source_column": "kind", "source_weights": ["x=1", "y=2"], "batch_sampling": "one-source"})
-    assert cfg.parsed_source_weights() == {"x": 1.0, "y": 2.0}
+    cfg = TrainConfig.from_dict({"source_column": "kind", "dataset_weights": [1, 2], "batch_sampling": "one-source"})
+    assert (cfg.source_column, cfg.dataset_weights, cfg.batch_sampling) == ("kind", [1, 2], "one-source")
 
 
 def _digest(samplers, epochs=2):
@@ -138,8 +131,9 @@ def _digest(samplers, epochs=2):
     return hashlib.sha256(json.dumps(out, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# sha256 of make_sampler's plans and states for the default batch_sampling, computed before
-# one-source batches existed (raggedvl 6dd903d): the same 23 pairs (row 4 rejected), G = 4, seed 3
+# sha256 of make_sampler's plans and states for the default batch_sampling (mixed), pinned: a
+# change of them changes every mixed run's order and the plans of its checkpoints (23 pairs,
+# row 4 rejected, G = 4, seed 3)
 MIXED_DIGESTS = {
     ("one", 1): "f104e0d214d28580", ("one", 2): "0c43c526ac1a0058",
     ("two", 1): "6ab7ac6b81bcf1ae", ("two", 2): "714d97160b47fd37",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -61,10 +60,11 @@ class TrainConfig:
         "rdocs", "training data: 'rdocs' (embedded), a hub id, a local parquet file or image folder; several "
                  "(YAML: a list) are mixed by dataset_weights")
     dataset_weights: list[float] | None = option(
-        None, "sampling weight of each dataset, in the order given (normalised to sum 1; a global batch draws each "
-              "sample's dataset, or with batch_sampling one-source its one dataset, with these probabilities, "
-              "seeded; none: every row equally likely; 0: the dataset is loaded and counts in an epoch's length but "
-              "is never drawn, as the start line says)", at_least=0)
+        None, "sampling weight of each source: of each dataset, in the order given, or with source_column of each "
+              "value of that column, in sorted order (the start line lists them) (normalised to sum 1; a global batch "
+              "draws each sample's source, or with batch_sampling one-source its one source, with these "
+              "probabilities, seeded; none: every row equally likely; 0: the source is loaded and counts in an "
+              "epoch's length but is never drawn, as the start line says)", at_least=0)
     batch_sampling: Literal["mixed", "one-source"] = option(
         "mixed", "how a global batch draws its sources: each sample by the weights (mixed), or one source per global "
                  "batch, chosen by the weights (none given: in proportion to each source's rows), every sample of the "
@@ -72,12 +72,9 @@ class TrainConfig:
                  "source (one-source); the sources are the datasets, or source_column's values")
     source_column: str | None = option(
         None, "column of the (one) training dataset whose values name each row's source (rows with equal values "
-              "form one source), used by batch_sampling one-source and by source_weights (mixed batches without "
-              "source_weights draw every row alike); an rdocs manifest key works too (none: each dataset is a source)")
-    source_weights: list[str] | None = option(
-        None, "with source_column: the weight of each source, as NAME=WEIGHT, one entry per source value "
-              "(normalised to sum 1; 0: never drawn) (none: proportional to each source's rows, every row equally "
-              "likely)")
+              "form one source), used by batch_sampling one-source and by dataset_weights (mixed batches without "
+              "dataset_weights draw every row alike); an rdocs manifest key works too (none: each dataset is a "
+              "source)")
     train_split: str = option("train", "dataset split to train on")
     eval_split: str = option(
         "dev", "split to evaluate on (of eval_dataset when given, else of dataset); dev and validation find each other")
@@ -211,12 +208,12 @@ class TrainConfig:
             self.dataset = list(self.dataset)
         if self.dataset_weights is not None:
             weights = self.dataset_weights
-            if len(weights) != len(self.datasets):
+            if len(weights) != len(self.datasets) and self.source_column is None:
                 raise ValueError(
                     f"dataset_weights has {len(weights)} values {weights} for {len(self.datasets)} datasets "
                     f"{self.datasets}; give one weight per dataset, in order (--dataset-weights 0.7,0.3)")
             if not any(w > 0 for w in weights):
-                raise ValueError(f"dataset_weights {weights} are all 0; give at least one dataset a positive weight")
+                raise ValueError(f"dataset_weights {weights} are all 0; give at least one source a positive weight")
         self._check_sources()
         from raggedvl.app.tracking import parse_report_to
 
@@ -235,48 +232,26 @@ class TrainConfig:
             )
 
     def _check_sources(self) -> None:
-        """Refuse source settings that do not go together (one line each, with the fix)."""
-        if self.source_column is not None:
-            if len(self.datasets) > 1:
-                raise ValueError(f"source_column {self.source_column!r} splits one dataset into sources, but "
-                                 f"{len(self.datasets)} datasets are given (each of them is a source): give one "
-                                 "--dataset, or leave out --source-column")
-            if self.dataset_weights is not None:
-                raise ValueError("with source_column, weight the sources with --source-weights NAME=WEIGHT "
-                                 "(dataset_weights weighs several --dataset)")
-        if self.source_weights is not None:
-            if self.source_column is None:
-                raise ValueError("source_weights weighs the values of source_column: pass --source-column too "
-                                 "(several --dataset are weighted with --dataset-weights)")
-            self.parsed_source_weights()
-        elif self.batch_sampling == "one-source" and self.source_column is None and len(self.datasets) < 2:
+        """Refuse source settings that do not go together (one line each, with the fix). The
+        number of ``dataset_weights`` for a ``source_column`` is checked against the column's
+        values when the data is read (:meth:`check_source_weights`)."""
+        if self.source_column is not None and len(self.datasets) > 1:
+            raise ValueError(f"source_column {self.source_column!r} splits one dataset into sources, but "
+                             f"{len(self.datasets)} datasets are given (each of them is a source): give one "
+                             "--dataset, or leave out --source-column")
+        if self.batch_sampling == "one-source" and self.source_column is None and len(self.datasets) < 2:
             raise ValueError("batch_sampling 'one-source' draws each global batch from one of several sources: "
                              "give several --dataset, or --source-column naming a column of the dataset")
 
-    def parsed_source_weights(self) -> dict[str, float] | None:
-        """``source_weights`` as ``{source value: weight}`` (None when not given). Raises
-        ``ValueError`` for an entry that is not NAME=WEIGHT, a negative or non-finite weight, a
-        name given twice, or all weights 0."""
-        if self.source_weights is None:
-            return None
-        weights: dict[str, float] = {}
-        for entry in self.source_weights:
-            name, sep, text = entry.rpartition("=")
-            try:
-                weight = float(text) if sep and name else None
-            except ValueError:
-                weight = None
-            if weight is None:
-                raise ValueError(f"source_weights entry {entry!r} is not NAME=WEIGHT; write e.g. "
-                                 "--source-weights arxiv=0.7 --source-weights docvqa=0.3")
-            if not (weight >= 0 and math.isfinite(weight)):
-                raise ValueError(f"source_weights entry {entry!r}: the weight must be finite and >= 0")
-            if name in weights:
-                raise ValueError(f"source_weights names {name!r} twice; give one weight per source")
-            weights[name] = weight
-        if not any(w > 0 for w in weights.values()):
-            raise ValueError(f"source_weights {self.source_weights} are all 0; give at least one source a positive weight")
-        return weights
+    def check_source_weights(self, names: list[str], rows: list[int]) -> None:
+        """Raise ``ValueError`` when ``dataset_weights`` does not give one weight per value of
+        ``source_column`` (``names``: the values, sorted; ``rows``: each value's rows), naming the
+        values in order with their rows."""
+        if self.dataset_weights is not None and len(self.dataset_weights) != len(names):
+            listed = ", ".join(f"{name!r} ({r} rows)" for name, r in zip(names, rows))
+            raise ValueError(f"dataset_weights has {len(self.dataset_weights)} values {self.dataset_weights} for the "
+                             f"{len(names)} values of source column {self.source_column!r}: {listed}; give one "
+                             "weight per value, in this order (0: never drawn)")
 
     @property
     def datasets(self) -> list[str]:

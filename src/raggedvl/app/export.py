@@ -29,7 +29,7 @@ from raggedvl.app.config import TRAIN_CONFIG_NAME
 CARD_KEYS = ("model", "head", "dim", "lora", "lora_r", "lora_alpha", "lora_dropout", "loss", "temperature",
              "global_batch_size", "max_steps", "epochs", "lr", "head_lr", "weight_decay", "warmup_steps",
              "precision", "strategy", "grad_cache", "max_pixels", "seed")
-DATA_KEYS = ("dataset", "dataset_weights", "batch_sampling", "source_column", "source_weights", "negatives_column",
+DATA_KEYS = ("dataset", "dataset_weights", "batch_sampling", "source_column", "negatives_column",
              "train_split", "eval_split", "max_train_samples", "max_eval_samples")
 
 

@@ -245,7 +245,8 @@ def check_output_space(cfg) -> None:
 def check_data(cfg) -> list[str]:
     """The launcher's data checks before torch is imported, for each training set held in local
     parquet files (``raggedvl.data.scan``; other sources are checked by ``prepare_run_data``):
-    the columns (``--source-column`` too, with a value in every row trained on; an image or hard-negatives column holding text, such as the queries, is refused:
+    the columns (``--source-column`` too, with a value in every row trained on and one
+    ``--dataset-weights`` entry per value when given; an image or hard-negatives column holding text, such as the queries, is refused:
     ``raggedvl.data.scan.check_image_column``), the queries (``--on-empty-query``), the hard
     negatives (``--negatives-column``: the column's type and every row's count), and every
     image's header, documents and hard negatives, read in parallel and cached beside the data, so the ranks' size estimate reads no
@@ -322,8 +323,10 @@ def _check_parquet_data(cfg, name: str) -> bool:
         raise ValueError(f"{table.where}: all {len(skipped)} rows were left out for an empty or non-string query "
                          "(--on-empty-query skip); nothing is left to train on")
     if cfg.source_column is not None:  # a row without a source value
-        source_values(read_column(table, cfg.source_column), used, [ids[r] for r in used], cfg.source_column,
-                      table.where)
+        values = source_values(read_column(table, cfg.source_column), used, [ids[r] for r in used],
+                               cfg.source_column, table.where)
+        names = sorted(set(values))
+        cfg.check_source_weights(names, [values.count(name) for name in names])
 
     negatives = None
     if cfg.negatives_column is not None:

@@ -69,7 +69,7 @@ from raggedvl.app.setup import (
     build_components,
     load_scheduler_state,
     make_scheduler,
-    one_source_text,
+    sources_text,
     row_sources,
     training_pairs_text,
 )
@@ -538,7 +538,7 @@ class Trainer:
                 f"global batch {cfg.global_batch_size}, "
                 f"{training_pairs_text(cfg, self.c.costs, getattr(self.c.train_set, 'part_sizes', None), self._duplicates(), row_sources(cfg, self.c.train_set))}"
             )
-            sources = one_source_text(self.c.sampler.mixture)
+            sources = sources_text(cfg, self.c.sampler.mixture)
             if sources:
                 self.log(sources)
         progress = Progress(self.total_steps, self.step, every=cfg.progress_every, enabled=info.is_main)

@@ -5,8 +5,8 @@ A source is a set of training rows: the rows of one dataset (datasets concatenat
 or the rows of the one dataset whose ``source_column`` holds the same value (sources named by
 their values, sorted as text). Weights, normalised to sum 1 by :class:`raggedvl.sampling.Mixture`:
 
-- several datasets: ``dataset_weights`` (one per dataset, in order);
-- ``source_column``: ``source_weights`` (``NAME=WEIGHT`` for every value of the column);
+- several datasets: ``dataset_weights``, one per dataset, in order;
+- ``source_column``: ``dataset_weights``, one per value of the column, in the sources' (sorted) order;
 - neither given: mixed batches draw every row with equal probability (a plain permutation, no
   mixture); one-source batches draw source d with probability proportional to its rows
   (kept rows_d / kept rows), which is what a row drawn uniformly at random would pick.
@@ -46,8 +46,8 @@ def training_sources(cfg: TrainConfig, costs: SampleCosts, dataset_sizes: Sequen
 
     ``dataset_sizes``: rows of each dataset, in order (``RetrievalDataset.part_sizes``);
     ``row_sources``: each training row's ``source_column`` value (``RetrievalDataset.records``'
-    ``"source_value"``). Raises ``ValueError`` when ``source_weights`` lists a value the column
-    does not hold or leaves one out (naming the values and their rows)."""
+    ``"source_value"``). Raises ``ValueError`` when ``dataset_weights`` does not give one weight
+    per value of ``source_column`` (naming the values, in order, and their rows)."""
     n_all = len(costs.costs)
     kept = costs.kept()
     if cfg.source_column is not None:
@@ -62,27 +62,13 @@ def training_sources(cfg: TrainConfig, costs: SampleCosts, dataset_sizes: Sequen
         positions = kept[np.argsort(labels, kind="stable")]
         rows = np.bincount(labels_all, minlength=len(names)).tolist()
         kept_sizes = np.bincount(labels, minlength=len(names)).tolist()
-        given = cfg.parsed_source_weights()
-        weights = None if given is None else _weights_by_name(cfg.source_column, names, rows, given)
-        return TrainingSources(names, rows, kept_sizes, positions, weights)
+        cfg.check_source_weights(names, rows)
+        return TrainingSources(names, rows, kept_sizes, positions, cfg.dataset_weights)
     if len(cfg.datasets) > 1:
         sizes = list(dataset_sizes or [n_all])
         kept_sizes = np.diff(np.searchsorted(kept, np.cumsum(sizes), side="left"), prepend=0).tolist()
         return TrainingSources([str(d) for d in cfg.datasets], sizes, kept_sizes, kept, cfg.dataset_weights)
     return None
-
-
-def _weights_by_name(column: str, names: list[str], rows: list[int], given: dict[str, float]) -> list[float]:
-    unknown = [name for name in given if name not in names]
-    if unknown:
-        raise ValueError(f"source_weights names {unknown[0]!r}, which is not a value of column {column!r} "
-                         f"(its values: {names}); use those names")
-    missing = [(name, r) for name, r in zip(names, rows) if name not in given]
-    if missing:
-        listed = ", ".join(f"{name!r} ({r} rows)" for name, r in missing)
-        raise ValueError(f"source_weights gives no weight to {listed} of column {column!r}; give every value one "
-                         f"(NAME=0 never draws it)")
-    return [given[name] for name in names]
 
 
 def sources_mixture(cfg: TrainConfig, sources: TrainingSources | None) -> Mixture | None:

@@ -228,14 +228,15 @@ def training_pairs_text(cfg: TrainConfig, costs: SampleCosts, dataset_sizes: lis
     return f"{len(kept)} training pairs" + (f" ({'; '.join(notes)})" if notes else "")
 
 
-def one_source_text(mixture: Mixture | None) -> str | None:
-    """The start line's account of one-source batches: each source with its kept pairs and
+def sources_text(cfg: TrainConfig, mixture: Mixture | None) -> str | None:
+    """The start line's account of the sources of one-source batches, or of a source column's
+    values (in the order ``dataset_weights`` weighs them): each source with its kept pairs and
     probability, e.g. ``"one-source global batches from: a.parquet (6 pairs, p=0.545), b.parquet
-    (5 pairs, p=0.455)"``; None for mixed batches."""
-    if mixture is None or not mixture.one_source:
+    (5 pairs, p=0.455)"``; None otherwise."""
+    if mixture is None or not (mixture.one_source or cfg.source_column is not None):
         return None
     parts = [f"{mixture.name(d)} ({size} pairs, p={w:.3g})" for d, (size, w) in enumerate(zip(mixture.sizes, mixture.weights))]
-    return "one-source global batches from: " + ", ".join(parts)
+    return f"{'one-source' if mixture.one_source else 'mixed'} global batches from: " + ", ".join(parts)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):

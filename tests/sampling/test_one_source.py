@@ -1,8 +1,7 @@
 """One-source global batches (``Mixture(one_source=True)``): every step's samples come from the
 source its global batch drew, that source depends only on (seed, epoch, batch), the shares
-follow the weights, resume is exact, and mixed plans are those of the sampler without the
-option (hashes of plans and states computed before one-source batches existed), all simulated
-for every rank in one process."""
+follow the weights, resume is exact, and mixed plans and states are pinned by hashes, all
+simulated for every rank in one process."""
 
 from __future__ import annotations
 
@@ -190,8 +189,8 @@ def _digest(samplers, epochs=2):
     return hashlib.sha256(json.dumps(out, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# sha256 of two epochs' plans and a state of every rank, computed with the sampler before
-# one-source batches existed (raggedvl 6dd903d): the default (mixed) path must not move
+# sha256 of two epochs' plans and a state of every rank, pinned: the default (mixed) path must
+# not move (a change reorders every mixed run and the plans its checkpoints continue)
 MIXED_DIGESTS = {
     ("plain", 1): "0fed205a869d4c4c", ("plain", 3): "fa36e74cc373fb2d",
     ("mixture", 1): "df30ead5934a63ab", ("mixture", 3): "48fe31a1fce0d86b",

@@ -84,7 +84,7 @@ def test_two_weighted_datasets_with_negatives_train_and_resume_identically(tmp_p
     (["--dataset", "a.parquet", "--dataset", "b.parquet", "--dataset-weights", "0.7,-0.3"],
      "dataset_weights must be >= 0, got -0.3"),
     (["--dataset", "a.parquet", "--dataset", "b.parquet", "--dataset-weights", "0,0"],
-     "dataset_weights [0.0, 0.0] are all 0; give at least one dataset a positive weight"),
+     "dataset_weights [0.0, 0.0] are all 0; give at least one source a positive weight"),
 ])
 def test_bad_weights_are_one_line_errors_before_any_process_starts(capsys, tmp_path, monkeypatch, argv, message):
     def refuse(cmd, env_updates=None):

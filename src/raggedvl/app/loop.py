@@ -69,8 +69,8 @@ from raggedvl.app.setup import (
     build_components,
     load_scheduler_state,
     make_scheduler,
-    sources_text,
     row_sources,
+    sources_text,
     training_pairs_text,
 )
 from raggedvl.app.startup import StartupClock
@@ -532,11 +532,12 @@ class Trainer:
                 log.write({"event": "eval_before", "step": 0, **flat, "raw": before})
                 self.trackers.log(eval_scalars(before), 0)
         if info.is_main:
+            pairs = training_pairs_text(cfg, self.c.costs, getattr(self.c.train_set, "part_sizes", None),
+                                        self._duplicates(), row_sources(cfg, self.c.train_set))
             self.log(
                 f"training {self.total_steps} steps, world size {info.world_size} "
                 f"({run_place(info.world_size, info.backend, info.device.type)}), "
-                f"global batch {cfg.global_batch_size}, "
-                f"{training_pairs_text(cfg, self.c.costs, getattr(self.c.train_set, 'part_sizes', None), self._duplicates(), row_sources(cfg, self.c.train_set))}"
+                f"global batch {cfg.global_batch_size}, {pairs}"
             )
             sources = sources_text(cfg, self.c.sampler.mixture)
             if sources:

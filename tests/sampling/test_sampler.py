@@ -250,6 +250,6 @@ def test_indices_map_the_plan_to_the_kept_rows_and_enter_the_fingerprint(w):
     assert _ranks(costs, 3, w)[0].state_dict()["rows_sha256"] is None  # older states (no key) still load
     with pytest.raises(ValueError, match="rows_sha256"):
         _ranks(costs, 3, w, indices=[0, 1, 2, 4, 6, 7, 8, 10, 11])[0].load_state_dict(state)
-    for bad in ([0, 1], [1, 0, 2, 3, 4, 5, 6, 7, 8], [-1, 0, 1, 2, 3, 4, 5, 6, 7]):
+    for bad in ([0, 1], [1, 1, 2, 3, 4, 5, 6, 7, 8], [-1, 0, 1, 2, 3, 4, 5, 6, 7]):  # any order, but distinct
         with pytest.raises(ValueError, match="indices"):
             BalancedDistributedBatchSampler(costs, 3, w, 0, indices=bad)

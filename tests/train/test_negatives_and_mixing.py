@@ -59,6 +59,7 @@ def test_two_weighted_datasets_with_negatives_train_and_resume_identically(tmp_p
     _cli(straight, small_data_cache, paths)
     steps = [r for r in _records(straight) if r.get("event") == "train"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and all(r["loss"] == r["loss"] for r in steps)
+    assert not any("source" in r for r in steps)  # mixed batches (the default) have no one source per step
     config = next(r for r in _records(straight) if r.get("event") == "config")
     assert config["dataset"] == paths and config["dataset_weights"] == [0.7, 0.3] and config["negatives_column"] == "negs"
     state = json.loads((straight / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
@@ -83,7 +84,7 @@ def test_two_weighted_datasets_with_negatives_train_and_resume_identically(tmp_p
     (["--dataset", "a.parquet", "--dataset", "b.parquet", "--dataset-weights", "0.7,-0.3"],
      "dataset_weights must be >= 0, got -0.3"),
     (["--dataset", "a.parquet", "--dataset", "b.parquet", "--dataset-weights", "0,0"],
-     "dataset_weights [0.0, 0.0] are all 0; give at least one dataset a positive weight"),
+     "dataset_weights [0.0, 0.0] are all 0; give at least one source a positive weight"),
 ])
 def test_bad_weights_are_one_line_errors_before_any_process_starts(capsys, tmp_path, monkeypatch, argv, message):
     def refuse(cmd, env_updates=None):

@@ -29,19 +29,25 @@ from torch.utils.data import DataLoader
 
 class StepIndices:
     """Batch sampler over ``sampler`` from ``epoch`` on, endless; ``positions`` holds
-    ``(epoch, steps of it consumed)`` after each index list handed out and not yet claimed."""
+    ``(epoch, steps of it consumed)`` after each index list handed out and not yet claimed, and
+    ``sources`` (in step with it) the name of that step's source under one-source batches (the
+    sampler's ``step_source``; None otherwise)."""
 
     def __init__(self, sampler, epoch: int) -> None:
         self.sampler = sampler
         self.epoch = epoch
         self.positions: deque[tuple[int, int]] = deque()
+        self.sources: deque[str | None] = deque()
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch = self.epoch
+        step_source = getattr(self.sampler, "step_source", lambda step: None)
         while True:
             self.sampler.set_epoch(epoch)
             for indices in self.sampler:
-                self.positions.append((epoch, self.sampler.state_dict()["step"]))
+                done = self.sampler.state_dict()["step"]
+                self.positions.append((epoch, done))
+                self.sources.append(step_source(done - 1))
                 yield indices
             epoch += 1
 

@@ -11,9 +11,10 @@ from raggedvl.data.columns import ColumnError
 
 def column_fix(role: str, prefix: str = "") -> str:
     """How a user fixes the column of ``role``: its flag and key (``prefix`` ``"eval_"``: the
-    evaluation set's own, ``--eval-query-column``; hard negatives have no evaluation key)."""
-    key = "negatives_column" if role == "negatives" else f"{prefix}{role}_column"
-    unset = role == "negatives" or (role == "id" and not prefix)  # an evaluation id falls back to id_column
+    evaluation set's own, ``--eval-query-column``; hard negatives and sources are training only)."""
+    training_only = role in ("negatives", "source")
+    key = f"{role}_column" if training_only else f"{prefix}{role}_column"
+    unset = training_only or (role == "id" and not prefix)  # an evaluation id falls back to id_column
     return f"pass --{key.replace('_', '-')} (key {key}) naming the right one" + (", or none" if unset else "")
 
 

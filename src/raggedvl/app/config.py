@@ -61,9 +61,21 @@ class TrainConfig:
         "rdocs", "training data: 'rdocs' (embedded), a hub id, a local parquet file or image folder; several "
                  "(YAML: a list) are mixed by dataset_weights")
     dataset_weights: list[float] | None = option(
-        None, "sampling weight of each dataset, in the order given (normalised to sum 1; a global batch draws each "
-              "sample's dataset with these probabilities, seeded; none: every row equally likely; 0: the dataset is "
-              "loaded and counts in an epoch's length but is never drawn, as the start line says)", at_least=0)
+        None, "sampling weight of each source: of each dataset, in the order given, or with source_column of each "
+              "value of that column, in sorted order (the start line lists them) (normalised to sum 1; a global batch "
+              "draws each sample's source, or with batch_sampling one-source its one source, with these "
+              "probabilities, seeded; none: every row equally likely; 0: the source is loaded and counts in an "
+              "epoch's length but is never drawn, as the start line says)", at_least=0)
+    batch_sampling: Literal["mixed", "one-source"] = option(
+        "mixed", "how a global batch draws its sources: each sample by the weights (mixed), or one source per global "
+                 "batch, chosen by the weights (none given: in proportion to each source's rows), every sample of the "
+                 "step from it, so in-batch negatives share the query's source; metrics.jsonl names each step's "
+                 "source (one-source); the sources are the datasets, or source_column's values")
+    source_column: str | None = option(
+        None, "column of the (one) training dataset whose values name each row's source (rows with equal values "
+              "form one source), used by batch_sampling one-source and by dataset_weights (mixed batches without "
+              "dataset_weights draw every row alike); an rdocs manifest key works too (none: each dataset is a "
+              "source)")
     train_split: str = option("train", "dataset split to train on")
     eval_split: str = option(
         "dev", "split to evaluate on (of eval_dataset when given, else of dataset); dev and validation find each other")
@@ -197,12 +209,13 @@ class TrainConfig:
             self.dataset = list(self.dataset)
         if self.dataset_weights is not None:
             weights = self.dataset_weights
-            if len(weights) != len(self.datasets):
+            if len(weights) != len(self.datasets) and self.source_column is None:
                 raise ValueError(
                     f"dataset_weights has {len(weights)} values {weights} for {len(self.datasets)} datasets "
                     f"{self.datasets}; give one weight per dataset, in order (--dataset-weights 0.7,0.3)")
             if not any(w > 0 for w in weights):
-                raise ValueError(f"dataset_weights {weights} are all 0; give at least one dataset a positive weight")
+                raise ValueError(f"dataset_weights {weights} are all 0; give at least one source a positive weight")
+        self._check_sources()
         from raggedvl.app.tracking import parse_report_to
 
         parse_report_to(self.report_to)
@@ -219,6 +232,28 @@ class TrainConfig:
                 "bi-encoder head, and 'late_interaction' or 'pairwise' with the multi-vector head"
             )
 
+    def _check_sources(self) -> None:
+        """Refuse source settings that do not go together (one line each, with the fix). The
+        number of ``dataset_weights`` for a ``source_column`` is checked against the column's
+        values when the data is read (:meth:`check_source_weights`)."""
+        if self.source_column is not None and len(self.datasets) > 1:
+            raise ValueError(f"source_column {self.source_column!r} splits one dataset into sources, but "
+                             f"{len(self.datasets)} datasets are given (each of them is a source): give one "
+                             "--dataset, or leave out --source-column")
+        if self.batch_sampling == "one-source" and self.source_column is None and len(self.datasets) < 2:
+            raise ValueError("batch_sampling 'one-source' draws each global batch from one of several sources: "
+                             "give several --dataset, or --source-column naming a column of the dataset")
+
+    def check_source_weights(self, names: list[str], rows: list[int]) -> None:
+        """Raise ``ValueError`` when ``dataset_weights`` does not give one weight per value of
+        ``source_column`` (``names``: the values, sorted; ``rows``: each value's rows), naming the
+        values in order with their rows."""
+        if self.dataset_weights is not None and len(self.dataset_weights) != len(names):
+            listed = ", ".join(f"{name!r} ({r} rows)" for name, r in zip(names, rows))
+            raise ValueError(f"dataset_weights has {len(self.dataset_weights)} values {self.dataset_weights} for the "
+                             f"{len(names)} values of source column {self.source_column!r}: {listed}; give one "
+                             "weight per value, in this order (0: never drawn)")
+
     @property
     def datasets(self) -> list[str]:
         """The training datasets, in order (one for a plain ``dataset``)."""
@@ -228,7 +263,7 @@ class TrainConfig:
     def columns(self) -> Columns:
         """The training pairs' columns."""
         return Columns(query=self.query_column, image=self.image_column, id=self.id_column,
-                       negatives=self.negatives_column)
+                       negatives=self.negatives_column, source=self.source_column)
 
     @property
     def eval_columns(self) -> Columns:

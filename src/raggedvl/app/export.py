@@ -29,8 +29,8 @@ from raggedvl.app.config import TRAIN_CONFIG_NAME
 CARD_KEYS = ("model", "head", "dim", "lora", "lora_r", "lora_alpha", "lora_dropout", "loss", "temperature",
              "global_batch_size", "max_steps", "epochs", "lr", "head_lr", "weight_decay", "warmup_steps",
              "precision", "strategy", "grad_cache", "max_pixels", "seed")
-DATA_KEYS = ("dataset", "dataset_weights", "negatives_column", "train_split", "eval_split", "max_train_samples",
-             "max_eval_samples")
+DATA_KEYS = ("dataset", "dataset_weights", "batch_sampling", "source_column", "negatives_column",
+             "train_split", "eval_split", "max_train_samples", "max_eval_samples")
 
 
 def resolve_source(source: str) -> tuple[str, dict[str, Any] | None, Path | None]:

@@ -245,7 +245,8 @@ def check_output_space(cfg) -> None:
 def check_data(cfg) -> list[str]:
     """The launcher's data checks before torch is imported, for each training set held in local
     parquet files (``raggedvl.data.scan``; other sources are checked by ``prepare_run_data``):
-    the columns (an image or hard-negatives column holding text, such as the queries, is refused:
+    the columns (``--source-column`` too, with a value in every row trained on and one
+    ``--dataset-weights`` entry per value when given; an image or hard-negatives column holding text, such as the queries, is refused:
     ``raggedvl.data.scan.check_image_column``), the queries (``--on-empty-query``), the hard
     negatives (``--negatives-column``: the column's type and every row's count), and every
     image's header, documents and hard negatives, read in parallel and cached beside the data, so the ranks' size estimate reads no
@@ -303,7 +304,7 @@ def needs_torch(cfg, unchecked: Sequence[str]) -> list[str]:
 
 def _check_parquet_data(cfg, name: str) -> bool:
     """Check one training set (:func:`check_data`); False when it is not local parquet."""
-    from raggedvl.data.dataset import check_negatives_type, kept_rows, negative_count
+    from raggedvl.data.dataset import check_negatives_type, kept_rows, negative_count, source_values
     from raggedvl.app.column_flags import flags_for_columns
     from raggedvl.data.scan import check_columns, check_image_column, image_sizes, parquet_split, read_column
     from raggedvl.images import BadImageError
@@ -323,6 +324,11 @@ def _check_parquet_data(cfg, name: str) -> bool:
     if not used:
         raise ValueError(f"{table.where}: all {len(skipped)} rows were left out for an empty or non-string query "
                          "(--on-empty-query skip); nothing is left to train on")
+    if cfg.source_column is not None:  # a row without a source value
+        values = source_values(read_column(table, cfg.source_column), used, [ids[r] for r in used],
+                               cfg.source_column, table.where)
+        names = sorted(set(values))
+        cfg.check_source_weights(names, [values.count(name) for name in names])
 
     negatives = None
     if cfg.negatives_column is not None:

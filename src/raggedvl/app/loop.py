@@ -64,7 +64,15 @@ from raggedvl.app.resume import check_resume_settings
 from raggedvl.rng import capture_rng_state, restore_rng_state
 from raggedvl.app.progress import PADDING_KEYS, Progress, batch_padding, peak_memory_mib
 from raggedvl.app.rundir import check_output_dir
-from raggedvl.app.setup import RunData, build_components, load_scheduler_state, make_scheduler, training_pairs_text
+from raggedvl.app.setup import (
+    RunData,
+    build_components,
+    load_scheduler_state,
+    make_scheduler,
+    row_sources,
+    sources_text,
+    training_pairs_text,
+)
 from raggedvl.app.startup import StartupClock
 from raggedvl.app.tracking import Trackers, eval_scalars, parse_report_to
 
@@ -208,6 +216,8 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.sampler_position = (0, 0)  # (epoch, steps of it consumed) after the last trained batch
+        self.step_source: str | None = None  # the source of the last trained batch (one-source batches)
+        self.source_steps: dict[str, int] = {}  # steps per source in this process's run (one-source batches)
         self.skipped = 0  # examples dropped by on_bad_image="skip" on all ranks in this process's run
         self.false_negatives = 0  # (query, page) pairs the loss masked, all ranks, in this process's run
         self.nonfinite_streak = 0  # steps in a row not applied for a non-finite gradient norm
@@ -319,7 +329,8 @@ class Trainer:
         """This rank's collated batches, one per step, continuing across epochs (and after
         resume): ``cfg.data_workers`` processes (default 1 on CUDA, 0 on CPU) collate ahead of the training
         (``raggedvl.app.batches``), from this call on. Sets ``sampler_position`` (what a
-        checkpoint saves) and ``epoch`` to those of the batch just handed out."""
+        checkpoint saves), ``step_source`` (its source under one-source batches, else None) and
+        ``epoch`` to those of the batch just handed out."""
         cuda = self.info.device.type == "cuda"
         workers = self.cfg.data_workers if self.cfg.data_workers is not None else int(cuda)
         indices = StepIndices(self.c.sampler, self.epoch)
@@ -329,6 +340,7 @@ class Trainer:
         def claimed() -> Iterator[dict[str, Any]]:
             for batch in stream:
                 self.sampler_position = indices.positions.popleft()
+                self.step_source = indices.sources.popleft()
                 self.epoch = self.sampler_position[0]
                 yield batch
                 del batch  # not alive while the next one is collated (see run)
@@ -520,12 +532,16 @@ class Trainer:
                 log.write({"event": "eval_before", "step": 0, **flat, "raw": before})
                 self.trackers.log(eval_scalars(before), 0)
         if info.is_main:
+            pairs = training_pairs_text(cfg, self.c.costs, getattr(self.c.train_set, "part_sizes", None),
+                                        self._duplicates(), row_sources(cfg, self.c.train_set))
             self.log(
                 f"training {self.total_steps} steps, world size {info.world_size} "
                 f"({run_place(info.world_size, info.backend, info.device.type)}), "
-                f"global batch {cfg.global_batch_size}, "
-                f"{training_pairs_text(cfg, self.c.costs, getattr(self.c.train_set, 'part_sizes', None), self._duplicates())}"
+                f"global batch {cfg.global_batch_size}, {pairs}"
             )
+            sources = sources_text(cfg, self.c.sampler.mixture)
+            if sources:
+                self.log(sources)
         progress = Progress(self.total_steps, self.step, every=cfg.progress_every, enabled=info.is_main)
         loop_start, t_run = time.time(), time.perf_counter()
         samples_done = patches_done = 0
@@ -542,6 +558,8 @@ class Trainer:
             patches_done += sum(p.padding["pixel_rows"] for p in r.ranks)
             self.skipped += sum(p.skipped for p in r.ranks)
             self.false_negatives += r.false_negatives
+            if self.step_source is not None:
+                self.source_steps[self.step_source] = self.source_steps.get(self.step_source, 0) + 1
             elapsed = max(1e-9, time.perf_counter() - t_run)
             rate = samples_done / elapsed
             # the step's own chance value: its pairs and hard negatives (a last, smaller step; skipped pairs)
@@ -568,6 +586,8 @@ class Trainer:
                         "skipped_examples": self.skipped, **self._vision_balance(),
                         **({} if r.applied else {"nonfinite": True}),
                     }
+                    if self.step_source is not None:  # one-source batches: every sample of the step is from it
+                        record["source"] = self.step_source
                     log.write(record)
                     self.trackers.log({"train/loss": r.loss, "train/grad_norm": r.grad_norm, "train/samples_per_s": rate,
                                        "train/patches_per_s": record["patches_per_s"],
@@ -613,7 +633,7 @@ class Trainer:
                 world_size=info.world_size, place=run_place(info.world_size, info.backend, info.device.type),
                 loss=cfg.loss, on_bad_image=cfg.on_bad_image, skipped_examples=self.skipped,
                 rejected_pairs=len(self.c.costs.skipped), estimated_pairs=len(self.c.costs.costs),
-                notes=self._collapse_notes() + self._false_negative_notes() + ([f"training rows left out for an empty or non-string query "
+                notes=self._collapse_notes() + self._false_negative_notes() + self._source_notes() + ([f"training rows left out for an empty or non-string query "
                                                   f"(on_empty_query='skip'): {len(self.empty_query_rows)}"]
                                                  if cfg.on_empty_query == "skip" else []),
             )
@@ -628,6 +648,12 @@ class Trainer:
         return [f"false negatives removed from the loss (a query's own page among its candidates; "
                 f"--false-negatives mask): {self.false_negatives} (query, page) pairs in the steps this invocation "
                 "trained"]
+
+    def _source_notes(self) -> list[str]:
+        if not self.source_steps:
+            return []
+        counts = ", ".join(f"{name} {self.source_steps.get(name, 0)}" for name in self.c.sampler.source_names)
+        return [f"one-source global batches (--batch-sampling one-source), steps per source in this invocation: {counts}"]
 
     def _collapse_notes(self) -> list[str]:
         chance = f"the loss sat at its chance value {self.collapse.chance:.4f}"

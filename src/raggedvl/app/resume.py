@@ -7,8 +7,8 @@ A checkpoint holds weights of one shape, a sampler position in one plan and an o
 learning rate. Continuing it is exact only with the settings that produced them:
 
 - weights: ``model``, ``head``, ``dim``, ``pooling``, whether LoRA is on, ``lora_r``, ``lora_alpha``;
-- the sampler's plan: the training data (``dataset`` and ``dataset_weights``,
-  ``negatives_column``, ``train_split``, ``eval_fraction``,
+- the sampler's plan: the training data (``dataset`` and ``dataset_weights``, ``batch_sampling``,
+  ``source_column``, ``negatives_column``, ``train_split``, ``eval_fraction``,
   ``max_train_samples``, the columns, ``on_empty_query``, the image size limits), the global
   batch, ``seed``, ``sampler``, ``max_patches_per_rank`` and the number of processes;
 - the learning rates: ``lr`` and ``head_lr`` (the scheduler's saved base rates would win over
@@ -36,7 +36,8 @@ from raggedvl.app.config import TrainConfig
 
 RESUME_KEYS = (
     "model", "head", "dim", "pooling", "lora", "lora_r", "lora_alpha",
-    "dataset", "dataset_weights", "negatives_column", "train_split", "eval_fraction", "max_train_samples",
+    "dataset", "dataset_weights", "batch_sampling", "source_column",
+    "negatives_column", "train_split", "eval_fraction", "max_train_samples",
     "query_column", "image_column", "on_empty_query",
     "min_pixels", "max_pixels", "global_batch_size", "seed", "sampler", "max_patches_per_rank",
     "lr", "head_lr",
@@ -133,11 +134,12 @@ def check_resume_data(cfg: TrainConfig, data, world_size: int, checkpoint: Path,
     import torch
 
     from raggedvl.parallel import DistInfo
-    from raggedvl.app.setup import make_sampler
+    from raggedvl.app.setup import make_sampler, row_sources
 
     info = DistInfo(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), backend="none")
     try:
-        make_sampler(cfg, data.costs, info, data.train_set.part_sizes).load_state_dict(state["sampler"])
+        make_sampler(cfg, data.costs, info, data.train_set.part_sizes,
+                     row_sources(cfg, data.train_set)).load_state_dict(state["sampler"])
     except (KeyError, ValueError) as exc:
         detail = str(exc).removeprefix("sampler state does not match this sampler: ")
         raise ValueError(

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from raggedvl.images import ImagePolicy
 from raggedvl.sampling import BalancedDistributedBatchSampler, Mixture, SampleCosts, estimate_costs
 from raggedvl.app.column_flags import flags_for_columns
 from raggedvl.app.config import TrainConfig
+from raggedvl.app.mixing import sources_mixture, training_sources
 
 
 @dataclass
@@ -162,14 +163,18 @@ def estimate_train_costs(cfg: TrainConfig, train_set, policy: ImagePolicy) -> Sa
 
 
 def make_sampler(cfg: TrainConfig, costs: SampleCosts, info: DistInfo,
-                 dataset_sizes: list[int] | None = None) -> BalancedDistributedBatchSampler:
+                 dataset_sizes: list[int] | None = None,
+                 row_sources: Sequence[str] | None = None) -> BalancedDistributedBatchSampler:
     """This rank's cost-balanced sampler over the pairs the size estimate kept (``costs.kept()``:
-    a pair in ``costs.skipped`` is never drawn, so every step holds G readable pairs); with
-    ``cfg.dataset_weights``, the datasets (rows in ``dataset_sizes``, concatenated in order) are
-    drawn by weight (:class:`raggedvl.sampling.Mixture`, over each dataset's kept rows). A pure
-    function of the config and the data: every rank builds the same plan.
-    Raises ``ValueError`` for fewer kept pairs than the global batch, or bad weights (a dataset
-    with a positive weight whose every pair was rejected among them)."""
+    a pair in ``costs.skipped`` is never drawn, so every step holds G readable pairs). Its
+    sources (several datasets, rows in ``dataset_sizes`` concatenated in order, or the values of
+    ``cfg.source_column``, one per row in ``row_sources``) and their weights come from
+    :mod:`raggedvl.app.mixing`: with weights, or with ``cfg.batch_sampling == "one-source"``,
+    the sampler draws them through a :class:`raggedvl.sampling.Mixture` over each source's kept
+    rows. A pure function of the config and the data: every rank builds the same plan.
+    Raises ``ValueError`` for fewer kept pairs than the global batch, bad weights (a source with
+    a positive weight whose every pair was rejected among them), or a one-source source with a
+    positive weight and fewer kept pairs than processes."""
     n_all = len(costs.costs)
     kept = costs.kept()
     n = len(kept)
@@ -179,47 +184,41 @@ def make_sampler(cfg: TrainConfig, costs: SampleCosts, info: DistInfo,
             f"the training split has {n} pairs{rejected}, fewer than global_batch_size {cfg.global_batch_size}; "
             f"lower --global-batch-size or use more data (--max-train-samples)"
         )
-    if cfg.sampler == "equal":  # equal sample counts per rank, for comparison: all costs equal
-        weights = [1.0] * n
-    else:
-        weights = costs.costs[kept].tolist()
-    mixture = None
-    if cfg.dataset_weights is not None:
-        kept_sizes = _kept_per_dataset(kept, dataset_sizes or [n_all])
-        for name, size, left, w in zip(cfg.datasets, dataset_sizes or [n_all], kept_sizes, cfg.dataset_weights):
-            if w > 0 and size > 0 and left == 0:
-                raise ValueError(f"{name} has weight {w:g} but the size estimate rejected all its {size} pairs "
-                                 "(unreadable images, warned above); fix its images or give it weight 0")
-        mixture = Mixture.from_weights(kept_sizes, cfg.dataset_weights, names=cfg.datasets)
+    sources = training_sources(cfg, costs, dataset_sizes, row_sources)
+    mixture = sources_mixture(cfg, sources)
+    rows = kept if mixture is None else sources.positions  # a mixture sees its sources' rows source after source
+    weights = [1.0] * n if cfg.sampler == "equal" else costs.costs[rows].tolist()  # equal: equal counts per rank
     return BalancedDistributedBatchSampler(
         weights, cfg.global_batch_size, info.world_size, info.rank, seed=cfg.seed,
-        max_patches_per_rank=cfg.max_patches_per_rank, patches=costs.patches[kept], mixture=mixture,
-        indices=kept if n < n_all else None,
+        max_patches_per_rank=cfg.max_patches_per_rank, patches=costs.patches[rows], mixture=mixture,
+        indices=None if np.array_equal(rows, np.arange(n_all)) else rows,
     )
 
 
-def _kept_per_dataset(kept: np.ndarray, dataset_sizes: list[int]) -> list[int]:
-    """Kept pairs per dataset: ``kept`` (sorted row indices of the concatenated datasets) counted
-    within each dataset's rows (``dataset_sizes``, in order)."""
-    return np.diff(np.searchsorted(kept, np.cumsum(dataset_sizes), side="left"), prepend=0).tolist()
+def row_sources(cfg: TrainConfig, train_set: RetrievalDataset) -> list[str] | None:
+    """Each training row's ``source_column`` value (None without ``cfg.source_column``)."""
+    if cfg.source_column is None:
+        return None
+    return [record["source_value"] for record in train_set.records]
 
 
 def training_pairs_text(cfg: TrainConfig, costs: SampleCosts, dataset_sizes: list[int] | None = None,
-                        duplicates: tuple[int, int] = (0, 0)) -> str:
+                        duplicates: tuple[int, int] = (0, 0), row_sources: Sequence[str] | None = None) -> str:
     """The start line's count of training pairs: the pairs the sampler draws from (those the
     size estimate kept), then in parentheses what the count leaves out or holds that is never
-    drawn: pairs rejected for unreadable images, and each dataset of ``dataset_sizes`` with
-    weight 0 in ``cfg.dataset_weights`` (its kept pairs are counted, as a mixture's epoch is one
-    draw per kept pair, but none of them is drawn). E.g. ``"56 training pairs (b.parquet: 16 of
-    them at weight 0, never drawn)"``. ``duplicates``: the training set's repeated queries and
-    repeated pairs (``RetrievalDataset.duplicates``), named when there are any."""
+    drawn: pairs rejected for unreadable images, and each source (dataset of ``dataset_sizes``,
+    or value of ``cfg.source_column``, one per row in ``row_sources``) given weight 0 (its kept
+    pairs are counted, as a mixture's epoch is one draw per kept pair, but none of them is drawn).
+    E.g. ``"56 training pairs (b.parquet: 16 of them at weight 0, never drawn)"``. ``duplicates``:
+    the training set's repeated queries and repeated pairs (``RetrievalDataset.duplicates``),
+    named when there are any."""
     n_all = len(costs.costs)
     kept = costs.kept()
     notes = []
-    if cfg.dataset_weights is not None:
-        kept_sizes = _kept_per_dataset(kept, dataset_sizes or [n_all])
+    sources = training_sources(cfg, costs, dataset_sizes, row_sources)
+    if sources is not None and sources.weights is not None:
         notes += [f"{name}: {size} of them at weight 0, never drawn"
-                  for name, size, w in zip(cfg.datasets, kept_sizes, cfg.dataset_weights) if w == 0]
+                  for name, size, w in zip(sources.names, sources.kept, sources.weights) if w == 0]
     if len(kept) < n_all:
         notes.append(f"{n_all - len(kept)} more left out: image unreadable")
     queries, rows = duplicates
@@ -228,6 +227,17 @@ def training_pairs_text(cfg: TrainConfig, costs: SampleCosts, dataset_sizes: lis
                      + ("; their pages are masked, not negatives, for each other (--false-negatives mask)"
                         if cfg.false_negatives == "mask" else ""))
     return f"{len(kept)} training pairs" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def sources_text(cfg: TrainConfig, mixture: Mixture | None) -> str | None:
+    """The start line's account of the sources of one-source batches, or of a source column's
+    values (in the order ``dataset_weights`` weighs them): each source with its kept pairs and
+    probability, e.g. ``"one-source global batches from: a.parquet (6 pairs, p=0.545), b.parquet
+    (5 pairs, p=0.455)"``; None otherwise."""
+    if mixture is None or not (mixture.one_source or cfg.source_column is not None):
+        return None
+    parts = [f"{mixture.name(d)} ({size} pairs, p={w:.3g})" for d, (size, w) in enumerate(zip(mixture.sizes, mixture.weights))]
+    return f"{'one-source' if mixture.one_source else 'mixed'} global batches from: " + ", ".join(parts)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
@@ -319,7 +329,7 @@ def build_components(cfg: TrainConfig, info: DistInfo, data: RunData | None = No
         train_eval_set=train_eval_set,
         collate=collate,
         model=model,
-        sampler=make_sampler(cfg, data.costs, info, train_set.part_sizes),
+        sampler=make_sampler(cfg, data.costs, info, train_set.part_sizes, row_sources(cfg, train_set)),
         costs=data.costs,
         loss=make_retrieval_loss(cfg.loss, temperature=cfg.temperature),
         phases_s=phases,

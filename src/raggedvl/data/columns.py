@@ -9,19 +9,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROLES = ("query", "image", "id", "negatives")
+ROLES = ("query", "image", "id", "negatives", "source")
 
 
 @dataclass(frozen=True)
 class Columns:
     """``query``: the query text; ``image``: the page image (datasets ``Image``, encoded bytes
     or a path); ``id``: each row's id (None: ``"<split>-<row>"``); ``negatives``: hard-negative
-    images, one or a list per row (None: none)."""
+    images, one or a list per row (None: none); ``source``: a value naming each row's source
+    (one-source batches; None: none)."""
 
     query: str = "query"
     image: str = "image"
     id: str | None = None
     negatives: str | None = None
+    source: str | None = None
 
     def __post_init__(self) -> None:
         for role in ROLES:

@@ -92,6 +92,21 @@ def _bad_query_rows(queries: list[Any], ids: list[str], where: str, policy: str)
     return bad
 
 
+def source_values(values: Sequence[Any], rows: Sequence[int], ids: Sequence[str], column: str,
+                  where: str) -> list[str]:
+    """Each of ``rows``' value of the source column ``column`` (``values``: the whole column), as
+    text (``raggedvl train --source-column``: rows with equal values form one source). Raises
+    ``ValueError`` naming the first row whose value is missing (null)."""
+    out = []
+    for row, ident in zip(rows, ids):
+        value = values[row]
+        if value is None:
+            raise ValueError(f"{where}: row {row} (id {ident!r}) has no value in the source column {column!r}; fill "
+                             "it in, leave the row out, or pass --source-column none")
+        out.append(str(value))
+    return out
+
+
 def kept_rows(queries: list[Any], ids: list[str], where: str, on_empty_query: str,
               limit: int | None = None) -> tuple[list[int], list[dict[str, Any]]]:
     """(rows kept, rows skipped): the rows a loader keeps of a table with these ``queries`` and
@@ -343,12 +358,13 @@ class RetrievalDataset(Sequence):
     @classmethod
     def from_manifest(
         cls, directory: str | os.PathLike, split: str | None = "train", *, limit: int | None = None,
-        on_empty_query: str = "error", **kwargs,
+        on_empty_query: str = "error", source_column: str | None = None, **kwargs,
     ) -> "RetrievalDataset":
         """Rows of ``<directory>/manifest.jsonl`` whose ``split`` matches (None: all rows).
+        ``source_column``: a manifest key whose value is each row's ``"source_value"``.
 
-        Raises ValueError for a missing manifest, a row without ``query``/``image``/``id``, or a
-        split with no rows (naming the splits present).
+        Raises ValueError for a missing manifest, a row without ``query``/``image``/``id`` (or
+        ``source_column``), or a split with no rows (naming the splits present).
         """
         root = Path(directory)
         manifest = root / "manifest.jsonl" if root.is_dir() else root
@@ -370,6 +386,13 @@ class RetrievalDataset(Sequence):
         sizes = [(r["width"], r["height"]) if "width" in r and "height" in r else None for r in chosen]
         sources = [manifest.parent / r["image"] for r in chosen]
         records = [{k: v for k, v in r.items() if k != "image"} for r in chosen]
+        if source_column is not None:
+            missing = next((r for r in chosen if r.get(source_column) is None), None)
+            if missing is not None:
+                raise ValueError(f"{manifest}: row {missing['id']!r} has no {source_column!r} (keys present: "
+                                 f"{sorted(missing)}); pass --source-column naming a key every row has, or none")
+            for record in records:
+                record["source_value"] = str(record[source_column])
         dataset = cls(records, sources, split or "all", sizes=None if None in sizes else sizes, where=str(manifest),
                       on_empty_query=on_empty_query, **kwargs)
         dataset.skipped_rows = skipped
@@ -420,6 +443,11 @@ class RetrievalDataset(Sequence):
                else [f"{split}-{i}" for i in range(len(queries))])
         keep, skipped = kept_rows(queries, ids, where, on_empty_query, limit)
         records = [{"query": queries[i], "id": ids[i], "row": i} for i in keep]
+        if columns.source is not None:
+            values = source_values(table.column(columns.source).to_pylist(), keep, [ids[i] for i in keep],
+                                   columns.source, where)
+            for record, value in zip(records, values):
+                record["source_value"] = value
         negatives, k = None, 0
         if columns.negatives is not None:
             k = _negative_counts(table, columns.negatives, keep, [ids[i] for i in keep], where)
@@ -645,7 +673,8 @@ def load_retrieval_dataset(
     ``raggedvl.data.scan.SPLIT_ALIASES``) find each other. A missing split is a ``ValueError`` listing those present.
     ``limit`` keeps a stable hash sample of that many rows. ``columns.negatives`` names a column
     of hard negatives (one image or a list of images per row; not for rdocs manifests, which have
-    none). Local parquet is read as one
+    none). ``columns.source`` names a column (a manifest key) whose value is each row's
+    ``"source_value"`` (one-source batches). Local parquet is read as one
     memory-mapped Arrow table in the cache under ``cache_dir`` (``raggedvl.data.arrow_cache``),
     without ``datasets``; extra ``load_kwargs`` send every source through ``datasets.load_dataset``.
     """
@@ -660,9 +689,10 @@ def load_retrieval_dataset(
     if str(name_or_path) == "rdocs":
         from raggedvl.data.rdocs import build_rdocs
 
-        return RetrievalDataset.from_manifest(build_rdocs(cache_dir), split, limit=limit, **common)
+        return RetrievalDataset.from_manifest(build_rdocs(cache_dir), split, limit=limit, source_column=columns.source,
+                                              **common)
     if (path / "manifest.jsonl").is_file():
-        return RetrievalDataset.from_manifest(path, split, limit=limit, **common)
+        return RetrievalDataset.from_manifest(path, split, limit=limit, source_column=columns.source, **common)
 
     rows, base = _load_split(name_or_path, split, cache_dir, **load_kwargs)
     return RetrievalDataset.from_hf(

@@ -219,7 +219,8 @@ def check_columns(available: Sequence[str], where: str, columns: Columns) -> Non
     """Raises :class:`~raggedvl.data.columns.ColumnError` naming the missing column, the
     columns present and the closest of them ("did you mean", ``difflib``)."""
     available = list(available)
-    nouns = {"query": "column", "image": "column", "id": "id column", "negatives": "hard-negatives column"}
+    nouns = {"query": "column", "image": "column", "id": "id column", "negatives": "hard-negatives column",
+             "source": "source column"}
     for role in ROLES:
         column = getattr(columns, role)
         if column is None or column in available:

@@ -1,4 +1,4 @@
-"""Weighted mixing of several training datasets into one epoch order (seeded, resumable).
+"""Weighted mixing of several training datasets (sources) into one epoch (seeded, resumable).
 
 The datasets are concatenated (dataset d holds the global indices ``offset_d .. offset_d +
 size_d - 1``) and an epoch of the mixture has N = sum_d size_d draws, like an epoch of the
@@ -17,13 +17,23 @@ already holds move to the end of the next round) unless its dataset has fewer ro
 in that batch; the epoch's last batch, enlarged by a remainder of fewer than W draws, may repeat
 one of the remainder's rows.
 
+One-source global batches (``one_source=True``): instead of drawing each sample's dataset,
+global batch k of epoch e draws ONE source with probability ``weights[d]`` (numpy's
+``Generator.choice`` on ``PCG64(SeedSequence([seed, e, 4, k]))``: a pure function of (seed,
+epoch, k), whatever the world size) and takes all its samples from it: ``min(G, size_d)`` rows
+of d's seeded permutation rounds (the same rounds as above; the held rows of a batch wait for
+the next round, so no row occurs twice in a global batch). Every in-batch negative of a step
+then comes from the query's own source (typically harder to tell apart than pages of other sources).
+Expected share of source d among an epoch's S batches: ``weights[d] * S``, binomial spread
+``sqrt(S * w_d * (1 - w_d))``.
+
 Shapes: D datasets; ``sizes`` [D] ints; ``weights`` [D] floats >= 0 (normalised to sum 1);
 an order is [N] int64 global indices.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -35,12 +45,15 @@ class Mixture:
 
     sizes: tuple[int, ...]
     weights: tuple[float, ...]
+    one_source: bool = False  # each global batch from one source (module docstring)
+    names: tuple[str, ...] = field(default=(), compare=False)  # the sources' names (messages, metrics)
 
     @classmethod
-    def from_weights(cls, sizes: Sequence[int], weights: Sequence[float], names: Sequence[str] | None = None) -> "Mixture":
+    def from_weights(cls, sizes: Sequence[int], weights: Sequence[float], names: Sequence[str] | None = None,
+                     one_source: bool = False) -> "Mixture":
         """Validate and normalise. Raises ``ValueError`` for a count mismatch, a negative or
         non-finite weight, all-zero weights, or a dataset with a positive weight and no rows
-        (``names`` label the datasets in messages)."""
+        (``names`` label the datasets in messages and are kept as :attr:`names`)."""
         sizes, weights = [int(s) for s in sizes], [float(w) for w in weights]
         names = list(names) if names is not None else [f"dataset {d}" for d in range(len(sizes))]
         if len(weights) != len(sizes):
@@ -54,7 +67,7 @@ class Mixture:
         for name, size, w in zip(names, sizes, weights):
             if w > 0 and size < 1:
                 raise ValueError(f"{name} has weight {w:g} but no rows; give it rows or weight 0")
-        return cls(tuple(sizes), tuple(w / total for w in weights))
+        return cls(tuple(sizes), tuple(w / total for w in weights), bool(one_source), tuple(str(n) for n in names))
 
     @property
     def num_samples(self) -> int:
@@ -102,6 +115,40 @@ class Mixture:
             at += 1
         return out
 
+    def name(self, d: int) -> str:
+        """Source ``d``'s name (``"dataset d"`` when the mixture was built without names)."""
+        return self.names[d] if d < len(self.names) else f"dataset {d}"
+
+    def batch_source(self, seed: int, epoch: int, batch: int) -> int:
+        """The source of global batch ``batch`` of the epoch under ``one_source`` (module docstring)."""
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), 4, int(batch)])))
+        return int(rng.choice(len(self.sizes), p=np.asarray(self.weights)))
+
+    def one_source_batches(self, seed: int, epoch: int, num_batches: int, batch_size: int) -> list[np.ndarray]:
+        """The epoch's ``num_batches`` one-source global batches: batch k holds ``min(batch_size,
+        size_d)`` global indices of its source d = :meth:`batch_source` (module docstring)."""
+        sources = [self.batch_source(seed, epoch, k) for k in range(num_batches)]
+        counts = [min(int(batch_size), self.sizes[d]) for d in sources]
+        batches = [np.empty(c, dtype=np.int64) for c in counts]
+        for d, (size, offset) in enumerate(zip(self.sizes, self.offsets())):
+            mine = [k for k, s in enumerate(sources) if s == d]
+            if not mine:
+                continue
+            windows = np.repeat(np.asarray(mine, dtype=np.int64), [counts[k] for k in mine])
+            rows = self._rows(seed, epoch, d, size, windows) + offset
+            starts = np.concatenate([[0], np.cumsum([counts[k] for k in mine])])
+            for j, k in enumerate(mine):
+                batches[k] = rows[starts[j] : starts[j + 1]]
+        return batches
+
+    def source_of(self, index: int) -> int:
+        """The source holding global index ``index``."""
+        return int(np.searchsorted(self.offsets(), index, side="right") - 1)
+
     def state(self) -> dict[str, Any]:
-        """JSON-serialisable description (part of a sampler's resume fingerprint)."""
-        return {"sizes": list(self.sizes), "weights": [round(w, 12) for w in self.weights]}
+        """JSON-serialisable description (part of a sampler's resume fingerprint); ``one_source``
+        appears only when set."""
+        state: dict[str, Any] = {"sizes": list(self.sizes), "weights": [round(w, 12) for w in self.weights]}
+        if self.one_source:
+            state["one_source"] = True
+        return state

@@ -10,6 +10,11 @@ Policies (documented here, enforced and tested):
   ``mixture`` (several datasets with weights), the mixture's seeded order of N draws instead
   (``raggedvl.sampling.mixture``).
 - Global batches: consecutive runs of G samples of that permutation.
+- One-source batches (a ``mixture`` with ``one_source``): global batch k draws one source and
+  all its samples from it (``raggedvl.sampling.mixture``): ``min(G, rows of the source)``
+  samples. The epoch has as many global batches as the remainder rule below gives the mixed
+  order of the same N samples (so ``epochs`` means the same number of steps in both modes).
+  Homogeneous steps are refused with it (their cost sort would mix sources across batches).
 - Remainder (r = N mod G), ``drop_last=False``: if r >= W the r samples form one last, smaller
   step; if 0 < r < W they join the last full step (G + r samples), so every rank still gets at
   least one sample and every sample is used exactly once. ``drop_last=True`` drops the last r
@@ -54,8 +59,17 @@ def global_batches(
     bucket_steps: int = 32,
     mixture: Mixture | None = None,
 ) -> list[np.ndarray]:
-    """The epoch's global batches (arrays of sample indices), before partitioning."""
+    """The epoch's global batches (arrays of sample indices), before partitioning.
+
+    Raises ``ValueError`` for ``homogeneous`` with a one-source ``mixture``."""
     n, g = len(costs), global_batch_size
+    if mixture is not None and mixture.one_source:
+        if homogeneous:
+            raise ValueError("homogeneous steps sort samples by cost across global batches, which would mix the "
+                             "sources of one-source batches; use one of the two")
+        rest = n % g
+        count = n // g + (1 if rest and not drop_last and (rest >= world_size or n < g) else 0)
+        return mixture.one_source_batches(seed, epoch, count, g)
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), 1])))
     order = epoch_permutation(n, seed, epoch) if mixture is None else mixture.order(seed, epoch, g)
     full = (n // g) * g

@@ -52,15 +52,18 @@ class BalancedDistributedBatchSampler:
         patches: [N] per-sample patch counts; required with ``max_patches_per_rank``.
         homogeneous: group samples of similar cost into the same step (``plan`` explains the
             effect on balance and negatives); ``bucket_steps`` global batches form one pool.
-        mixture: several datasets concatenated in ``costs``' order, drawn with weights
+        mixture: several datasets (sources) concatenated in ``costs``' order, drawn with weights
             (:class:`raggedvl.sampling.mixture.Mixture`; its sizes must sum to N): each epoch's
-            order is the mixture's seeded draws instead of a permutation. Part of the resume
-            fingerprint.
-        indices: [N] ascending dataset indices, the row each sample stands for (default
+            order is the mixture's seeded draws instead of a permutation; with
+            ``mixture.one_source`` each global batch is drawn from one source
+            (:meth:`step_source` names it). Part of the resume fingerprint.
+        indices: [N] distinct dataset indices, the row each sample stands for (default
             ``0..N-1``): rows left out of training (the size estimate rejected their images) are
             absent, so every step draws only rows in it; the plan and the yielded lists hold these
-            indices. A mixture's sizes then count each dataset's rows in ``indices``. Part of the
-            resume fingerprint (``rows_sha256``; None without ``indices``, as in older states).
+            indices. A mixture's sizes then count each source's rows in ``indices``, which list the
+            sources' rows source after source (not ascending when a source's rows are spread over
+            the dataset). Part of the resume fingerprint (``rows_sha256``; None without
+            ``indices``, as in older states).
 
     ``len()`` is the number of steps of the current epoch (constant unless the cap splits a
     step). The whole epoch is planned at its first ``len()``/iteration (about 1 ms of CPU per
@@ -73,8 +76,9 @@ class BalancedDistributedBatchSampler:
 
     Raises ``ValueError`` (before any work, naming the sample and the fix) for: W < 1, rank not
     in [0, W), G < W, N < W, N < G with ``drop_last``, a negative or non-finite cost or patch
-    count, a cap without ``patches``, one sample whose patches exceed the cap, or ``indices`` not
-    N ascending non-negative integers.
+    count, a cap without ``patches``, one sample whose patches exceed the cap, ``indices`` not
+    N distinct non-negative integers, or one-source batches with a drawn source of fewer than W
+    rows or with ``homogeneous``.
     """
 
     def __init__(
@@ -99,13 +103,23 @@ class BalancedDistributedBatchSampler:
             rows = np.asarray(indices, dtype=np.int64).reshape(-1)
             if len(rows) != n:
                 raise ValueError(f"indices has {len(rows)} entries but costs has {n}; give one dataset index per sample")
-            if n and (rows[0] < 0 or np.any(np.diff(rows) <= 0)):
-                raise ValueError("indices must be ascending distinct dataset indices >= 0 (the rows kept, in order)")
+            if n and (rows.min() < 0 or len(np.unique(rows)) != n):
+                raise ValueError("indices must be distinct dataset indices >= 0 (the rows kept)")
             self.indices = rows
         if mixture is not None and mixture.num_samples != n:
             raise ValueError(f"the mixture's datasets hold {mixture.num_samples} rows {list(mixture.sizes)} but costs "
                              f"has {n}; give one cost per row of the concatenated datasets")
         self.mixture = mixture
+        if mixture is not None and mixture.one_source:
+            if homogeneous:
+                raise ValueError("homogeneous steps sort samples by cost across global batches, which would mix the "
+                                 "sources of one-source batches; use one of the two")
+            for d, (size, weight) in enumerate(zip(mixture.sizes, mixture.weights)):
+                if weight > 0 and size < world_size:
+                    raise ValueError(
+                        f"source {mixture.name(d)} has {size} rows, fewer than the {world_size} ranks: a one-source "
+                        f"step drawn from it would leave a rank without a sample; give it weight 0, more rows, or "
+                        f"use fewer processes")
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:
@@ -148,6 +162,7 @@ class BalancedDistributedBatchSampler:
         self._start_step = 0
         self._next_step = 0
         self._plan: list[list[list[int]]] | None = None
+        self._sources: list[int] | None = None  # the source of each step of the plan (one-source batches)
         self._plan_epoch = -1
 
     def set_epoch(self, epoch: int) -> None:
@@ -166,12 +181,25 @@ class BalancedDistributedBatchSampler:
                 drop_last=self.drop_last, patches=self.patches, max_patches_per_rank=self.max_patches_per_rank,
                 homogeneous=self.homogeneous, bucket_steps=self.bucket_steps, mixture=self.mixture,
             )
-            if self.indices is not None:  # ascending positions -> ascending dataset rows
+            if self.mixture is not None and self.mixture.one_source:  # every sample of a step has its source
+                self._sources = [self.mixture.source_of(step[0][0]) for step in plan]
+            if self.indices is not None:  # positions -> dataset rows, ascending within each rank's list
                 rows = self.indices.tolist()
-                plan = [[[rows[i] for i in part] for part in step] for step in plan]
+                plan = [[sorted(rows[i] for i in part) for part in step] for step in plan]
             self._plan = plan
             self._plan_epoch = self.epoch
         return self._plan
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        """The mixture's source names (empty without a mixture)."""
+        return () if self.mixture is None else tuple(self.mixture.name(d) for d in range(len(self.mixture.sizes)))
+
+    def step_source(self, step: int) -> str | None:
+        """The name of the source every sample of step ``step`` (0-based) of the current epoch
+        comes from under one-source batches; None otherwise."""
+        self.plan()
+        return None if self._sources is None else self.mixture.name(self._sources[step])
 
     def __len__(self) -> int:
         return len(self.plan())

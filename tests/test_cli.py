@@ -153,6 +153,24 @@ def test_nproc_per_node_words_reach_torchrun(value):
             check_world_fits(TrainConfig(global_batch_size=expected - 1), cmd)
 
 
+def test_hsdp_shard_degree_is_checked_before_any_process(tmp_path, capsys):
+    argv = ["--nproc-per-node", "4"]
+    cmd = torchrun_command(build_parser().parse_args(["train", *argv]), strip_torchrun_arguments(argv))
+    assert check_world_fits(TrainConfig(strategy="hsdp", shard_degree=2), cmd) == (4, False)
+    with pytest.raises(ValueError, match=re.escape("--shard-degree 3 does not divide the 4 processes: HSDP needs "
+                                                   "groups of equal size; use one of [1, 2, 4]")):
+        check_world_fits(TrainConfig(strategy="hsdp", shard_degree=3), cmd)
+    for flags, message in ((["--strategy", "hsdp", "--shard-degree", "0"], "shard_degree must be >= 1, got 0"),
+                           (["--strategy", "hsdp"], "strategy 'hsdp' needs shard_degree (--shard-degree K"),
+                           (["--shard-degree", "2"], "shard_degree 2 applies to strategy 'hsdp' only, got strategy "
+                                                     "'ddp'"),
+                           (["--strategy", "hsdp", "--shard-degree", "3", "--nproc-per-node", "4"],
+                            "--shard-degree 3 does not divide the 4 processes")):
+        assert main(["train", *flags, "--output-dir", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (flags, err)
+
+
 def test_nproc_per_node_rejects_what_torchrun_would():
     for value, message in (("0", "must be >= 1"), ("two", "a number, gpu, auto or cpu")):
         with pytest.raises(ValueError, match=message):

@@ -167,7 +167,12 @@ class TrainConfig:
     seed: int = option(0, "seed of model init, sampler order and dropout")
     precision: Literal["auto", "bf16", "fp32"] = option(
         "auto", "auto: bf16 autocast on CUDA, fp32 on CPU; bf16: autocast also on CPU; fp32: none")
-    strategy: Literal["ddp", "fsdp2"] = option("ddp", "data parallelism: DDP or FSDP2 (fully_shard)")
+    strategy: Literal["ddp", "fsdp2", "hsdp"] = option(
+        "ddp", "data parallelism: DDP, FSDP2 (fully_shard over all ranks) or HSDP (FSDP2 sharded within groups of "
+               "shard_degree ranks, replicated across the groups)")
+    shard_degree: int | None = option(
+        None, "HSDP: ranks that share one sharded copy of the model, e.g. the GPUs of a node; must divide the number "
+              "of processes (only with strategy hsdp, where it is required)", at_least=1)
     grad_cache: bool = option(False, "GradCache: embed in chunks, so memory does not grow with the global batch")
     grad_cache_budget: int = option(4096, "GradCache chunk size, in patches + tokens per chunk", at_least=1)
     collapse_patience: int = option(
@@ -223,6 +228,12 @@ class TrainConfig:
             raise ValueError(f"eval_fraction must be < 1 (a share of the training split), got {self.eval_fraction}")
         if self.eval_fraction is not None and self.eval_dataset is not None:
             raise ValueError("eval_fraction holds out part of dataset; it cannot be combined with eval_dataset")
+        if self.strategy == "hsdp" and self.shard_degree is None:
+            raise ValueError("strategy 'hsdp' needs shard_degree (--shard-degree K: ranks per shard group, e.g. the "
+                             "GPUs of a node)")
+        if self.strategy != "hsdp" and self.shard_degree is not None:
+            raise ValueError(f"shard_degree {self.shard_degree} applies to strategy 'hsdp' only, got strategy "
+                             f"{self.strategy!r}; drop it or use --strategy hsdp")
         if self.rebalance_vision and self.grad_cache:
             raise ValueError("rebalance_vision does not work with grad_cache (ranks may encode different numbers of "
                              "chunks, and rebalancing is a collective in every encode): turn one of them off")

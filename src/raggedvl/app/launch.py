@@ -7,7 +7,7 @@ From a plain shell, ``raggedvl train``:
    hub in seconds), the output directory (``raggedvl.app.rundir``), and for data in local
    parquet files (``raggedvl.data.scan``) the columns, splits, queries, hard-negative counts
    and every training image's header, documents and hard negatives (a corrupt image is named
-   by row, id and file), then the world size against the global batch;
+   by row, id and file), then the world size against the global batch and ``--shard-degree``;
 2. with several processes, when step 1 checked everything (:func:`needs_torch`: no
    ``--resume``, data in local parquet files or the rdocs preset),
    replaces itself at once (``os.execve``) with torchrun's agent
@@ -159,13 +159,19 @@ def exec_agent(cmd: list[str], env_updates: dict[str, str] | None = None) -> NoR
 
 def check_world_fits(cfg, cmd: Sequence[str]) -> tuple[int, bool]:
     """(processes, spans nodes) of the agent command ``cmd``; raises ``ValueError`` before any
-    process starts when they cannot all get a sample (or ``--nproc-per-node`` is not a value
-    torchrun accepts)."""
+    process starts when they cannot all get a sample, when ``--shard-degree`` does not divide them
+    (or ``--nproc-per-node`` is not a value torchrun accepts)."""
     world, multi = world_of(cmd)
     if cfg.global_batch_size < world:
         raise ValueError(
             f"global_batch_size {cfg.global_batch_size} < {world} processes: every rank needs at least one "
             f"sample per step; use --global-batch-size {world} or more"
+        )
+    if cfg.shard_degree is not None and world % cfg.shard_degree:
+        divisors = [k for k in range(1, world + 1) if world % k == 0]
+        raise ValueError(
+            f"--shard-degree {cfg.shard_degree} does not divide the {world} processes: HSDP needs groups of equal "
+            f"size; use one of {divisors}"
         )
     return world, multi
 

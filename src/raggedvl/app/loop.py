@@ -201,7 +201,8 @@ class Trainer:
             print(empty_query_warning(self.empty_query_rows), file=sys.stderr, flush=True)
         if cfg.rebalance_vision and info.world_size > 1:  # before wrapping: the retriever calls it in forward
             self.c.model.set_vision_rebalancer(VisionRebalancer(timeout_s=cfg.collective_timeout_s))
-        self.model = wrap_model(self.c.model.to(info.device), strategy=cfg.strategy, device=info.device)
+        self.model = wrap_model(self.c.model.to(info.device), strategy=cfg.strategy, device=info.device,
+                                shard_degree=cfg.shard_degree, timeout_s=cfg.collective_timeout_s)
         groups = unwrap_model(self.model).parameter_groups(cfg.lr, cfg.head_lr, cfg.weight_decay)
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.optimizer.zero_grad(set_to_none=True)  # train_step expects none: it frees them after each step

@@ -2,8 +2,9 @@
 
 DDP (the default) replicates the model on every rank and all-reduces (averages) gradients
 during backward; FSDP2 (``torch.distributed.fsdp.fully_shard``) shards parameters, gradients
-and optimizer state across ranks. Both give the same optimizer step; FSDP2 trades extra
-communication for memory.
+and optimizer state across ranks; HSDP shards within groups of ranks (e.g. a node) and
+replicates across the groups, keeping the sharded all-gathers inside a group. All give the same
+optimizer step; sharding trades extra communication for memory.
 
 State dicts go through ``torch.distributed.checkpoint.state_dict`` with full (unsharded) CPU
 tensors, so a checkpoint written under DDP loads under FSDP2 and on one process. With FSDP2
@@ -18,20 +19,34 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raggedvl.parallel.runtime import is_distributed
+from raggedvl.parallel.runtime import is_distributed, set_collective_timeout
 
 
-def wrap_model(model: nn.Module, *, strategy: str = "ddp", device: torch.device | None = None) -> nn.Module:
+def wrap_model(
+    model: nn.Module,
+    *,
+    strategy: str = "ddp",
+    device: torch.device | None = None,
+    shard_degree: int | None = None,
+    timeout_s: float | None = None,
+) -> nn.Module:
     """Wrap ``model`` for data parallelism; returns it unchanged without a process group.
 
     ``strategy``: ``"ddp"`` (DistributedDataParallel, ``find_unused_parameters=False``: the
-    retriever's dummy vision pass keeps every parameter in the graph) or ``"fsdp2"``
-    (``fully_shard`` on every decoder/vision block, then on the root).
-    Raises ``ValueError`` for another strategy, or for ``"fsdp2"`` on a torch without
-    ``torch.distributed.fsdp.fully_shard`` (< 2.6). FSDP2 runs on gloo (CPU) as well as NCCL.
+    retriever's dummy vision pass keeps every parameter in the graph), ``"fsdp2"``
+    (``fully_shard`` on every decoder/vision block, then on the root, sharding over all ranks) or
+    ``"hsdp"`` (the same ``fully_shard`` calls on a 2-D device mesh, ``mesh_dim_names``
+    ``("replicate", "shard")`` of shape ``(world_size // shard_degree, shard_degree)``: each group
+    of ``shard_degree`` consecutive ranks holds one sharded copy of the model, e.g. one group per
+    node; backward reduce-scatters gradients within a group, then all-reduces the shards across
+    groups, so every strategy gives the same averaged gradients). ``timeout_s`` bounds the
+    collectives of the mesh's sub-groups, which are created here (none: PyTorch's default).
+    Raises ``ValueError`` for another strategy, for ``"hsdp"`` whose ``shard_degree`` is not a
+    divisor of the world size, or for ``"fsdp2"`` / ``"hsdp"`` on a torch without
+    ``torch.distributed.fsdp.fully_shard`` (< 2.6). FSDP2 and HSDP run on gloo (CPU) as well as NCCL.
     """
-    if strategy not in ("ddp", "fsdp2"):
-        raise ValueError(f"strategy must be 'ddp' or 'fsdp2', got {strategy!r}")
+    if strategy not in ("ddp", "fsdp2", "hsdp"):
+        raise ValueError(f"strategy must be 'ddp', 'fsdp2' or 'hsdp', got {strategy!r}")
     if not is_distributed() or dist.get_world_size() == 1:
         return model
     if strategy == "ddp":
@@ -41,15 +56,34 @@ def wrap_model(model: nn.Module, *, strategy: str = "ddp", device: torch.device 
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch < 2.6 has it only under torch.distributed._composable
         raise ValueError(
-            f"strategy='fsdp2' needs torch.distributed.fsdp.fully_shard (torch >= 2.6); this is torch "
+            f"strategy={strategy!r} needs torch.distributed.fsdp.fully_shard (torch >= 2.6); this is torch "
             f"{torch.__version__}: upgrade torch or use strategy='ddp'"
         ) from None
+    mesh = _hsdp_mesh(shard_degree, device, timeout_s) if strategy == "hsdp" else None  # None: all ranks
     for module in model.modules():
         # Shard transformer blocks individually (text decoder layers and vision blocks).
         if type(module).__name__.endswith(("DecoderLayer", "VisionBlock", "Block")) and module is not model:
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
+
+
+def _hsdp_mesh(shard_degree: int | None, device: torch.device | None, timeout_s: float | None):
+    """The ``("replicate", "shard")`` device mesh of HSDP (a collective: every rank calls it):
+    rank ``r`` sits at ``(r // shard_degree, r % shard_degree)``. Raises ``ValueError`` when
+    ``shard_degree`` is missing, below 1 or does not divide the world size."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if shard_degree is None or shard_degree < 1 or world % shard_degree:
+        raise ValueError(f"strategy='hsdp' needs a shard_degree that divides the world size {world}, got "
+                         f"{shard_degree}; use a divisor of {world}")
+    mesh = init_device_mesh(device.type if device is not None else "cpu", (world // shard_degree, shard_degree),
+                            mesh_dim_names=("replicate", "shard"))
+    if timeout_s is not None:
+        for name in mesh.mesh_dim_names:
+            set_collective_timeout(timeout_s, mesh.get_group(name))
+    return mesh
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

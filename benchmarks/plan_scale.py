@@ -17,10 +17,10 @@ global batch G = b W, every step of ``--steps``:
   ``--rebalance-vision`` computes on every rank after gathering the grids);
 - bytes one rank receives per step in the step's all-gathers and all-reduces outside the
   gradient all-reduce of the model (which does not depend on W): the loss's positives gather
-  (``all_gather_padded``: W buffers of max_r n_r x max_r L_r x D values plus a uint8 mask, L_r
-  the longest document of rank r, D = 128, ``--value-bytes`` 4: the head's output is float32
-  under bf16 autocast too), the all-reduce of its
-  gradient in backward ([G, max_r L_r, D]; a ring all-reduce receives 2 (W - 1) / W of it), and
+  (``all_gather_packed``: W buffers of max_r T_r x D values, T_r the real tokens of rank r's
+  documents, D = 128, ``--value-bytes`` 4: the head's output is float32 under bf16 autocast
+  too, plus each document's token count, int64), the all-reduce of the real vectors' gradient
+  in backward ([sum_r T_r, D]; a ring all-reduce receives 2 (W - 1) / W of it), and
   the small gathers (one int64 header of 7 + MAX_DIMS per rank for each of the positives,
   negatives, keys and vision-grid gathers; the keys, two int64 per sample; the grids, 3 int64
   per image plus a header row, padded to the largest rank; the per-rank statistics,
@@ -86,13 +86,14 @@ def step_bytes(parts: list[np.ndarray], doc_len: np.ndarray, images: np.ndarray,
     w = len(parts)
     n = np.array([len(p) for p in parts])
     longest = np.array([doc_len[p].max() if len(p) else 0 for p in parts])
-    g, l_max = int(n.sum()), int(longest.max())
-    padded = w * int(n.max()) * l_max * (EMBED_DIM * value_bytes + 1)
-    backward = 2 * (w - 1) / w * g * l_max * EMBED_DIM * value_bytes
+    tokens = np.array([doc_len[p].sum() if len(p) else 0 for p in parts])
+    l_max = int(longest.max())
+    gather = w * int(tokens.max()) * EMBED_DIM * value_bytes + w * int(n.max()) * 8
+    backward = 2 * (w - 1) / w * int(tokens.sum()) * EMBED_DIM * value_bytes
     grid_rows = max(1 + int(images[p].sum()) for p in parts)
     small = w * 8 * (4 * header_values + 2 * int(n.max()) + 3 * grid_rows + stats)
     ragged = float(doc_len[np.concatenate(parts)].sum()) * EMBED_DIM * value_bytes
-    return {"padded": float(padded), "backward": backward, "small": float(small), "ragged": ragged,
+    return {"gather": float(gather), "backward": backward, "small": float(small), "ragged": ragged,
             "l_max": float(l_max)}
 
 
@@ -120,7 +121,7 @@ def simulate(costs, tower: np.ndarray, doc_len: np.ndarray, world: int, per_rank
     c_v, t_v, l_v = np.tile(costs, reps), np.tile(tower, reps), np.tile(doc_len, reps)
     ones = np.ones(len(c_v), dtype=np.int64)
     out: dict[str, list[float]] = {k: [] for k in ("sampler_ms", "vision_ms", "max_over_mean", "bound",
-                                                   "max_over_bound", "padded",
+                                                   "max_over_bound", "gather",
                                                    "backward", "small", "ragged", "max_n", "l_max")}
     epoch = 0
     while len(out["max_over_mean"]) < steps:
@@ -157,11 +158,11 @@ def table(rows: list[dict]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        per_sample = (r["padded"] + r["backward"]) / r["g"] / 1024
+        per_sample = (r["gather"] + r["backward"]) / r["g"] / 1024
         plan_us = (r["sampler_ms"] + r["vision_ms"]) * 1e3 / r["g"]
         lines.append(
             f"| {r['data']} | {r['world']} | {r['g']} | {r['sampler_ms']:.2f} | {r['vision_ms']:.2f} | {plan_us:.2f} "
-            f"| {r['padded'] / mib:.1f} | {r['backward'] / mib:.1f} | {per_sample:.1f} | {r['ragged'] / mib:.1f} "
+            f"| {r['gather'] / mib:.1f} | {r['backward'] / mib:.1f} | {per_sample:.1f} | {r['ragged'] / mib:.1f} "
             f"| {r['small'] / 1024:.1f} | {r['max_n']:.1f} | {r['l_max']:.0f} | {r['max_over_mean']:.4f} "
             f"| {r['bound']:.4f} | {r['max_over_bound']:.4f} |")
     return "\n".join(lines)
@@ -178,7 +179,7 @@ def growth(rows: list[dict]) -> str:
             continue
         ratio = lambda k: b[k] / a[k]  # noqa: E731
         lines.append(f"| {key[0]} | {key[1]} | {b['g'] / a['g']:.1f} | {ratio('sampler_ms'):.1f} | "
-                     f"{ratio('vision_ms'):.1f} | {(b['padded'] + b['backward']) / (a['padded'] + a['backward']):.1f} "
+                     f"{ratio('vision_ms'):.1f} | {(b['gather'] + b['backward']) / (a['gather'] + a['backward']):.1f} "
                      f"| {ratio('ragged'):.1f} | {ratio('small'):.1f} | {ratio('max_over_bound'):.3f} |")
     return "\n".join(lines)
 

@@ -28,9 +28,9 @@ def test_step_bytes_of_a_two_rank_plan():
     parts = [np.array([0, 1]), np.array([2])]  # rank 0: docs of 10 and 30 tokens; rank 1: 20 tokens
     got = step_bytes(parts, np.array([10, 30, 20]), np.ones(3, dtype=np.int64), value_bytes=2, header_values=13,
                      stats=17)
-    row = EMBED_DIM * 2 + 1  # bf16 values + the uint8 mask per token slot
-    assert got["padded"] == 2 * 2 * 30 * row  # W buffers of max n (2) x longest doc (30)
-    assert got["backward"] == 2 * (2 - 1) / 2 * 3 * 30 * EMBED_DIM * 2  # ring all-reduce of [G=3, 30, D]
+    # W buffers of the most real tokens of a rank (rank 0: 40) in bf16, and of the most documents' counts (int64)
+    assert got["gather"] == 2 * 40 * EMBED_DIM * 2 + 2 * 2 * 8
+    assert got["backward"] == 2 * (2 - 1) / 2 * 60 * EMBED_DIM * 2  # ring all-reduce of the [T=60, D] real vectors
     assert got["ragged"] == (10 + 30 + 20) * EMBED_DIM * 2
     assert got["small"] == 2 * 8 * (4 * 13 + 2 * 2 + 3 * 3 + 17)  # headers, keys, grids (1 + 2 rows), stats
     assert got["l_max"] == 30
@@ -43,4 +43,4 @@ def test_simulation_balances_equal_samples_exactly():
     assert row["steps"] == 6 and row["g"] == 8
     assert row["max_over_mean"] == 1.0 and row["bound"] == 1.0 and row["max_n"] == 2.0
     assert row["ragged"] == 8 * 50 * EMBED_DIM * 2
-    assert row["padded"] == 4 * 2 * 50 * (EMBED_DIM * 2 + 1)
+    assert row["gather"] == 4 * 2 * 50 * EMBED_DIM * 2 + 4 * 2 * 8

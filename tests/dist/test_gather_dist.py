@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raggedvl.parallel import all_gather_padded, all_gather_variable, init_distributed, shutdown
+from raggedvl.parallel import all_gather_packed, all_gather_padded, all_gather_variable, init_distributed, shutdown
 from tests.dist.harness import rank_slowdown, run_distributed
 
 f64 = torch.float64
@@ -77,6 +77,38 @@ def _padded_checks(rank, world):
         and out.mask[2, :2].tolist() == [False, False] and out.mask[2, 2:300].all().item()
         and not out.mask[2, 300:].any().item(),
         "padded grad": torch.allclose(x.grad, grad_expected, rtol=0, atol=1e-12),
+    }
+
+
+def _packed_checks(rank, world):
+    """all_gather_packed: each row's real vectors first, in order, the rebuilt mask, and the
+    gradient of the real vectors back to their owner (what MaxSim sees is the padded gather's)."""
+    counts, lengths = [2, 1], [7, 3]
+    masks = []
+    for r in range(world):
+        m = torch.ones(counts[r], lengths[r], dtype=torch.bool)
+        m[:, : r + 1] = False  # left padding
+        m[0, -1] = False  # and a hole at the end of the first row
+        masks.append(m)
+    x = _rows(rank, counts[rank], lengths[rank], 3).requires_grad_(True)
+    out = all_gather_packed(x, masks[rank], tag="docs")
+    parts = [_rows(r, counts[r], lengths[r], 3) for r in range(world)]
+    rows = [p[b][m[b]] for p, m in zip(parts, masks) for b in range(p.shape[0])]
+    longest = max(len(v) for v in rows)
+    weights = [_rows(r, 3, longest, 3, seed=9) for r in range(world)]
+    (out.values * weights[rank]).sum().backward()
+    o = out.offsets[rank]
+    grad_expected = torch.zeros_like(x)
+    for b in range(counts[rank]):
+        real = masks[rank][b]
+        grad_expected[b, real] = sum(w[o + b, : int(real.sum())] for w in weights)
+    return {
+        "packed shape": tuple(out.values.shape) == (3, longest, 3) and out.counts == counts and out.offsets == [0, 2],
+        "packed values": all(torch.equal(out.values[i, : len(v)], v) and bool((out.values[i, len(v):] == 0).all())
+                             for i, v in enumerate(rows)),
+        "packed mask": [int(m.sum()) for m in out.mask] == [len(v) for v in rows]
+        and all(bool(m[: len(v)].all()) for m, v in zip(out.mask, rows)),
+        "packed grad": torch.allclose(x.grad, grad_expected, rtol=0, atol=1e-12),
     }
 
 
@@ -145,7 +177,7 @@ def _env_init_check(rank, world, backend=None):
 
 
 def _all_checks(rank, world):
-    return {**_variable_checks(rank, world), **_padded_checks(rank, world),
+    return {**_variable_checks(rank, world), **_padded_checks(rank, world), **_packed_checks(rank, world),
             **_agreement_checks(rank, world), "timeout": _timeout_check(rank, world),
             "env init": _env_init_check(rank, world, backend="gloo")}
 
@@ -156,7 +188,8 @@ def results():
 
 
 BOOL_CHECKS = ["values", "counts", "grad", "empty rank", "all empty", "int64", "bool", "padded shape",
-               "padded values", "pads are zero", "mask", "padded grad", "debug passes when ranks agree",
+               "padded values", "pads are zero", "mask", "padded grad", "packed shape", "packed values",
+               "packed mask", "packed grad", "debug passes when ranks agree",
                "init reuses group", "rank without grad joins backward"]
 
 

@@ -63,7 +63,7 @@ from raggedvl.losses.scoring import (
     check_late_interaction_inputs,
     late_interaction_scores,
 )
-from raggedvl.parallel import all_gather_padded, all_gather_variable, get_rank, get_world_size
+from raggedvl.parallel import all_gather_packed, all_gather_variable, get_rank, get_world_size
 
 
 def _negatives_per_query(n: int, neg_rows: int) -> int:
@@ -295,8 +295,8 @@ class _MultiVectorLoss(_CrossRankLoss):
         rank, world = self._world()
         counts = [query_emb.shape[0]]
         if world > 1:
-            docs = all_gather_padded(doc_emb, doc_mask, group=self.group, tag="positives")
-            negs = all_gather_padded(neg_emb, neg_mask, group=self.group, tag="negatives")
+            docs = all_gather_packed(doc_emb, doc_mask, group=self.group, tag="positives")
+            negs = all_gather_packed(neg_emb, neg_mask, group=self.group, tag="negatives")
             doc_emb, doc_mask, counts = docs.values, docs.mask, docs.counts
             neg_emb, neg_mask = negs.values, negs.mask
         scores = torch.cat(
@@ -334,10 +334,11 @@ class LateInteractionLoss(_MultiVectorLoss):
     logits = score / temperature (a temperature divides); cross-entropy against the query's own
     positive among the N positives then M hard negatives of the global batch.
 
-    Documents and negatives are gathered with :func:`raggedvl.parallel.all_gather_padded`:
-    padded to the global maximum token count, with pads masked to -inf inside MaxSim.
-    Collectives per call when W > 1: two ``all_gather_padded`` (positives, hard negatives), each
-    one header and two data all_gathers forward and one all_reduce backward. Returns
+    Documents and negatives are gathered with :func:`raggedvl.parallel.all_gather_packed`: only
+    their real token vectors travel, and pads of the rebuilt layout are masked to -inf inside
+    MaxSim. Collectives per call when W > 1: two ``all_gather_packed`` (positives, hard
+    negatives), each two header and two data all_gathers forward and one all_reduce of the real
+    vectors' gradient backward. Returns
     ``L_r = (W/N) * sum`` of its terms.
     Raises ``ValueError``/``TypeError`` (before any collective) for mismatched shapes, non-bool
     masks, a document without valid tokens or a non-positive temperature.

@@ -15,7 +15,13 @@ from raggedvl.parallel.collectives import all_gather_floats, all_gather_objects,
 from raggedvl.parallel.dataparallel import RaggedDataParallel, ScatteredBatch, gather_outputs, scatter_batch
 from raggedvl.parallel.dispatch import RaggedDispatchSlicer, install_ragged_dispatch, prepare_ragged_data_loader
 from raggedvl.parallel.faults import StallWatchdog, report_failure
-from raggedvl.parallel.gather import PaddedGather, VariableGather, all_gather_padded, all_gather_variable
+from raggedvl.parallel.gather import (
+    PaddedGather,
+    VariableGather,
+    all_gather_packed,
+    all_gather_padded,
+    all_gather_variable,
+)
 from raggedvl.parallel.repeats import check_repeats_identifiable, real_sample_count, real_sample_mask
 from raggedvl.parallel.runtime import (
     DEFAULT_TIMEOUT_S,
@@ -45,6 +51,7 @@ __all__ = [
     "VisionRebalancer",
     "all_gather_floats",
     "all_gather_objects",
+    "all_gather_packed",
     "all_gather_padded",
     "all_gather_variable",
     "all_to_all_rows",

@@ -163,3 +163,45 @@ def all_gather_padded(
     mask_shapes = [RankShape(s.rank, torch.uint8, s.shape[:2], 0, 0, False) for s in shapes]
     gathered_mask = _gather_padded_rows(mask.to(torch.uint8), mask_shapes, group).bool()
     return PaddedGather(values, gathered_mask, counts, exclusive_cumsum(counts).tolist())
+
+
+def all_gather_packed(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    tag: str = "",
+    debug: bool | None = None,
+) -> PaddedGather:
+    """Gather multi-vector rows ``x [n_r, L_r, *rest]`` with ``mask [n_r, L_r]`` (bool, True =
+    real vector) sending only the real vectors; returns ``values [N, V, *rest]`` and ``mask
+    [N, V]``, V the most real vectors of any row, each row's real vectors first in their
+    original order (a set function of the vectors, such as MaxSim, is unchanged).
+
+    Transport: this rank's real vectors ``x[mask]`` ``[T_r, *rest]`` and its rows' vector counts
+    ``[n_r]`` go through :func:`all_gather_variable` (the buffers are padded only to the largest
+    rank's T_r, not to ``max n_r x max L_r`` as in :func:`all_gather_padded`); the padded layout
+    is rebuilt locally. Collectives (forward): two header ``all_gather`` + two data
+    ``all_gather``; backward: one ``all_reduce(SUM)`` of the ``[T, *rest]`` gradient of the
+    real vectors (T = sum of T_r), of which this rank keeps its own. Without a process group or
+    at world size 1 returns the inputs unchanged.
+
+    Raises ``ValueError`` / ``TypeError`` before any collective for a ``mask`` that is not bool
+    ``[n_r, L_r]``, and on every rank when ranks disagree on dtype or trailing shape.
+    """
+    if x.dim() < 3 or tuple(mask.shape) != tuple(x.shape[:2]):
+        raise ValueError(
+            f"all_gather_packed needs x [n, L, ...] and mask [n, L]; got x {list(x.shape)} and "
+            f"mask {list(mask.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be bool (True = real vector), got {mask.dtype}")
+    if _world(group) == 1:
+        return PaddedGather(x, mask, [x.shape[0]], [0])
+    vectors = all_gather_variable(x[mask], group=group, tag=f"{tag} vectors", debug=debug).values
+    lengths = all_gather_variable(mask.sum(dim=1), group=group, tag=f"{tag} lengths", debug=debug)
+    longest = int(lengths.values.max()) if lengths.values.numel() else 0
+    gathered_mask = torch.arange(longest, device=mask.device) < lengths.values.unsqueeze(1)
+    values = vectors.new_zeros((gathered_mask.shape[0], longest, *x.shape[2:]))
+    values = values.index_put(torch.nonzero(gathered_mask, as_tuple=True), vectors)
+    return PaddedGather(values, gathered_mask, lengths.counts, lengths.offsets)

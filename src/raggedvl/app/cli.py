@@ -145,7 +145,8 @@ examples:
   raggedvl eval runs/a --dataset benchmark/        another benchmark (BEIR folder, parquet pairs, hub id); writes a JSON
   raggedvl encode runs/a --dataset corpus/ --output index/   embed a document collection
   raggedvl search runs/a --index index/ --query "quarterly revenue" -k 5   its top 5 documents for a query
-  raggedvl export runs/a --format colpali --output out/colpali   load with colpali-engine (or --format transformers)
+  raggedvl export runs/a --format colpali --output out/colpali   load with colpali-engine (or --format transformers,
+                                                   --format sentence-transformers)
   raggedvl data rdocs                              build the embedded dataset once and print its path
 
 Every command has its own help: raggedvl train --help lists each config key with its units and choices.
@@ -255,18 +256,21 @@ def build_parser() -> argparse.ArgumentParser:
                                "embeddings of two different models")
 
     p_export = sub.add_parser(
-        "export", help="write a trained retriever for colpali-engine or transformers, with a model card",
-        description="Write a retriever in the layout colpali-engine (ColQwen2) or transformers (ColQwen2ForRetrieval) "
-                    "loads, with its processor and a model card (README.md).")
+        "export", help="write a trained retriever for colpali-engine, transformers or sentence-transformers, with a "
+                       "model card",
+        description="Write a retriever in the layout colpali-engine (ColQwen2), transformers (ColQwen2ForRetrieval) or "
+                    "sentence-transformers (MultiVectorEncoder) loads, with its processor and a model card (README.md).")
     p_export.add_argument("source", help="a run directory (newest checkpoint), a checkpoint folder, or any checkpoint "
-                                         "raggedvl loads (a saved retriever, a colpali or transformers checkpoint)")
-    p_export.add_argument("--format", required=True, choices=["colpali", "transformers"],
+                                         "raggedvl loads (a saved retriever, a colpali, transformers or "
+                                         "sentence-transformers checkpoint)")
+    p_export.add_argument("--format", required=True, choices=["colpali", "transformers", "sentence-transformers"],
                           help="colpali: ColQwen2.from_pretrained (128-d projection only); transformers: "
-                               "ColQwen2ForRetrieval.from_pretrained (any dim)")
+                               "ColQwen2ForRetrieval.from_pretrained (any dim); sentence-transformers: "
+                               "MultiVectorEncoder(DIR) with the prompts raggedvl trained with (any dim)")
     p_export.add_argument("--output", required=True, help="a new (or empty) folder to write")
     p_export.add_argument("--merge-lora", action="store_true",
                           help="colpali: fold LoRA into the weights and write a full checkpoint instead of an adapter "
-                               "(transformers always merges)")
+                               "(transformers and sentence-transformers always merge)")
 
     p_data = sub.add_parser("data", help="build an embedded dataset and print its path")
     p_data.add_argument("name", choices=["rdocs"], help="dataset name")

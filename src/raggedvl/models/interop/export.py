@@ -18,8 +18,9 @@ without code changes.
   prompts and a chat template that writes the retriever's queries and pages exactly), any
   ``dim``; LoRA is merged.
 
-Each folder also gets the processor (colpali's ``ColQwen2Processor`` layout, or transformers'
-``ColQwen2Processor`` with the retriever's visual prompt) and ``raggedvl_prompts.json`` (the
+Each folder also gets the processor (colpali's ``ColQwen2Processor`` layout, transformers'
+``ColQwen2Processor`` with the retriever's visual prompt, or the family's processor with a chat
+template for sentence-transformers) and ``raggedvl_prompts.json`` (the
 retriever's exact prompts, which raggedvl reads back; the other libraries ignore the file).
 Where the other library's processor writes queries differently from the retriever's prompts
 (transformers' always adds a query prefix and a trailing newline), the returned notes say so.

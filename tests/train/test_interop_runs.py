@@ -5,8 +5,10 @@
 - the run's checkpoints are loadable retrievers (settings + processor beside the weights); a LoRA
   run's checkpoint holds the adapters and the head, not the frozen base; the training config is
   ``train_config.json``, not ``config.json``; files are group-readable under a 022 umask;
-- ``raggedvl export`` writes colpali and transformers folders that load back with the same
-  embeddings, and nothing on those paths unpickles (``torch.load`` is never reached).
+- ``raggedvl export`` writes colpali, transformers and sentence-transformers folders that load
+  back with the same embeddings, and nothing on those paths unpickles (``torch.load`` is never
+  reached);
+- a sentence-transformers MultiVectorEncoder folder is a starting point too (fresh LoRA or full).
 """
 
 import json
@@ -78,7 +80,7 @@ def test_continue_from_colpali_adapter_then_export(tmp_path, small_data_cache, m
     trained = build_retriever(str(step))
     assert trained.config.lora.r == 8 and trained.config.base == str(FULL.resolve())
     batch, q, d = encode(trained, step)
-    for fmt in ("colpali", "transformers"):
+    for fmt in ("colpali", "transformers", "sentence-transformers"):
         assert main(["export", str(run), "--format", fmt, "--output", str(tmp_path / fmt)]) == 0
         card = (tmp_path / fmt / "README.md").read_text()
         assert "raggedvl" in card and "| lora_r |" in card and "dev: after training" in card
@@ -102,6 +104,20 @@ def test_continue_from_colpali_full_with_fresh_lora_then_export_merged(tmp_path,
     _, q, d = encode(build_retriever(str(step)), step)
     _, q2, d2 = encode(build_retriever(str(tmp_path / "merged")), tmp_path / "merged")
     assert masked_max_abs(d2.embeddings, d.embeddings, d.mask) <= 1e-5
+
+
+@pytest.mark.parametrize("lora", [{"lora_r": 4, "lora_alpha": 4}, {"lora": False}], ids=["fresh-lora", "full"])
+def test_continue_from_a_sentence_transformers_folder(tmp_path, small_data_cache, lora):
+    assert main(["export", str(FULL), "--format", "sentence-transformers", "--output", str(tmp_path / "st")]) == 0
+    card = (tmp_path / "st" / "README.md").read_text()
+    assert "library_name: sentence-transformers" in card and 'MultiVectorEncoder("PATH")' in card
+    cfg = _config(tmp_path / "st", tmp_path, small_data_cache, **lora)
+    train(cfg)
+    run = tmp_path / "run"
+    _step0_equals_source(cfg, run)  # the folder's weights and prompts, as raggedvl evaluates the source
+    trained = build_retriever(str(sorted((run / "checkpoints").iterdir())[-1]))
+    assert (trained.config.lora is not None) == ("lora_r" in lora)
+    assert trained.config.prompts == build_retriever(str(FULL)).config.prompts
 
 
 def resume_copy(run, copy, step):

@@ -155,7 +155,8 @@ examples:
   raggedvl eval runs/a --dataset benchmark/        another benchmark (BEIR folder, parquet pairs, hub id); writes a JSON
   raggedvl encode runs/a --dataset corpus/ --output index/   embed a document collection
   raggedvl search runs/a --index index/ --query "quarterly revenue" -k 5   its top 5 documents for a query
-  raggedvl export runs/a --format colpali --output out/colpali   load with colpali-engine (or --format transformers)
+  raggedvl export runs/a --format colpali --output out/colpali   load with colpali-engine (or --format transformers,
+                                                   --format sentence-transformers)
   raggedvl data rdocs                              build the embedded dataset once and print its path
 
 Every command has its own help: raggedvl train --help lists each config key with its units and choices.
@@ -228,11 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p_search, SearchOptions)
 
     p_export = sub.add_parser(
-        "export", help="write a trained retriever for colpali-engine or transformers, with a model card",
-        description="Write a retriever in the layout colpali-engine (ColQwen2) or transformers (ColQwen2ForRetrieval) "
-                    "loads, with its processor and a model card (README.md).")
+        "export", help="write a trained retriever for colpali-engine, transformers or sentence-transformers, with a "
+                       "model card",
+        description="Write a retriever in the layout colpali-engine (ColQwen2), transformers (ColQwen2ForRetrieval) or "
+                    "sentence-transformers (MultiVectorEncoder) loads, with its processor and a model card (README.md).")
     p_export.add_argument("source", help="a run directory (newest checkpoint), a checkpoint folder, or any checkpoint "
-                                         "raggedvl loads (a saved retriever, a colpali or transformers checkpoint)")
+                                         "raggedvl loads (a saved retriever, a colpali, transformers or "
+                                         "sentence-transformers checkpoint)")
     add_arguments(p_export, ExportOptions)
 
     p_data = sub.add_parser("data", help="build an embedded dataset and print its path")

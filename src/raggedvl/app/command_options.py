@@ -70,12 +70,13 @@ class SearchOptions:
 
 @dataclass
 class ExportOptions:
-    format: Literal["colpali", "transformers"] = option(
+    format: Literal["colpali", "transformers", "sentence-transformers"] = option(
         None, "colpali: ColQwen2.from_pretrained (128-d projection only); transformers: "
-              "ColQwen2ForRetrieval.from_pretrained (any dim)", required=True)
+              "ColQwen2ForRetrieval.from_pretrained (any dim); sentence-transformers: MultiVectorEncoder(DIR) with "
+              "the prompts raggedvl trained with (any dim)", required=True)
     output: str = option(None, "a new (or empty) folder to write", required=True)
     merge_lora: bool = option(False, "colpali: fold LoRA into the weights and write a full checkpoint instead of an "
-                                     "adapter (transformers always merges)")
+                                     "adapter (transformers and sentence-transformers always merge)")
 
 
 @dataclass

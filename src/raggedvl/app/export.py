@@ -1,4 +1,4 @@
-"""``raggedvl export SOURCE --format colpali|transformers --output DIR [--merge-lora]``.
+"""``raggedvl export SOURCE --format colpali|transformers|sentence-transformers --output DIR [--merge-lora]``.
 
 SOURCE: a run directory (its newest checkpoint that verifies), a checkpoint folder
 (``run/checkpoints/step-N``, verified against its SHA-256 manifest; one written before
@@ -57,6 +57,7 @@ def export(source: str, fmt: str, output: str, *, merge_lora: bool = False) -> P
     from raggedvl.data import build_processor
     from raggedvl.models import build_retriever
     from raggedvl.models.interop.export import check_exportable, export_colpali, export_transformers
+    from raggedvl.models.interop.multi_vector_encoder import export_multi_vector_encoder
     from raggedvl.models.saved import is_saved_retriever, weights_file
     from raggedvl.app.evaluate_checkpoint import rebuild_retriever
 
@@ -77,6 +78,8 @@ def export(source: str, fmt: str, output: str, *, merge_lora: bool = False) -> P
     source_lora = model.config.lora is not None
     if fmt == "colpali":
         notes = older + export_colpali(model, processor, out, merge_lora=merge_lora)
+    elif fmt == "sentence-transformers":
+        notes = older + export_multi_vector_encoder(model, processor, out)
     else:
         notes = older + export_transformers(model, processor, out)
     card = model_card(source=source, checkpoint=folder, fmt=fmt, state=state, run_dir=run_dir, version=__version__,
@@ -108,7 +111,7 @@ def model_card(*, source: str, checkpoint: str, fmt: str, state: dict | None, ru
     then Markdown)."""
     from raggedvl.app.report import format_metrics_table
 
-    library = "colpali" if fmt == "colpali" else "transformers"
+    library = {"colpali": "colpali", "sentence-transformers": "sentence-transformers"}.get(fmt, "transformers")
     lines = ["---", f"library_name: {library}", "tags:", "- raggedvl", "- colpali", "- visual-document-retrieval",
              "- late-interaction"]
     if base:
@@ -125,6 +128,12 @@ def model_card(*, source: str, checkpoint: str, fmt: str, state: dict | None, ru
                   "queries = model(**processor.process_queries([\"...\"]))",
                   "pages = model(**processor.process_images([image]))",
                   "scores = processor.score_multi_vector(queries, pages)"]
+    elif fmt == "sentence-transformers":
+        lines += ["from sentence_transformers import MultiVectorEncoder", "",
+                  'model = MultiVectorEncoder("PATH")  # the prompts raggedvl trained with, MaxSim',
+                  "queries = model.encode_query([\"...\"])",
+                  "pages = model.encode_document([image])",
+                  "scores = model.similarity(queries, pages)"]
     else:
         lines += ["from transformers import ColQwen2ForRetrieval, ColQwen2Processor", "",
                   'model = ColQwen2ForRetrieval.from_pretrained("PATH").eval()',

@@ -3,6 +3,7 @@
 | kind | recognised by |
 |---|---|
 | ``"raggedvl"`` | ``raggedvl_retriever.json`` (or a legacy ``config.json`` with ``"format": "raggedvl-retriever"``) |
+| ``"sentence_transformers"`` | ``modules.json`` + ``config_sentence_transformers.json`` with ``model_type: "MultiVectorEncoder"`` around a Qwen-VL base model (``raggedvl export --format sentence-transformers``) |
 | ``"colpali_adapter"`` | ``adapter_config.json`` (peft) |
 | ``"transformers"`` | ``config.json`` with ``model_type: "colqwen2"`` (``ColQwen2ForRetrieval``) |
 | ``"colpali"`` | ``config.json`` naming ColQwen2 / ColQwen2_5 in ``architectures``, or weights holding ``custom_text_proj`` |
@@ -25,11 +26,14 @@ from raggedvl.prompts import RetrievalPrompts
 from ..saved import is_saved_retriever
 from ..weights import TensorFiles
 
-KINDS = ("raggedvl", "colpali_adapter", "transformers", "colpali", "backbone")
+KINDS = ("raggedvl", "sentence_transformers", "colpali_adapter", "transformers", "colpali", "backbone")
 COLPALI_ARCHITECTURES = {"ColQwen2": "qwen2_vl", "ColQwen2_5": "qwen2_5_vl"}
 UNSUPPORTED_ARCHITECTURES = ("BiQwen2", "BiQwen2_5")
 ADAPTER_CONFIG = "adapter_config.json"
 PROMPTS_FILE = "raggedvl_prompts.json"  # the exact prompts of a retriever raggedvl exported
+ST_MODULES = "modules.json"
+ST_CONFIG = "config_sentence_transformers.json"
+ST_MODEL_TYPE = "MultiVectorEncoder"
 _SNAPSHOT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
 
 
@@ -74,10 +78,20 @@ def checkpoint_kind(model: str | os.PathLike) -> str | None:
         return None
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if config.get("model_type") == "colqwen2":
-        return "transformers"
+        return "transformers"  # sentence-transformers' ColQwen2ForRetrieval folders too
+    if folder.is_dir() and is_multi_vector_encoder(folder):
+        return "sentence_transformers"
     if colpali_architecture(config.get("architectures")) or (folder.is_dir() and _has_projection(folder)):
         return "colpali"
     return "backbone"
+
+
+def is_multi_vector_encoder(folder: Path) -> bool:
+    """Whether ``folder`` holds a sentence-transformers ``MultiVectorEncoder``
+    (``modules.json`` and ``config_sentence_transformers.json`` naming that model type)."""
+    path = Path(folder) / ST_CONFIG
+    return (Path(folder) / ST_MODULES).is_file() and path.is_file() and \
+        json.loads(path.read_text(encoding="utf-8")).get("model_type") == ST_MODEL_TYPE
 
 
 def _has_projection(folder: Path) -> bool:

@@ -1,4 +1,5 @@
-"""Writing a Retriever in the layouts colpali-engine and transformers load without code changes.
+"""Writing a Retriever in the layouts colpali-engine, transformers and sentence-transformers load
+without code changes.
 
 - ``"colpali"`` (:func:`export_colpali`): ``ColQwen2`` / ``ColQwen2_5`` (Qwen2-VL / Qwen2.5-VL
   backbones). Full weights: ``config.json`` (the backbone config, ``architectures:
@@ -12,9 +13,14 @@
 - ``"transformers"`` (:func:`export_transformers`): ``ColQwen2ForRetrieval`` (``config.json``
   with ``vlm_config`` and ``embedding_dim``; ``vlm.<backbone names>``,
   ``embedding_proj_layer.*``), any ``dim``; LoRA is merged (the layout has no adapter form).
+- ``"sentence-transformers"`` (:func:`.multi_vector_encoder.export_multi_vector_encoder`):
+  sentence-transformers' ``MultiVectorEncoder`` (the base model, a ``Dense`` projection, the
+  prompts and a chat template that writes the retriever's queries and pages exactly), any
+  ``dim``; LoRA is merged.
 
-Each folder also gets the processor (colpali's ``ColQwen2Processor`` layout, or transformers'
-``ColQwen2Processor`` with the retriever's visual prompt) and ``raggedvl_prompts.json`` (the
+Each folder also gets the processor (colpali's ``ColQwen2Processor`` layout, transformers'
+``ColQwen2Processor`` with the retriever's visual prompt, or the family's processor with a chat
+template for sentence-transformers) and ``raggedvl_prompts.json`` (the
 retriever's exact prompts, which raggedvl reads back; the other libraries ignore the file).
 Where the other library's processor writes queries differently from the retriever's prompts
 (transformers' always adds a query prefix and a trailing newline), the returned notes say so.
@@ -39,7 +45,7 @@ from .detect import COLPALI_ARCHITECTURES, PROMPTS_FILE
 from .hf_colqwen2 import DEFAULT_QUERY_PREFIX
 from .hf_colqwen2 import PROJECTION as HF_PROJECTION
 
-FORMATS = ("colpali", "transformers")
+FORMATS = ("colpali", "transformers", "sentence-transformers")
 _COLPALI_CLASS = {family: name for name, family in COLPALI_ARCHITECTURES.items()}
 _COLPALI_PROCESSOR = {"ColQwen2": "ColQwen2Processor", "ColQwen2_5": "ColQwen2_5_Processor"}
 
@@ -52,7 +58,8 @@ def check_exportable(config: Any, family: str, fmt: str) -> None:
     if config.head != "late_interaction":
         raise ValueError(
             f"a {config.head} retriever cannot be exported as {fmt}: colpali-engine's and transformers' ColQwen2 "
-            "classes are late-interaction (multi-vector) models; colpali's BiQwen2 has no projection head"
+            "classes and sentence-transformers' MultiVectorEncoder are late-interaction (multi-vector) models; "
+            "colpali's BiQwen2 has no projection head"
         )
     if family not in _COLPALI_CLASS:
         raise ValueError(f"a {family} backbone cannot be exported as {fmt}: ColQwen2 covers Qwen2-VL and Qwen2.5-VL")
@@ -88,7 +95,7 @@ def export_colpali(retriever: Retriever, processor: Any, output: str | os.PathLi
         config.architectures = [arch]
         config.save_pretrained(out)
         save_tensors(out / "model.safetensors", {**retriever.base_model.state_dict(), **head})
-    _write_colpali_processor(processor, out, _COLPALI_PROCESSOR[arch])
+    write_processor(processor, out, _COLPALI_PROCESSOR[arch])
     write_json(out / PROMPTS_FILE, retriever.config.prompts.to_dict())
     notes = []
     if (retriever.config.prompts.query_template, retriever.config.prompts.doc_template) != (
@@ -126,13 +133,23 @@ def _write_adapter(retriever: Retriever, out: Path, head: dict[str, torch.Tensor
     save_tensors(out / "adapter_model.safetensors", tensors)
 
 
-def _write_colpali_processor(processor: Any, out: Path, processor_class: str) -> None:
-    """The processor files as colpali's ``ColQwen2Processor.save_pretrained`` lays them out."""
+def write_processor(processor: Any, out: Path, processor_class: str, chat_template: str | None = None,
+                    padding_side: str | None = None) -> None:
+    """The processor files as ``processor_class`` (colpali's ``ColQwen2Processor``,
+    transformers' ``Qwen2VLProcessor``) lays them out, with a video processor entry (which
+    ``Qwen2VLProcessor`` loads); ``chat_template``: replaces the processor's
+    (``chat_template.jinja``); ``padding_side``: the tokenizer's."""
     processor.save_pretrained(str(out))
+    if chat_template is not None:
+        (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
     for name in ("processor_config.json", "tokenizer_config.json"):
         path = out / name
         data = json.loads(path.read_text(encoding="utf-8"))
         data["processor_class"] = processor_class
+        if chat_template is not None:
+            data.pop("chat_template", None)
+        if padding_side is not None and name == "tokenizer_config.json":
+            data["padding_side"] = padding_side
         if name == "processor_config.json":
             image = data.get("image_processor", {})
             data.setdefault("video_processor", {  # Qwen2VLProcessor also loads a video processor

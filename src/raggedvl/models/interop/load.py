@@ -29,12 +29,13 @@ from .colpali import (
 )
 from .detect import checkpoint_kind, checkpoint_reference, local_folder
 from .hf_colqwen2 import check_hf_files, load_hf_colqwen2
+from .multi_vector_encoder import check_multi_vector_encoder, load_multi_vector_encoder
 
 
 def load_checkpoint(model: str | os.PathLike, *, lora: LoraSettings | None, merge_lora: bool,
                     attn_implementation: str, dtype: torch.dtype | None) -> Retriever | None:
-    """A :class:`Retriever` for a colpali checkpoint or adapter or a transformers
-    ``ColQwen2ForRetrieval`` checkpoint; None for the kinds ``build_retriever`` handles itself.
+    """A :class:`Retriever` for a colpali checkpoint or adapter, a transformers
+    ``ColQwen2ForRetrieval`` checkpoint or a sentence-transformers ``MultiVectorEncoder``; None for the kinds ``build_retriever`` handles itself.
 
     ``lora``: fresh LoRA for a full checkpoint (an adapter keeps its own r, alpha and dropout);
     ``merge_lora``: fold an adapter into its base. An adapter's base may be a colpali or
@@ -67,6 +68,8 @@ def load_checkpoint(model: str | os.PathLike, *, lora: LoraSettings | None, merg
         retriever = load_colpali(local_folder(model), lora=lora, **kwargs)
     elif kind == "transformers":
         retriever = load_hf_colqwen2(local_folder(model), lora=lora, **kwargs)
+    elif kind == "sentence_transformers":
+        retriever = load_multi_vector_encoder(local_folder(model), lora=lora, **kwargs)
     else:
         return None
     if retriever.config.lora is not None:
@@ -75,7 +78,7 @@ def load_checkpoint(model: str | os.PathLike, *, lora: LoraSettings | None, merg
 
 
 def check_checkpoint(model: str | os.PathLike) -> None:
-    """Check a local colpali / transformers checkpoint or adapter from its JSON files and
+    """Check a local colpali / transformers / sentence-transformers checkpoint or adapter from its JSON files and
     safetensors headers only (no weight is read; the base of an adapter is built on the meta
     device): the errors loading would raise, naming the file and the tensor, in seconds.
     ``raggedvl train`` runs this before starting torchrun. Other kinds and hub ids: nothing
@@ -88,6 +91,8 @@ def check_checkpoint(model: str | os.PathLike) -> None:
         check_colpali_files(folder, AutoConfig.from_pretrained(folder, trust_remote_code=False))
     elif kind == "transformers":
         check_hf_files(folder)
+    elif kind == "sentence_transformers":
+        check_multi_vector_encoder(folder)
     elif kind == "colpali_adapter":
         adapter = read_adapter(folder)
         base_name = resolve_base(folder, adapter.config.get("base_model_name_or_path"))

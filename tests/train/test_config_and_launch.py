@@ -33,9 +33,9 @@ def test_torchrun_command_defaults_and_pass_through():
 
 
 def test_the_tiny_page_budget_applies_to_the_tiny_preset_only():
-    from raggedvl.app.config import TINY_MAX_PIXELS
+    from raggedvl.data.tiny_limits import TINY_TRAIN_MAX_PIXELS
 
-    assert TrainConfig().resolved_max_pixels == TINY_MAX_PIXELS
+    assert TrainConfig().resolved_max_pixels == TINY_TRAIN_MAX_PIXELS
     assert TrainConfig(max_pixels=50_000).resolved_max_pixels == 50_000
     assert TrainConfig(model="Qwen/Qwen2-VL-2B-Instruct").resolved_max_pixels is None  # the checkpoint's own
 

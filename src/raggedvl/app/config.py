@@ -2,7 +2,7 @@
 
 The defaults are the embedded default job: the tiny preset on the rdocs pairs with its
 recipe (lr 2e-4 for the backbone and 2e-3 for the head, 600 steps, global batch 8, temperature
-0.02, ``TINY_MAX_PIXELS`` per page; docs/tiny-model.md says why). For a pretrained checkpoint start from
+0.02, ``TINY_TRAIN_MAX_PIXELS`` per page; docs/tiny-model.md says why). For a pretrained checkpoint start from
 ``configs/qwen2-vl-2b.yaml`` (ColPali's recipe: LoRA r=32, lr 5e-5, global batch 32).
 
 Precedence: dataclass defaults (the embedded default job) < YAML file (``--config``) <
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from raggedvl.data.columns import Columns
+from raggedvl.data.tiny_limits import TINY_TRAIN_MAX_PIXELS
 from raggedvl.models.head_options import DEFAULT_DIM, DEFAULT_HEAD, DEFAULT_POOLING
 from raggedvl.app.options import add_arguments, check_fields, check_known_keys, load_yaml, option, values_from
 
@@ -27,8 +28,6 @@ from raggedvl.app.options import add_arguments, check_fields, check_known_keys, 
 # would read that as a model config and build its default 80-layer model from unknown keys.
 TRAIN_CONFIG_NAME = "train_config.json"
 
-# The tiny preset's page budget: at most 128 visual tokens per page (docs/tiny-model.md).
-TINY_MAX_PIXELS = 100_352
 
 
 @dataclass
@@ -285,9 +284,9 @@ class TrainConfig:
 
     @property
     def resolved_max_pixels(self) -> int | None:
-        """``max_pixels``, or ``TINY_MAX_PIXELS`` for the tiny preset when not given."""
+        """``max_pixels``, or ``TINY_TRAIN_MAX_PIXELS`` for the tiny preset when not given."""
         if self.max_pixels is None and self.model == "tiny":
-            return TINY_MAX_PIXELS
+            return TINY_TRAIN_MAX_PIXELS
         return self.max_pixels
 
     @property

@@ -33,6 +33,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from raggedvl.data.cache import cache_root
+from raggedvl.data.tiny_limits import TINY_MAX_PIXELS, TINY_MIN_PIXELS
 
 TOKENIZER_VERSION = "v1"
 QWEN2_VL_SPECIAL_TOKENS = (
@@ -41,10 +42,6 @@ QWEN2_VL_SPECIAL_TOKENS = (
     "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
 )
 TINY_VOCAB_SIZE = 4096
-# Tiny default job: at most 200,704 pixels (= 448*448) per image -> at most 1,024 patch rows
-# and 256 visual tokens; at least 3,136 (= 56*56) -> 16 patch rows, 4 visual tokens.
-TINY_MIN_PIXELS = 56 * 56
-TINY_MAX_PIXELS = 448 * 448
 # The tiny processor's chat template: Qwen's ChatML (each turn "<|im_start|>ROLE\n...<|im_end|>\n",
 # an image as <|vision_start|><|image_pad|><|vision_end|>), without the default system turn.
 TINY_CHAT_TEMPLATE = (
@@ -222,8 +219,8 @@ def build_processor(
         model: "tiny" (offline tokenizer + PIL image processor), a hub id
             (``Qwen/Qwen2-VL-2B-Instruct``) or a local directory with processor files.
         min_pixels, max_pixels: resize limits, in pixels of the resized image. None keeps the
-            checkpoint's own; for "tiny" the defaults are ``TINY_MIN_PIXELS`` (3,136) and
-            ``TINY_MAX_PIXELS`` (200,704, i.e. <= 256 visual tokens per image).
+            checkpoint's own; for "tiny" the defaults are ``TINY_MIN_PIXELS`` and
+            ``TINY_MAX_PIXELS`` (:mod:`raggedvl.data.tiny_limits`).
         cache_dir: cache root for the tiny tokenizer (default ``$RAGGEDVL_CACHE`` or
             ``~/.cache/raggedvl``).
         trust_remote_code: passed to ``from_pretrained``; never on by default.

@@ -1,0 +1,132 @@
+"""mteb's own evaluation of a raggedvl retriever (``raggedvl.integrations.mteb``) against
+``raggedvl eval``'s on the same local ViDoRe-shaped data, ties included."""
+
+import importlib
+import json
+
+import datasets
+import mteb
+import pytest
+import torch
+from mteb._evaluators.retrieval_metrics import calculate_retrieval_scores
+from mteb.similarity_functions import max_sim
+from mteb.tasks.retrieval.eng.vidore_bench_retrieval import VidoreArxivQARetrieval
+
+from raggedvl.data import build_processor
+from raggedvl.evaluation.benchmark import load_benchmark
+from raggedvl.evaluation.encode import embed_documents, embed_queries, model_collator
+from raggedvl.evaluation.evaluator import evaluate_benchmark
+from raggedvl.integrations.mteb import MtebEncoder, nan_padded
+from raggedvl.models import build_retriever
+
+from ..evaluation.test_benchmark import write_beir
+from ..evaluation.test_eval_cli import noise_png
+
+# mteb's score names -> raggedvl's
+SCORES = {"ndcg_at_5": "ndcg@5", "ndcg_at_10": "ndcg@10", "map_at_10": "map@10", "mrr_at_10": "mrr@10"}
+TWINS = ("doc-7", "doc-8")  # byte-identical pages: every query scores them equal
+
+
+def local_vidore_task(folder):
+    """A ViDoRe v1-shaped mteb task (text queries, an image corpus, graded qrels) whose data
+    is the BEIR-layout ``folder``, loaded and renamed as mteb's ViDoRe tasks load theirs."""
+
+    class LocalVidoreRetrieval(VidoreArxivQARetrieval):
+        metadata = VidoreArxivQARetrieval.metadata.model_copy(
+            update={"name": "LocalVidoreRetrieval", "dataset": {"path": str(folder), "revision": "local"}})
+
+        def load_data(self, num_proc=None, **kwargs):
+            table = lambda part: datasets.load_dataset("parquet", data_files=str(folder / f"{part}.parquet"), split="train")  # noqa: E731
+            split = "test"
+            queries = table("queries").map(lambda x: {"id": f"query-{split}-{x['query-id']}", "text": x["query"],
+                                                      "modality": "text"}, remove_columns=["query-id", "query"])
+            corpus = table("corpus").map(lambda x: {"id": f"corpus-{split}-{x['corpus-id']}", "modality": "image"},
+                                         remove_columns=["corpus-id"])
+            relevant: dict = {}
+            for row in table("qrels"):
+                relevant.setdefault(f"query-{split}-{row['query-id']}", {})[f"corpus-{split}-{row['corpus-id']}"] = int(row["score"])
+            self.corpus, self.queries, self.relevant_docs = {split: corpus}, {split: queries}, {split: relevant}
+            self.data_loaded = True
+
+    return LocalVidoreRetrieval
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mteb")
+    processor = build_processor("tiny")
+    model = build_retriever("tiny", processor=processor, seed=0).to(torch.float64)
+    sizes = [(56, 56), (84, 56), (56, 112), (112, 84), (56, 56), (140, 56), (84, 84)]
+    corpus = [(f"doc-{i}", noise_png(i, s)) for i, s in enumerate(sizes)]
+    twin = noise_png(99, (84, 56))
+    corpus += [(TWINS[0], twin), (TWINS[1], twin)]
+    queries = [("q1", "sample quantiles"), ("q2", "biplot of data"), ("q3", "writing extensions"), ("q4", "an introduction"),
+               ("q5", "regression diagnostics"), ("q6", "package vignettes")]
+    # q5 and q6 each judge one twin relevant: where the twins tie, document-id order decides
+    qrels = [("q1", "doc-0", 1), ("q1", "doc-3", 2), ("q2", "doc-1", 1), ("q3", "doc-6", 1), ("q4", "doc-2", 3),
+             ("q5", TWINS[0], 1), ("q6", TWINS[1], 2), ("q6", "doc-4", 1)]
+    folder = write_beir(root / "bench", corpus, queries, qrels)
+    return model, processor, folder
+
+
+def test_mteb_scores_equal_raggedvl_eval_ties_included(setup, tmp_path):
+    model, processor, folder = setup
+    task = local_vidore_task(folder)()
+    encoder = MtebEncoder(model, processor, name="raggedvl/tiny")
+    result = mteb.evaluate(encoder, task, cache=None, encode_kwargs={"batch_size": 3}, show_progress_bar=False,
+                           prediction_folder=tmp_path)
+    (reported,) = result.task_results[0].scores["test"]
+    run = json.loads(next(tmp_path.glob("*.json")).read_text())["default"]["test"]  # mteb's ranking: qid -> {doc: score}
+    task.load_data()
+    qrels = {q: rels for q, rels in task.relevant_docs["test"].items()}
+    computed = calculate_retrieval_scores(run, qrels, task.k_values)  # mteb's metric code on mteb's run
+    per_query = computed.all_scores.values()
+    theirs = {f"ndcg@{k}": sum(s[f"ndcg_cut_{k}"] for s in per_query) / len(per_query) for k in (5, 10)}
+    theirs["map@10"] = sum(s["map_cut_10"] for s in per_query) / len(per_query)
+    theirs["mrr@10"] = computed.mrr["MRR@10"]
+
+    bench = load_benchmark(folder)
+    want = evaluate_benchmark(model, model_collator(model, processor), bench, batch_size=3)
+    # Both encode the same items in the same size buckets with the same collator and rank by the
+    # same MaxSim function, so the rankings are identical; the metrics then differ only by the
+    # summation order of their formulas (pytrec_eval's doubles vs raggedvl's): 1e-6.
+    for name in SCORES.values():
+        assert theirs[name] == pytest.approx(want[name], abs=1e-6), name
+    # what mteb reports: the same means rounded to 5 decimals (within half a unit of the 5th
+    # decimal, plus the 1e-6 above)
+    for key, name in SCORES.items():
+        assert reported[key] == pytest.approx(want[name], abs=5e-6 + 1e-6), key
+    assert reported["main_score"] == reported["ndcg_at_5"]
+
+    # the ties happened: every query scores the twins equal (the shared image's embedding)
+    q = encoder.similarity(nan_padded(embed_queries(model, bench.queries, processor=processor, progress=False)),
+                           nan_padded(embed_documents(model, bench.documents, processor=processor, progress=False)))
+    twins = [bench.doc_ids.index(t) for t in TWINS]
+    assert torch.equal(q[:, twins[0]], q[:, twins[1]])
+
+
+def test_similarity_masks_padding_where_zero_padding_would_not():
+    # one query vector whose similarity to every document vector is negative: MaxSim takes the
+    # best real vector (-0.5); a zero padding vector would win with 0
+    query = [torch.tensor([[1.0, 0.0]])]
+    docs = [torch.tensor([[-0.5, 0.25]]), torch.tensor([[-1.0, 0.0], [-0.75, 0.5]])]  # lengths 1 and 2 (exact in binary)
+    encoder_similarity = MtebEncoder.similarity(None, nan_padded(query), nan_padded(docs))
+    assert encoder_similarity.tolist() == [[-0.5, -0.75]]
+    zero_padded = torch.nn.utils.rnn.pad_sequence(docs, batch_first=True)
+    assert max_sim(query[0][None], zero_padded).tolist() == [[0.0, -0.75]]  # mteb's colpali wrapper's padding
+    assert torch.isnan(torch.as_tensor(max_sim(query[0][None], nan_padded(docs)))).any()  # unmasked use fails loudly
+
+
+def test_eval_cli_mteb_prints_the_main_scores(setup, monkeypatch, capsys, tmp_path):
+    from raggedvl.app.cli import main
+
+    model, processor, folder = setup
+    model.save_pretrained(tmp_path / "model")
+    task = local_vidore_task(folder)
+    monkeypatch.setitem(importlib.import_module("mteb.get_tasks")._TASKS_REGISTRY, task.metadata.name, task)
+    out = tmp_path / "mteb.json"
+    assert main(["eval", str(tmp_path / "model"), "--mteb", task.metadata.name, "--batch-size", "3", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    bench = load_benchmark(folder)
+    want = evaluate_benchmark(model, model_collator(model, processor), bench, batch_size=3)
+    assert f"{task.metadata.name} test default: ndcg_at_5 {want['ndcg@5']:.4f}" in printed

@@ -3,8 +3,10 @@
 
 import importlib
 import json
+import re
 
 import datasets
+import huggingface_hub
 import mteb
 import pytest
 import torch
@@ -126,7 +128,33 @@ def test_eval_cli_mteb_prints_the_main_scores(setup, monkeypatch, capsys, tmp_pa
     monkeypatch.setitem(importlib.import_module("mteb.get_tasks")._TASKS_REGISTRY, task.metadata.name, task)
     out = tmp_path / "mteb.json"
     assert main(["eval", str(tmp_path / "model"), "--mteb", task.metadata.name, "--batch-size", "3", "--output", str(out)]) == 0
-    printed = capsys.readouterr().out
-    bench = load_benchmark(folder)
-    want = evaluate_benchmark(model, model_collator(model, processor), bench, batch_size=3)
-    assert f"{task.metadata.name} test default: ndcg_at_5 {want['ndcg@5']:.4f}" in printed
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(f"{task.metadata.name} test default: "))
+    printed = dict(re.findall(r"(\w+_at_\d+) ([0-9.]+)", line))
+    reloaded = build_retriever(str(tmp_path / "model"), processor=processor)
+    want = evaluate_benchmark(reloaded, model_collator(reloaded, processor), load_benchmark(folder), batch_size=3)
+    # printed with 5 decimals, mteb's rounding: within half a unit of the 5th decimal (+ 1e-6 as above)
+    for key, name in SCORES.items():
+        assert float(printed[key]) == pytest.approx(want[name], abs=5e-6 + 1e-6), key
+    written = json.loads(out.read_text())
+    assert written["tasks"][task.metadata.name]["scores"]["test"][0]["ndcg_at_5"] == pytest.approx(want["ndcg@5"], abs=6e-6)
+    assert written["model"]["path"] == str(tmp_path / "model")
+
+
+def test_eval_cli_mteb_names_the_cache_when_task_data_cannot_load(setup, monkeypatch, capsys, tmp_path):
+    from raggedvl.app.cli import main
+
+    model, _, _ = setup
+    model.save_pretrained(tmp_path / "model")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "empty-hf-home" / "datasets")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hf-home" / "hub"))
+    assert main(["eval", str(tmp_path / "model"), "--mteb", "VidoreArxivQARetrieval"]) == 2
+    err = capsys.readouterr().err
+    assert "--mteb VidoreArxivQARetrieval: its data (mteb/arxivqa_test_subsampled_beir) could not be loaded" in err
+    assert "offline (HF_HUB_OFFLINE=1) mteb reads a task's data from the Hugging Face datasets cache only" in err
+    assert main(["eval", str(tmp_path / "model"), "--mteb", "VidoreArxivQA"]) == 2
+    assert "Did you mean: 'VidoreArxivQARetrieval'" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "model"), "--mteb", "VidoreArxivQARetrieval", "--dataset", "x", "--split", "dev"]) == 2
+    assert "--mteb scores on mteb's task data, on one process: drop --dataset, --split" in capsys.readouterr().err

@@ -69,11 +69,19 @@ def _check_inputs(args, *, model: str, what: str, columns: dict[str, str | None]
 
 def _eval(args, argv: Sequence[str]) -> int:
     opts = options_from(args, EvalOptions)
+    opts.check_mteb()
     _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns(with_defaults=True))
+    if opts.mteb:
+        from raggedvl.app.launch import plain_output
+        from raggedvl.app.mteb_eval import evaluate_with_mteb
+
+        plain_output()
+        evaluate_with_mteb(args.checkpoint, opts.mteb, batch_size=opts.batch_size, output=opts.output)
+        return 0
     _start_ranks(args, argv, "eval")
     from raggedvl.app.evaluate_checkpoint import evaluate_checkpoint
 
-    kwargs = command_arguments(opts)
+    kwargs = command_arguments(opts, drop=("nproc_per_node", "mteb"))
     kwargs.update(opts.columns(with_defaults=False))
     evaluate_checkpoint(args.checkpoint, **kwargs)
     return 0

@@ -21,7 +21,9 @@ from raggedvl.app.config import TrainConfig
 from raggedvl.app.report import format_metrics_table
 
 
-def _slug(text: str) -> str:
+def file_slug(text: str) -> str:
+    """``text`` as a file-name part: each run of characters other than letters, digits, ".", "_" and
+    "-" becomes "_"; the last 80 characters."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text).rstrip("/")).strip("_")[-80:] or "dataset"
 
 
@@ -76,6 +78,21 @@ def rebuild_retriever(config: dict[str, Any], weights: dict[str, torch.Tensor]) 
     return model, processor, cfg
 
 
+def checkpoint_collator(model: torch.nn.Module, processor: Any, cfg: TrainConfig | None, *,
+                        on_bad_image: str = "error") -> RetrievalCollator:
+    """The collator writing inputs as ``model`` was trained: its prompts and family, and the
+    run's ``max_length`` (``cfg`` of :func:`load_model`; None: no cap)."""
+    return RetrievalCollator(processor, max_length=cfg.max_length if cfg is not None else None, on_bad_image=on_bad_image,
+                             prompts=model.config.prompts, layout=model.family.name)
+
+
+def results_folder(described: dict[str, Any], cfg: TrainConfig | None) -> Path:
+    """Where results of what :func:`load_model` loaded go by default: beside it, a run's
+    ``eval/`` folder, or the model folder's own."""
+    home = Path(described["path"]).parent.parent if cfg is not None else Path(described["path"])
+    return home / "eval"
+
+
 def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: str | None = None, batch_size: int = 16,
                         max_samples: int | None = None, output: str | Path | None = None,
                         on_bad_image: str = "error", query_column: str | None = None, image_column: str | None = None,
@@ -114,9 +131,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             bench = load_benchmark(dataset, split, limit=max_samples, on_bad_image=on_bad_image,
                                    **{k: v for k, v in columns.items() if v is not None})
             name = dataset
-        max_length = cfg.max_length if cfg is not None else None
-        collate = RetrievalCollator(processor, max_length=max_length, on_bad_image=on_bad_image, prompts=model.config.prompts,
-                                    layout=model.family.name)
+        collate = checkpoint_collator(model, processor, cfg, on_bad_image=on_bad_image)
         metrics = evaluate_benchmark(model, collate, bench, batch_size=batch_size, device=info.device, progress=info.is_main)
         results = {
             "dataset": str(name), "split": split, "model": described, "raggedvl_version": __version__,
@@ -129,11 +144,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
         collapse = doc_cosine_warning(metrics["doc_mean_cosine"])  # the run summary's criterion
         results["collapsed"] = collapse is not None
         if info.is_main:
-            if output is None:
-                # beside what was evaluated: a run's eval/ folder, or the model folder's own
-                home = Path(described["path"]).parent.parent if cfg is not None else Path(described["path"])
-                output = home / "eval" / f"{_slug(name)}-{split}.json"
-            output = Path(output)
+            output = Path(output) if output is not None else results_folder(described, cfg) / f"{file_slug(name)}-{split}.json"
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
             print(f"{described['path']}: {name} split {split!r}, {len(bench.queries)} queries, {len(bench.documents)} documents")

@@ -68,12 +68,13 @@ class MtebEncoder(AbsEncoder):
             keys mteb's results cache: give each checkpoint its own, or evaluate with
             ``cache=None``).
         revision: e.g. the training step.
+        progress: show encoding progress on stderr (:func:`raggedvl.evaluation.encode.progress_calls`).
 
     Raises ``ValueError`` when the retriever has no processor."""
 
     def __init__(self, model: torch.nn.Module, processor: Any = None, *, collator: Any = None,
-                 name: str = "raggedvl/retriever", revision: str | None = None) -> None:
-        self.model = model
+                 name: str = "raggedvl/retriever", revision: str | None = None, progress: bool = False) -> None:
+        self.model, self.progress = model, progress
         self.collator = collator if collator is not None else model_collator(model, processor)
         multi = model.config.head != "bi_encoder"
         self.mteb_model_meta = ModelMeta.create_empty(overwrites={
@@ -92,7 +93,6 @@ class MtebEncoder(AbsEncoder):
         raggedvl retriever embeds page images) or queries without text."""
         device = next(self.model.parameters()).device
         batch_size = int(kwargs.get("batch_size") or 16)
-        progress = bool(kwargs.get("show_progress_bar", False))
         if prompt_type is None:
             column = "image" if "image" in inputs.dataset.column_names else "text"
         else:
@@ -110,10 +110,10 @@ class MtebEncoder(AbsEncoder):
         with torch.no_grad():
             if column == "text":
                 rows = encode_queries(self.model, self.collator, items, batch_size=batch_size, device=device,
-                                      progress=progress)
+                                      progress=self.progress)
             else:
                 rows = encode_documents(self.model, self.collator, items, batch_size=batch_size, device=device,
-                                        progress=progress)
+                                        progress=self.progress)
         rows = list(rows)
         bad = next((i for i, r in enumerate(rows) if torch.isnan(r).any()), None)
         if bad is not None:

@@ -1,6 +1,7 @@
 """mteb's own evaluation of a raggedvl retriever (``raggedvl.integrations.mteb``) against
 ``raggedvl eval``'s on the same local ViDoRe-shaped data, ties included."""
 
+import dataclasses
 import importlib
 import json
 import re
@@ -158,3 +159,41 @@ def test_eval_cli_mteb_names_the_cache_when_task_data_cannot_load(setup, monkeyp
     assert "Did you mean: 'VidoreArxivQARetrieval'" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "model"), "--mteb", "VidoreArxivQARetrieval", "--dataset", "x", "--split", "dev"]) == 2
     assert "--mteb scores on mteb's task data, on one process: drop --dataset, --split" in capsys.readouterr().err
+
+
+def test_mteb_names_a_benchmark_for_its_tasks(monkeypatch):
+    from raggedvl.app import mteb_eval
+
+    monkeypatch.setattr(mteb_eval, "_load_data", lambda task: None)  # names only: no data needed
+    names = [task.metadata.name for task in mteb_eval.load_tasks("ViDoRe(v1)")]
+    assert names == [task.metadata.name for task in mteb.get_benchmark("ViDoRe(v1)").tasks]
+    assert "VidoreArxivQARetrieval" in names and len(names) == 10
+
+
+@pytest.mark.slow  # builds the run's tiny processor (session data cache) and evaluates twice
+def test_a_run_directory_scores_the_same_through_mteb_and_raggedvl_eval(setup, small_data_cache, monkeypatch, capsys, tmp_path):
+    from raggedvl.app.checkpoint import save_checkpoint
+    from raggedvl.app.cli import main
+    from raggedvl.app.config import TrainConfig
+    from raggedvl.app.setup import build_cfg_processor, build_model
+
+    from ..conftest import SMALL_DEV_PAIRS, SMALL_TRAIN_PAIRS
+
+    _, _, folder = setup
+    run = tmp_path / "run"
+    cfg = TrainConfig(output_dir=str(run), data_cache=str(small_data_cache), max_train_samples=SMALL_TRAIN_PAIRS,
+                      max_eval_samples=SMALL_DEV_PAIRS, max_length=512)
+    trained = build_model(dataclasses.replace(cfg, seed=7), build_cfg_processor(cfg))  # weights the run's seed does not build
+    save_checkpoint(run / "checkpoints", 5, model_state=trained.state_dict(), optimizer_state={}, rng_states=[],
+                    trainer_state={"step": 5, "epoch": 0, "world_size": 1, "config": cfg.to_dict()})
+    task = local_vidore_task(folder)
+    monkeypatch.setitem(importlib.import_module("mteb.get_tasks")._TASKS_REGISTRY, task.metadata.name, task)
+    assert main(["eval", str(run), "--mteb", task.metadata.name, "--batch-size", "3", "--output", str(tmp_path / "m.json")]) == 0
+    assert main(["eval", str(run), "--dataset", str(folder), "--batch-size", "3", "--output", str(tmp_path / "r.json")]) == 0
+    capsys.readouterr()
+    (theirs,) = json.loads((tmp_path / "m.json").read_text())["tasks"][task.metadata.name]["scores"]["test"]
+    ours = json.loads((tmp_path / "r.json").read_text())
+    assert ours["model"]["step"] == 5
+    # mteb rounds to 5 decimals (half a unit) on top of the 1e-6 of the first test
+    for key, name in SCORES.items():
+        assert theirs[key] == pytest.approx(ours["metrics"][name], abs=5e-6 + 1e-6), key

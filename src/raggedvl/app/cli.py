@@ -161,6 +161,7 @@ examples:
   raggedvl train --output-dir runs/a --resume      continue a run from its newest valid checkpoint
   raggedvl eval runs/a                             nDCG, Recall, MRR, MAP of the newest checkpoint on the run's dev split
   raggedvl eval runs/a --dataset benchmark/        another benchmark (BEIR folder, parquet pairs, hub id); writes a JSON
+  raggedvl eval runs/a --mteb "ViDoRe(v3)"        mteb's own evaluator on an mteb benchmark or task: its main scores
   raggedvl encode runs/a --dataset corpus/ --output index/   embed a document collection
   raggedvl search runs/a --index index/ --query "quarterly revenue" -k 5   its top 5 documents for a query
   raggedvl export runs/a --format colpali --output out/colpali   load with colpali-engine (or --format transformers)

@@ -46,8 +46,8 @@ def _processor_source(path: Path) -> str:
     return str(path)
 
 
-def load_model(path: Path, info) -> tuple[torch.nn.Module, Any, TrainConfig | None, dict[str, Any]]:
-    """(model on the device, processor, the run's config or None, model description) for a
+def load_model(path: Path, device: torch.device | str) -> tuple[torch.nn.Module, Any, TrainConfig | None, dict[str, Any]]:
+    """(model on ``device``, processor, the run's config or None, model description) for a
     raggedvl checkpoint / run directory, or any retriever ``build_retriever`` loads."""
     from raggedvl.data import build_processor
     from raggedvl.models import build_retriever
@@ -55,10 +55,10 @@ def load_model(path: Path, info) -> tuple[torch.nn.Module, Any, TrainConfig | No
     if not _is_training_checkpoint(path):
         processor = build_processor(_processor_source(path))
         model = build_retriever(str(path), processor=processor)
-        return model.to(info.device), processor, None, {"path": str(path.resolve())}
+        return model.to(device), processor, None, {"path": str(path.resolve())}
     ckpt = load_checkpoint_or_latest(path)
     model, processor, cfg = rebuild_retriever(ckpt.state["config"], ckpt.model)
-    return model.to(info.device), processor, cfg, {"path": str(ckpt.path.resolve()), "step": ckpt.state["step"], "model": cfg.model,
+    return model.to(device), processor, cfg, {"path": str(ckpt.path.resolve()), "step": ckpt.state["step"], "model": cfg.model,
                                                    "head": cfg.head}
 
 
@@ -117,7 +117,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
     columns = {"query_column": query_column, "image_column": image_column, "id_column": id_column}
     info = init_distributed()
     try:
-        model, processor, cfg, described = load_model(path, info)
+        model, processor, cfg, described = load_model(path, info.device)
         if dataset is None:
             if cfg is None:
                 raise ValueError(f"{path} is not a raggedvl run: name the benchmark with --dataset PATH_OR_ID")

@@ -108,12 +108,13 @@ def test_mteb_scores_equal_raggedvl_eval_ties_included(setup, tmp_path):
     assert torch.equal(q[:, twins[0]], q[:, twins[1]])
 
 
-def test_similarity_masks_padding_where_zero_padding_would_not():
+def test_similarity_masks_padding_where_zero_padding_would_not(setup):
+    model, processor, _ = setup
     # one query vector whose similarity to every document vector is negative: MaxSim takes the
     # best real vector (-0.5); a zero padding vector would win with 0
     query = [torch.tensor([[1.0, 0.0]])]
     docs = [torch.tensor([[-0.5, 0.25]]), torch.tensor([[-1.0, 0.0], [-0.75, 0.5]])]  # lengths 1 and 2 (exact in binary)
-    encoder_similarity = MtebEncoder.similarity(None, nan_padded(query), nan_padded(docs))
+    encoder_similarity = MtebEncoder(model, processor).similarity(nan_padded(query), nan_padded(docs))
     assert encoder_similarity.tolist() == [[-0.5, -0.75]]
     zero_padded = torch.nn.utils.rnn.pad_sequence(docs, batch_first=True)
     assert max_sim(query[0][None], zero_padded).tolist() == [[0.0, -0.75]]  # mteb's colpali wrapper's padding

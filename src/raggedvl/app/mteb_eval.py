@@ -14,15 +14,17 @@ import torch
 from raggedvl import __version__
 from raggedvl.app.evaluate_checkpoint import checkpoint_collator, file_slug, load_model, results_folder
 
-SHOWN = ("ndcg_at_10", "map_at_10", "mrr_at_10", "recall_at_10")  # printed beside each main score
+SHOWN = ("ndcg_at_5", "ndcg_at_10", "map_at_10", "mrr_at_10", "recall_at_10")  # printed beside each main score
 
 
 def load_tasks(name: str) -> list:
     """The mteb tasks ``name`` names (a task, or a benchmark such as ``ViDoRe(v3)``: its tasks),
     their data loaded. Raises ``ValueError`` for an unknown name (mteb's suggestion) or data that
     cannot be loaded (offline: not in the Hugging Face cache)."""
-    import mteb
-
+    try:
+        import mteb
+    except ImportError:
+        raise ValueError("--mteb needs the mteb package: pip install 'raggedvl[mteb]'") from None
     try:
         tasks = [mteb.get_task(name)]
     except KeyError as exc:
@@ -79,7 +81,7 @@ def evaluate_with_mteb(path: str | Path, tasks: list[str], *, batch_size: int = 
     """Score the checkpoint at ``path`` (as :func:`mteb_encoder` loads it) on the mteb ``tasks``
     (task or benchmark names) with ``mteb.evaluate`` (no results cache: every call runs).
     ``batch_size``: items per forward pass. Prints one line per task, split and subset (main
-    score, nDCG@10, MAP@10, MRR@10, Recall@10) and writes ``output`` (default
+    score, then the others of nDCG@5/10, MAP@10, MRR@10, Recall@10) and writes ``output`` (default
     ``<run>/eval/mteb-<tasks>.json`` or ``<model folder>/eval/mteb-<tasks>.json``). Returns the
     written dict. Task data is loaded before the model; raises ``ValueError`` as
     :func:`load_tasks`."""
@@ -100,7 +102,7 @@ def evaluate_with_mteb(path: str | Path, tasks: list[str], *, batch_size: int = 
         main = loaded[task_result.task_name].metadata.main_score
         for split, per_subset in task_result.scores.items():
             for scores in per_subset:
-                extra = " ".join(f"{k} {scores[k]:.5f}" for k in SHOWN if k in scores)
+                extra = " ".join(f"{k} {scores[k]:.5f}" for k in SHOWN if k in scores and k != main)
                 print(f"{task_result.task_name} {split} {scores['hf_subset']}: {main} {scores[main]:.5f} (main score); {extra}")
     print(f"results written to {output}")
     return results

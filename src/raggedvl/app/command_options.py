@@ -52,7 +52,7 @@ class EvalOptions(ColumnOptions):
         "error", "an unreadable document image stops (error) or is never retrieved and counted (skip)")
     nproc_per_node: str | None = option(None, _NPROC + " (none: 1)")
     mteb: list[str] | None = option(None, "score with mteb's own evaluator on this mteb task or benchmark instead of "
-                                          "--dataset (e.g. VidoreArxivQARetrieval, ViDoRe(v3); repeat for several); prints mteb's main "
+                                          "--dataset (e.g. VidoreArxivQARetrieval, ViDoRe(v3)); prints mteb's main "
                                           "scores; offline, the task's data must be in the Hugging Face cache")
 
     def check_mteb(self) -> None:

@@ -232,7 +232,7 @@ def test_a_saved_model_is_encoded_with_its_own_processor(tmp_path):
     model = build_retriever("tiny", processor=small, seed=0)
     model.save_pretrained(tmp_path / "model")
     small.save_pretrained(tmp_path / "model")
-    _, processor, _, _ = load_model(tmp_path / "model", init_distributed())
+    _, processor, _, _ = load_model(tmp_path / "model", init_distributed().device)
     page = Image.new("RGB", (224, 336), "white")
     expected = small.image_processor(images=[page], return_tensors="pt")["image_grid_thw"]
     got = processor.image_processor(images=[page], return_tensors="pt")["image_grid_thw"]

@@ -72,11 +72,19 @@ def _check_inputs(args, *, model: str, what: str, columns: Columns | None = None
 
 def _eval(args, argv: Sequence[str]) -> int:
     opts = options_from(args, EvalOptions)
+    opts.check_mteb()
     _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns())
+    if opts.mteb:
+        from raggedvl.app.launch import plain_output
+        from raggedvl.app.mteb_eval import evaluate_with_mteb
+
+        plain_output()
+        evaluate_with_mteb(args.checkpoint, opts.mteb, batch_size=opts.batch_size, output=opts.output)
+        return 0
     _start_ranks(args, argv, "eval")
     from raggedvl.app.evaluate_checkpoint import evaluate_checkpoint
 
-    evaluate_checkpoint(args.checkpoint, **command_arguments(opts))
+    evaluate_checkpoint(args.checkpoint, **command_arguments(opts, drop=("nproc_per_node", "mteb")))
     return 0
 
 
@@ -153,6 +161,7 @@ examples:
   raggedvl train --output-dir runs/a --resume      continue a run from its newest valid checkpoint
   raggedvl eval runs/a                             nDCG, Recall, MRR, MAP of the newest checkpoint on the run's dev split
   raggedvl eval runs/a --dataset benchmark/        another benchmark (BEIR folder, parquet pairs, hub id); writes a JSON
+  raggedvl eval runs/a --mteb "ViDoRe(v3)"        mteb's own evaluator on an mteb benchmark or task: its main scores
   raggedvl encode runs/a --dataset corpus/ --output index/   embed a document collection
   raggedvl search runs/a --index index/ --query "quarterly revenue" -k 5   its top 5 documents for a query
   raggedvl export runs/a --format colpali --output out/colpali   load with colpali-engine (or --format transformers,

@@ -15,6 +15,8 @@ from raggedvl.app.options import field_specs, option, values_from
 from raggedvl.data.columns import Columns
 
 _NPROC = "processes to shard the work over (raggedvl starts torchrun)"
+# eval options that --mteb replaces: mteb reads its task's data, on one process
+_MTEB_EXCLUSIVE = ("dataset", "split", "max_samples", "query_column", "image_column", "id_column", "nproc_per_node")
 
 
 @dataclass
@@ -45,6 +47,16 @@ class EvalOptions(ColumnOptions):
     on_bad_image: Literal["error", "skip"] = option(
         "error", "an unreadable document image stops (error) or is never retrieved and counted (skip)")
     nproc_per_node: str | None = option(None, _NPROC + " (none: 1)")
+    mteb: list[str] | None = option(None, "score with mteb's own evaluator on this mteb task or benchmark instead of "
+                                          "--dataset (e.g. VidoreArxivQARetrieval, ViDoRe(v3)); prints mteb's main "
+                                          "scores; offline, the task's data must be in the Hugging Face cache")
+
+    def check_mteb(self) -> None:
+        """With ``--mteb``, no option of raggedvl's own benchmark or of torchrun (mteb reads its
+        task's data, on one process). Raises ``ValueError`` naming the flags."""
+        given = [f"--{name.replace('_', '-')}" for name in _MTEB_EXCLUSIVE if getattr(self, name) is not None]
+        if self.mteb and given:
+            raise ValueError(f"--mteb scores on mteb's task data, on one process: drop {', '.join(given)}")
 
 
 @dataclass

@@ -21,7 +21,9 @@ from raggedvl.app.config import TrainConfig
 from raggedvl.app.report import format_metrics_table
 
 
-def _slug(text: str) -> str:
+def file_slug(text: str) -> str:
+    """``text`` as a file-name part: each run of characters other than letters, digits, ".", "_" and
+    "-" becomes "_"; the last 80 characters."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text).rstrip("/")).strip("_")[-80:] or "dataset"
 
 
@@ -44,8 +46,8 @@ def _processor_source(path: Path) -> str:
     return str(path)
 
 
-def load_model(path: Path, info) -> tuple[torch.nn.Module, Any, TrainConfig | None, dict[str, Any]]:
-    """(model on the device, processor, the run's config or None, model description) for a
+def load_model(path: Path, device: torch.device | str) -> tuple[torch.nn.Module, Any, TrainConfig | None, dict[str, Any]]:
+    """(model on ``device``, processor, the run's config or None, model description) for a
     raggedvl checkpoint / run directory, or any retriever ``build_retriever`` loads."""
     from raggedvl.data import build_processor
     from raggedvl.models import build_retriever
@@ -53,10 +55,10 @@ def load_model(path: Path, info) -> tuple[torch.nn.Module, Any, TrainConfig | No
     if not _is_training_checkpoint(path):
         processor = build_processor(_processor_source(path))
         model = build_retriever(str(path), processor=processor)
-        return model.to(info.device), processor, None, {"path": str(path.resolve())}
+        return model.to(device), processor, None, {"path": str(path.resolve())}
     ckpt = load_checkpoint_or_latest(path)
     model, processor, cfg = rebuild_retriever(ckpt.state["config"], ckpt.model)
-    return model.to(info.device), processor, cfg, {"path": str(ckpt.path.resolve()), "step": ckpt.state["step"], "model": cfg.model,
+    return model.to(device), processor, cfg, {"path": str(ckpt.path.resolve()), "step": ckpt.state["step"], "model": cfg.model,
                                                    "head": cfg.head}
 
 
@@ -74,6 +76,21 @@ def rebuild_retriever(config: dict[str, Any], weights: dict[str, torch.Tensor]) 
     model = build_model(cfg, processor)
     load_full_state_dicts(model, None, weights, None)
     return model, processor, cfg
+
+
+def checkpoint_collator(model: torch.nn.Module, processor: Any, cfg: TrainConfig | None, *,
+                        on_bad_image: str = "error") -> RetrievalCollator:
+    """The collator writing inputs as ``model`` was trained: its prompts and family, and the
+    run's ``max_length`` (``cfg`` of :func:`load_model`; None: no cap)."""
+    return RetrievalCollator(processor, max_length=cfg.max_length if cfg is not None else None, on_bad_image=on_bad_image,
+                             prompts=model.config.prompts, layout=model.family.name)
+
+
+def results_folder(described: dict[str, Any], cfg: TrainConfig | None) -> Path:
+    """Where results of what :func:`load_model` loaded go by default: beside it, a run's
+    ``eval/`` folder, or the model folder's own."""
+    home = Path(described["path"]).parent.parent if cfg is not None else Path(described["path"])
+    return home / "eval"
 
 
 def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: str | None = None, batch_size: int = 16,
@@ -102,7 +119,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
     columns = {"query_column": query_column, "image_column": image_column, "id_column": id_column}
     info = init_distributed()
     try:
-        model, processor, cfg, described = load_model(path, info)
+        model, processor, cfg, described = load_model(path, info.device)
         if dataset is None:
             if cfg is None:
                 raise ValueError(f"{path} is not a raggedvl run: name the benchmark with --dataset PATH_OR_ID")
@@ -117,9 +134,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             with flags_for_columns():
                 bench = load_benchmark(dataset, split, limit=max_samples, on_bad_image=on_bad_image, columns=given)
             name = dataset
-        max_length = cfg.max_length if cfg is not None else None
-        collate = RetrievalCollator(processor, max_length=max_length, on_bad_image=on_bad_image, prompts=model.config.prompts,
-                                    layout=model.family.name)
+        collate = checkpoint_collator(model, processor, cfg, on_bad_image=on_bad_image)
         metrics = evaluate_benchmark(model, collate, bench, batch_size=batch_size, device=info.device, progress=info.is_main)
         results = {
             "dataset": str(name), "split": split, "model": described, "raggedvl_version": __version__,
@@ -132,11 +147,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
         collapse = doc_cosine_warning(metrics["doc_mean_cosine"])  # the run summary's criterion
         results["collapsed"] = collapse is not None
         if info.is_main:
-            if output is None:
-                # beside what was evaluated: a run's eval/ folder, or the model folder's own
-                home = Path(described["path"]).parent.parent if cfg is not None else Path(described["path"])
-                output = home / "eval" / f"{_slug(name)}-{split}.json"
-            output = Path(output)
+            output = Path(output) if output is not None else results_folder(described, cfg) / f"{file_slug(name)}-{split}.json"
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
             print(f"{described['path']}: {name} split {split!r}, {len(bench.queries)} queries, {len(bench.documents)} documents")

@@ -38,7 +38,7 @@ def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str, output: s
         raise ValueError(f"{out} already holds an index; choose a new --output")
     info = init_distributed()
     try:
-        model, processor, _, described = load_model(Path(checkpoint), info)
+        model, processor, _, described = load_model(Path(checkpoint), info.device)
         with flags_for_columns():
             docs = load_corpus(dataset, split, on_bad_image=on_bad_image, columns=columns)
         collate = RetrievalCollator(processor, on_bad_image=on_bad_image, prompts=model.config.prompts,
@@ -77,7 +77,7 @@ def search_index(checkpoint: str | Path, *, index: str | Path, queries: list[str
     idx = EmbeddingIndex(index)
     info = init_distributed()
     try:
-        model, processor, _, described = load_model(Path(checkpoint), info)
+        model, processor, _, described = load_model(Path(checkpoint), info.device)
         if not allow_other_model:
             check_same_model(described, idx.meta.get("model"), index)
         collate = RetrievalCollator(processor, prompts=model.config.prompts, layout=model.family.name)

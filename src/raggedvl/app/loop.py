@@ -59,10 +59,10 @@ from raggedvl.app.fault_injection import FAULT_ENV, inject_fault
 from raggedvl.app.interrupts import ignore_sigint, peer_interrupted, restore_sigint, stop_interrupted
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.app.preemption import PreemptionRequest, report_preempted
-from raggedvl.app.report import MetricsLog, write_summary
+from raggedvl.app.report import write_summary
 from raggedvl.app.resume import check_resume_settings
 from raggedvl.rng import capture_rng_state, restore_rng_state
-from raggedvl.app.progress import PADDING_KEYS, Progress, batch_padding, peak_memory_mib
+from raggedvl.app.progress import PADDING_KEYS, batch_padding, peak_memory_mib
 from raggedvl.app.rundir import check_output_dir
 from raggedvl.app.setup import (
     RunData,
@@ -74,7 +74,7 @@ from raggedvl.app.setup import (
     training_pairs_text,
 )
 from raggedvl.app.startup import StartupClock
-from raggedvl.app.tracking import Trackers, eval_scalars, parse_report_to
+from raggedvl.app.run_log import RunLog
 
 
 @dataclass
@@ -287,8 +287,8 @@ class Trainer:
         previous = json.loads(best_file.read_text())["value"] if best_file.is_file() else None
         value = dev[metric]
         if self.info.is_main:
-            self.metrics_log.write({"event": "eval_best", "step": self.step, f"dev/{metric}": value})
-            self.trackers.log({f"dev/{metric}": value}, self.step)
+            self.run_log.write({"event": "eval_best", "step": self.step, f"dev/{metric}": value},
+                               {f"dev/{metric}": value})
         if previous is not None and not value > previous:
             self.log(f"step {self.step}: dev {metric} {value:.4f} (best {previous:.4f})")
             return
@@ -440,9 +440,9 @@ class Trainer:
         if self.info.is_main:
             print(line, file=sys.stderr, flush=True)
             report_preempted(line)
-            self.metrics_log.write({"event": "preempted", "step": self.step, "signal_age_s": signal_age_s,
-                                    "checkpoint": where if self.saved_step == self.step else None})
-            self.trackers.close()
+        self.run_log.write({"event": "preempted", "step": self.step, "signal_age_s": signal_age_s,
+                            "checkpoint": where if self.saved_step == self.step else None})
+        self.run_log.close()
         barrier()
         return {"preempted": True, "step": self.step, "checkpoint": where if newest else None}
 
@@ -511,16 +511,8 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg, info = self.cfg, self.info
         resumed = self.resume() if cfg.resume else False
-        log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resumed else None) if info.is_main else None
-        self.metrics_log = log
-        if info.is_main and resumed:
-            log.write({"event": "resume", "step": self.step})
-        if info.is_main and not resumed:
-            log.write({"event": "config", **cfg.to_dict(), "world_size": info.world_size})
-            log.write({"event": "size_estimate", "pairs": len(self.c.costs.costs), "patches": int(self.c.costs.patches.sum()),
-                       "rejected": [bad["name"] for bad in self.c.costs.skipped],  # never drawn
-                       "kept": len(self.c.costs.costs) - len(self.c.costs.skipped)})
-        self.trackers = Trackers(parse_report_to(cfg.report_to), self.run_dir, cfg.to_dict(), resume=resumed) if info.is_main else None
+        log = self.run_log = RunLog(cfg, self.run_dir, enabled=info.is_main, resume_step=self.step if resumed else None,
+                                    world_size=info.world_size, costs=self.c.costs)
         batches = self.batch_stream()  # the data workers collate the first batches during what follows
         before = None
         self.watchdog.enter("in evaluation before training", watch=False)
@@ -528,10 +520,7 @@ class Trainer:
             t0 = time.perf_counter()
             before = self.evaluate()
             self.clock.add({"eval_before": time.perf_counter() - t0})
-            if info.is_main:
-                flat = {f"{s}/{k}": v for s, m in before.items() for k, v in m.items() if k != "n"}
-                log.write({"event": "eval_before", "step": 0, **flat, "raw": before})
-                self.trackers.log(eval_scalars(before), 0)
+            log.evaluation("eval_before", 0, before)
         if info.is_main:
             pairs = training_pairs_text(cfg, self.c.costs, getattr(self.c.train_set, "part_sizes", None),
                                         self._duplicates(), row_sources(cfg, self.c.train_set))
@@ -543,10 +532,8 @@ class Trainer:
             sources = sources_text(cfg, self.c.sampler.mixture)
             if sources:
                 self.log(sources)
-        progress = Progress(self.total_steps, self.step, every=cfg.progress_every, enabled=info.is_main)
-        loop_start, t_run = time.time(), time.perf_counter()
-        samples_done = patches_done = 0
-        first_step = True
+        log.start_loop(self.step, self.total_steps)
+        group_names = [g.get("name", str(i)) for i, g in enumerate(self.optimizer.param_groups)]
         while self.step < self.total_steps:
             self.watchdog.enter(f"in step {self.step + 1}")
             batch = next(batches)
@@ -555,54 +542,23 @@ class Trainer:
             r = self.train_step(batch)
             del batch  # free its pixel rows before the next batch is collated (with --data-workers 0, here)
             self.step += 1
-            samples_done += sum(p.n_local for p in r.ranks)
-            patches_done += sum(p.padding["pixel_rows"] for p in r.ranks)
             self.skipped += sum(p.skipped for p in r.ranks)
             self.false_negatives += r.false_negatives
             if self.step_source is not None:
                 self.source_steps[self.step_source] = self.source_steps.get(self.step_source, 0) + 1
-            elapsed = max(1e-9, time.perf_counter() - t_run)
-            rate = samples_done / elapsed
+            log.step(self.step, self.epoch, r, clock=self.clock, group_names=group_names, skipped=self.skipped,
+                     vision_balance=self._vision_balance(), source=self.step_source,
+                     last=self.step == self.total_steps)
+            self._count_nonfinite(r)  # after the step's record: a stop still logs it
             # the step's own chance value: its pairs and hard negatives (a last, smaller step; skipped pairs)
             chance = r.chance_loss(cfg.loss)
-            if info.is_main:
-                lrs = r.lrs
-                progress.update(self.step, loss=r.loss, lr=lrs[0], samples_per_s=rate)
-                if first_step:  # where the time before it went (resumed runs too)
-                    first_step = False
-                    self.clock.add({"first_step": time.perf_counter() - t_run})
-                    log.write({"event": "startup", "command_start": self.clock.command_start, "loop_start": loop_start,
-                               "to_loop_s": loop_start - self.clock.command_start, "phases_s": self.clock.phases_s})
-                if self.step % cfg.log_every == 0 or self.step == self.total_steps or not r.applied:
-                    groups = [g.get("name", str(i)) for i, g in enumerate(self.optimizer.param_groups)]
-                    record = {
-                        "event": "train", "step": self.step, "epoch": self.epoch, "time": time.time(), "loss": r.loss,
-                        "lr": lrs[0], "lr_groups": dict(zip(groups, lrs)), "grad_norm": r.grad_norm,
-                        "global_batch_size": cfg.global_batch_size, "hard_negatives": r.hard_negatives,
-                        "false_negatives": r.false_negatives, "chance_loss": chance, "samples_per_s": rate,
-                        "patches_per_s": patches_done / elapsed, "step_s": r.step_s,
-                        "rank_samples": [p.n_local for p in r.ranks], "rank_encode_s": [p.encode_s for p in r.ranks],
-                        "peak_memory_mib": [round(p.peak_memory_mib, 1) for p in r.ranks],
-                        "padding": {k: sum(p.padding[k] for p in r.ranks) for k in PADDING_KEYS},
-                        "skipped_examples": self.skipped, **self._vision_balance(),
-                        **({} if r.applied else {"nonfinite": True}),
-                    }
-                    if self.step_source is not None:  # one-source batches: every sample of the step is from it
-                        record["source"] = self.step_source
-                    log.write(record)
-                    self.trackers.log({"train/loss": r.loss, "train/grad_norm": r.grad_norm, "train/samples_per_s": rate,
-                                       "train/patches_per_s": record["patches_per_s"],
-                                       "train/peak_memory_mib": max(record["peak_memory_mib"]),
-                                       **{f"lr/{g}": v for g, v in record["lr_groups"].items()}}, self.step)
-            self._count_nonfinite(r)  # after the step's record: a stop still logs it
             warning = self.collapse.update(self.step, r.loss, r.doc_cosine, chance=chance)  # same verdict on every rank
             if warning:
                 self.log(warning + ("; stopping (--stop-on-collapse)" if cfg.stop_on_collapse else
                                     "; --stop-on-collapse would stop the run here"))
-                if info.is_main:
-                    log.write({"event": "collapse", "step": self.step, "loss": r.loss, "chance": self.collapse.chance,
-                               "pairs": r.pairs, "hard_negatives": r.hard_negatives,
-                               "doc_cosine_rank0": r.doc_cosine, "message": warning})
+                log.write({"event": "collapse", "step": self.step, "loss": r.loss, "chance": self.collapse.chance,
+                           "pairs": r.pairs, "hard_negatives": r.hard_negatives,
+                           "doc_cosine_rank0": r.doc_cosine, "message": warning})
                 self.stopped_by_collapse = cfg.stop_on_collapse
             if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps or self.stopped_by_collapse:
                 self.watchdog.enter(f"writing the checkpoint of step {self.step}")
@@ -614,19 +570,14 @@ class Trainer:
                 break
             signal_age = max(p.signal_age_s for p in r.ranks)  # the same on every rank
             if signal_age >= 0:
-                progress.close()
+                log.close_progress()
                 return self._stop_preempted(signal_age)
-        progress.close()
+        log.close_progress()
         self.watchdog.enter("in evaluation after training", watch=False)
         after = self.evaluate() if cfg.eval_after else None
+        records = log.finish(self.step, after)
         summary: dict[str, Any] = {}
         if info.is_main:
-            if after is not None:
-                self.trackers.log(eval_scalars(after), self.step)
-            self.trackers.close()
-            records = log.read()
-            if after is not None:
-                log.write({"event": "eval_after", "step": self.step, "raw": after})
             benches = {"train": self.c.train_eval_set, "dev": self.c.eval_set}
             random = {split: random_baseline(bench) for split, bench in benches.items() if bench is not None}
             summary = write_summary(
@@ -634,14 +585,19 @@ class Trainer:
                 world_size=info.world_size, place=run_place(info.world_size, info.backend, info.device.type),
                 loss=cfg.loss, on_bad_image=cfg.on_bad_image, skipped_examples=self.skipped,
                 rejected_pairs=len(self.c.costs.skipped), estimated_pairs=len(self.c.costs.costs),
-                notes=self._collapse_notes() + self._false_negative_notes() + self._source_notes() + ([f"training rows left out for an empty or non-string query "
-                                                  f"(on_empty_query='skip'): {len(self.empty_query_rows)}"]
-                                                 if cfg.on_empty_query == "skip" else []),
+                notes=self._collapse_notes() + self._false_negative_notes() + self._source_notes()
+                + self._empty_query_notes(),
             )
             summary.update(collapsed=self.collapse.fired, stopped_by_collapse=self.stopped_by_collapse,
                            false_negatives=self.false_negatives)
         barrier()
         return summary
+
+    def _empty_query_notes(self) -> list[str]:
+        if self.cfg.on_empty_query != "skip":
+            return []
+        return [f"training rows left out for an empty or non-string query (on_empty_query='skip'): "
+                f"{len(self.empty_query_rows)}"]
 
     def _false_negative_notes(self) -> list[str]:
         if self.cfg.false_negatives == "keep":

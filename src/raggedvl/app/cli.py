@@ -62,9 +62,10 @@ def _check_inputs(args, *, model: str, what: str, columns: Columns | None = None
     resolve_source(dataset, repo_type="dataset", presets=("rdocs",), what="--dataset")
     if columns is not None:
         from raggedvl.app.column_flags import flags_for_columns
-        from raggedvl.data.scan import check_columns, parquet_split
+        from raggedvl.data.scan import check_columns
+        from raggedvl.data.source import DataSource
 
-        table = parquet_split(dataset, args.split or "test")  # None for a BEIR layout, a hub id...
+        table = DataSource.of(dataset).parquet(args.split or "test")  # None for a BEIR layout, a hub id...
         if table is not None:
             with flags_for_columns():
                 check_columns(table.columns, table.where, columns)

@@ -267,29 +267,31 @@ def check_data(cfg) -> list[str]:
     ``prepare_run_data``). Returns what it could NOT check here, one phrase each (empty when
     everything the ranks would refuse was checked; see :func:`needs_torch`)."""
     from raggedvl.app.column_flags import flags_for_columns
-    from raggedvl.data.scan import check_columns, check_image_column, parquet_split
+    from raggedvl.data.scan import check_columns, check_image_column
+    from raggedvl.data.source import DataSource
 
     unchecked = []
     for name in cfg.datasets:
-        if name == "rdocs":
+        source = DataSource.of(name)
+        if source.is_manifest:
             if cfg.negatives_column is not None:
-                raise ValueError(f"rdocs is an rdocs manifest, which has no hard-negatives column "
+                raise ValueError(f"{name} is an rdocs manifest, which has no hard-negatives column "
                                  f"{cfg.negatives_column!r}; leave out --negatives-column or train on a parquet file "
                                  "that has one")
-        elif not _check_parquet_data(cfg, name):
+        elif not _check_parquet_data(cfg, source):
             unchecked.append(f"--dataset {name} (not local parquet)")
     if cfg.eval_fraction is not None:
         unchecked.append("--eval-fraction (the held-out rows depend on image digests)")
     elif cfg.evaluates:
-        source = cfg.eval_dataset if cfg.eval_dataset is not None else cfg.datasets[0]
+        source = DataSource.of(cfg.eval_dataset if cfg.eval_dataset is not None else cfg.datasets[0])
         flag = "--eval-dataset" if cfg.eval_dataset is not None else "--dataset"
-        table = None if source == "rdocs" else parquet_split(source, cfg.eval_split)  # a missing split raises
+        table = source.parquet(cfg.eval_split)  # a missing split raises
         if table is not None:  # its own columns: a missing one names --eval-query-column...
             with flags_for_columns("eval_"):
                 check_columns(table.columns, table.where, cfg.eval_columns)
                 check_image_column(table, "image", cfg.eval_columns)
-        elif source != "rdocs":  # a BEIR layout, a hub id...
-            unchecked.append(f"{flag} {source} split {cfg.eval_split!r} (not local parquet)")
+        elif source.kind != "rdocs":  # a BEIR layout, a hub id...
+            unchecked.append(f"{flag} {source.name} split {cfg.eval_split!r} (not local parquet)")
     return unchecked
 
 
@@ -308,14 +310,14 @@ def needs_torch(cfg, unchecked: Sequence[str]) -> list[str]:
     return reasons
 
 
-def _check_parquet_data(cfg, name: str) -> bool:
-    """Check one training set (:func:`check_data`); False when it is not local parquet."""
+def _check_parquet_data(cfg, source) -> bool:
+    """Check one training set (:func:`check_data`, a ``DataSource``); False when it is not local parquet."""
     from raggedvl.data.dataset import check_negatives_type, kept_rows, negative_count, source_values
     from raggedvl.app.column_flags import flags_for_columns
-    from raggedvl.data.scan import check_columns, check_image_column, image_sizes, parquet_split, read_column
+    from raggedvl.data.scan import check_columns, check_image_column, image_sizes, read_column
     from raggedvl.images import BadImageError
 
-    table = parquet_split(name, cfg.train_split)
+    table = source.parquet(cfg.train_split)
     if table is None:
         return False
     with flags_for_columns():

@@ -46,12 +46,13 @@ from raggedvl.data.scan import (
     check_columns,
     check_not_text,
     file_split,
+    ParquetSplit,
     is_text_type,
-    parquet_split,
     pick_split,
 )
 from raggedvl.data.columns import Columns
 from raggedvl.data.keys import bytes_key, image_key
+from raggedvl.data.source import DataSource
 from raggedvl.images import BadImageError, BadImagePolicy, check_bad_image_policy, load_image, read_size
 
 
@@ -613,37 +614,33 @@ def _page_key(source: Any, image: Image.Image) -> int:
         return image_key(image)
 
 
-def _load_split(name_or_path: str | os.PathLike, split: str, cache_dir: str | os.PathLike | None = None, **load_kwargs):
-    """``(rows, base_dir)`` of one split. A local parquet file or folder of parquet files
-    (``raggedvl.data.scan.parquet_split``: ``datasets``' split rules) is read as one memory-mapped
-    Arrow table (``raggedvl.data.arrow_cache``; no ``datasets`` import); anything else, or
-    parquet files whose schemas differ, through ``datasets.load_dataset`` (a ``datasets.Dataset``;
-    local parquet read one row group at a time, without pre-buffering column chunks)."""
-    path = Path(name_or_path)
-    if path.is_file() and path.suffix != ".parquet":
-        raise ValueError(f"{path}: a single file must be .parquet (or pass a folder ``datasets`` can read)")
-    if path.exists() and not load_kwargs:
-        found = parquet_split(path, split)
-        mapped = None if found is None else mapped_split(found.files, cache_dir)
-        if mapped is not None:
-            return mapped, found.base_dir
+def _load_split(source: DataSource, split: str, found: ParquetSplit | None, cache_dir: str | os.PathLike | None = None,
+                **load_kwargs):
+    """``(rows, base_dir)`` of one split. Local parquet (:meth:`DataSource.parquet`:
+    ``datasets``' split rules) is read as one memory-mapped Arrow table
+    (``raggedvl.data.arrow_cache``; no ``datasets`` import); anything else, or parquet files
+    whose schemas differ, through ``datasets.load_dataset`` (a ``datasets.Dataset``; local
+    parquet read one row group at a time, without pre-buffering column chunks)."""
+    path = source.path
+    mapped = None if found is None or load_kwargs else mapped_split(found.files, cache_dir)
+    if mapped is not None:
+        return mapped, found.base_dir
     import datasets
     import pyarrow.dataset as ds
 
     row_group_reads = {"fragment_scan_options": ds.ParquetFragmentScanOptions(pre_buffer=False)}
-    if path.is_file():
+    if source.kind == "parquet":
         splits = datasets.load_dataset("parquet", data_files={file_split(path): str(path)},
                                        **{**row_group_reads, **load_kwargs})
-        return splits[pick_split(list(splits), split, str(path))], path.parent
-    if path.is_dir():
-        parquet = parquet_split(path, split) is not None
+        return splits[pick_split(list(splits), split, source.name)], path.parent
+    if path is not None:
         try:
-            splits = datasets.load_dataset(str(path), **({**row_group_reads, **load_kwargs} if parquet else load_kwargs))
+            splits = datasets.load_dataset(str(path), **({**row_group_reads, **load_kwargs} if found else load_kwargs))
         except (ValueError, FileNotFoundError) as exc:
             raise ValueError(f"{path} is neither an rdocs directory nor a folder ``datasets`` can read ({exc})") from exc
         return splits[pick_split(list(splits), split, str(path))], path
-    available = datasets.get_dataset_split_names(str(name_or_path), **{k: v for k, v in load_kwargs.items() if k == "name"})
-    return datasets.load_dataset(str(name_or_path), split=pick_split(available, split, str(name_or_path)), **load_kwargs), None
+    available = datasets.get_dataset_split_names(source.name, **{k: v for k, v in load_kwargs.items() if k == "name"})
+    return datasets.load_dataset(source.name, split=pick_split(available, split, source.name), **load_kwargs), None
 
 
 def load_retrieval_dataset(
@@ -681,25 +678,25 @@ def load_retrieval_dataset(
     if on_empty_query not in EMPTY_QUERY_POLICIES:
         raise ValueError(f"on_empty_query must be one of {EMPTY_QUERY_POLICIES}, got {on_empty_query!r}")
     common = {"on_bad_image": on_bad_image, "on_empty_query": on_empty_query}
-    path = Path(name_or_path)
-    is_manifest = str(name_or_path) == "rdocs" or (path / "manifest.jsonl").is_file()
-    if columns.negatives is not None and is_manifest:
+    source = DataSource.of(name_or_path)
+    if columns.negatives is not None and source.is_manifest:
         raise ValueError(f"{name_or_path} is an rdocs manifest, which has no hard-negatives column "
                          f"{columns.negatives!r}; leave Columns(negatives=...) unset or load a parquet file that has one")
-    if str(name_or_path) == "rdocs":
+    if source.kind == "rdocs":
         from raggedvl.data.rdocs import build_rdocs
 
         return RetrievalDataset.from_manifest(build_rdocs(cache_dir), split, limit=limit, source_column=columns.source,
                                               **common)
-    if (path / "manifest.jsonl").is_file():
-        return RetrievalDataset.from_manifest(path, split, limit=limit, source_column=columns.source, **common)
+    if source.kind == "manifest":
+        return RetrievalDataset.from_manifest(source.path, split, limit=limit, source_column=columns.source, **common)
 
-    rows, base = _load_split(name_or_path, split, cache_dir, **load_kwargs)
+    found = source.parquet(split)  # local parquet: its files and columns, once
+    rows, base = _load_split(source, split, found, cache_dir, **load_kwargs)
     return RetrievalDataset.from_hf(
         rows, split, columns=columns, limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}",
-        sizes=_cached_sizes(name_or_path, split, columns.image, _num_rows(rows)),
+        sizes=_cached_sizes(found, columns.image, _num_rows(rows)),
         negative_sizes=(None if columns.negatives is None
-                        else _cached_negative_sizes(name_or_path, split, columns.negatives, _num_rows(rows))),
+                        else _cached_negative_sizes(found, columns.negatives, _num_rows(rows))),
         **common,
     )
 
@@ -708,30 +705,28 @@ def _num_rows(rows) -> int:
     return _arrow(rows).num_rows if isinstance(rows, MappedTable) else len(rows)
 
 
-def _cached_sizes(name_or_path: str | os.PathLike, split: str, image_column: str,
+def _cached_sizes(table: ParquetSplit | None, image_column: str,
                   num_rows: int) -> list[tuple[int, int] | None] | None:
     """Each row's image size from ``raggedvl.data.scan``'s cache of a local parquet split (the
     launcher writes it), else None (the sizes are then read from the headers when needed)."""
     from raggedvl.data.scan import cached_image_sizes
 
-    if Path(name_or_path).expanduser().exists():
-        table = parquet_split(name_or_path, split)
-        found = cached_image_sizes(table, image_column) if table is not None else None
+    if table is not None:
+        found = cached_image_sizes(table, image_column)
         if found is not None and table.num_rows == num_rows:
             return [None if width < 0 else (width, height) for width, height in found.sizes.tolist()]
     return None
 
 
-def _cached_negative_sizes(name_or_path: str | os.PathLike, split: str, column: str,
+def _cached_negative_sizes(table: ParquetSplit | None, column: str,
                            num_rows: int) -> list[list[tuple[int, int] | None]] | None:
     """Each row's hard negatives' sizes from ``raggedvl.data.scan``'s cache of a local parquet
     split (``item="hard negative"``; the launcher writes it), None for an unreadable one; None
     when there is no cache entry."""
     from raggedvl.data.scan import cached_image_sizes
 
-    if Path(name_or_path).expanduser().exists():
-        table = parquet_split(name_or_path, split)
-        found = cached_image_sizes(table, column, item="hard negative") if table is not None else None
+    if table is not None:
+        found = cached_image_sizes(table, column, item="hard negative")
         if found is not None and table.num_rows == num_rows:
             return [[None if w < 0 else (w, h) for w, h in row[:count]]
                     for row, count in zip(found.sizes.tolist(), found.counts.tolist())]

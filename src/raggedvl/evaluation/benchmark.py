@@ -30,7 +30,8 @@ from typing import Any
 
 from raggedvl.data.columns import Columns
 from raggedvl.data.dataset import RetrievalDataset, load_retrieval_dataset, pick_split
-from raggedvl.data.scan import beir_part, is_beir_layout
+from raggedvl.data.scan import beir_part
+from raggedvl.data.source import DataSource
 
 
 @dataclass
@@ -115,18 +116,11 @@ def load_corpus(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_
     """The documents of a benchmark or dataset, each distinct image once (for indexing): the
     ``corpus`` of a BEIR layout, else the distinct images of the rows (``columns.query`` must
     exist; rows with an empty query are kept). Local pairs are read without ``datasets``."""
-    path = Path(name_or_path)
-    if is_beir_layout(path) or (not path.exists() and str(name_or_path) != "rdocs" and _hub_has_corpus(name_or_path)):
+    if DataSource.of(name_or_path).is_beir():
         return _corpus_documents(name_or_path, split, on_bad_image, **load_kwargs)
     rows = load_retrieval_dataset(name_or_path, split, on_bad_image=on_bad_image, on_empty_query="keep",
                                   columns=columns, **load_kwargs)
     return rows.select(sorted(set(distinct_images(rows))))
-
-
-def _hub_has_corpus(name: str | os.PathLike) -> bool:
-    import datasets
-
-    return "corpus" in datasets.get_dataset_config_names(str(name))
 
 
 def _column(columns: Sequence[str], wanted: Sequence[str], table: str) -> str:
@@ -212,18 +206,9 @@ def load_benchmark(name_or_path: str | os.PathLike, split: str = "test", *, on_b
     or from (query, image) pairs (any source :func:`raggedvl.data.load_retrieval_dataset` reads,
     with ``columns``; query-less rows kept as corpus-only documents). ``limit``: pairs, a stable
     sample of that many rows; BEIR, that many queries over the whole corpus."""
-    path = Path(name_or_path)
-    if is_beir_layout(path):
-        return load_beir(path, split, on_bad_image=on_bad_image, **load_kwargs).sample_queries(limit)
-    if not path.exists() and str(name_or_path) != "rdocs":
-        import datasets
-
-        try:
-            configs = datasets.get_dataset_config_names(str(name_or_path))
-        except Exception:  # noqa: BLE001 - an unreachable hub: fall through to the pairs loader's error
-            configs = []
-        if {"corpus", "queries", "qrels"} <= set(configs):
-            return load_beir(name_or_path, split, on_bad_image=on_bad_image, **load_kwargs).sample_queries(limit)
+    source = DataSource.of(name_or_path)
+    if source.is_beir():
+        return load_beir(source.path or source.name, split, on_bad_image=on_bad_image, **load_kwargs).sample_queries(limit)
     pairs = load_retrieval_dataset(name_or_path, split, on_bad_image=on_bad_image, on_empty_query="keep", limit=limit,
                                    columns=columns, cache_dir=cache_dir, **load_kwargs)
     return RetrievalBenchmark.from_pairs(pairs, name=str(name_or_path))

@@ -26,6 +26,7 @@ _EXPORTS = {
     "build_processor": "raggedvl.data.processing",
     "build_rdocs": "raggedvl.data.rdocs",
     "ColumnError": "raggedvl.data.columns",
+    "DataSource": "raggedvl.data.source",
     "Columns": "raggedvl.data.columns",
     "build_tiny_tokenizer": "raggedvl.data.processing",
     "cache_root": "raggedvl.data.cache",

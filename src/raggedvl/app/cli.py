@@ -1,4 +1,4 @@
-"""``raggedvl`` command line: ``train``, ``eval``, ``encode``, ``search``, ``export``, ``data``.
+"""``raggedvl`` command line: ``train``, ``eval``, ``encode``, ``mine``, ``search``, ``export``, ``data``.
 
 ``main(argv)`` is the whole CLI (it returns the exit code), so tests call it in-process;
 ``run()`` is the command's entry point (console script, ``python -m raggedvl.app.cli``): ``main``,
@@ -16,6 +16,7 @@ from raggedvl.app.command_options import (
     EncodeOptions,
     EvalOptions,
     ExportOptions,
+    MineOptions,
     SearchOptions,
     command_arguments,
     options_from,
@@ -100,6 +101,19 @@ def _encode(args, argv: Sequence[str]) -> int:
     return 0
 
 
+def _mine(args, argv: Sequence[str]) -> int:
+    opts = options_from(args, MineOptions)
+    if opts.max_positive_ratio > 1:
+        raise ValueError(f"--max-positive-ratio must be in (0, 1], got {opts.max_positive_ratio}")
+    _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns())
+    _start_ranks(args, argv, "mine")
+    from raggedvl.app.mine import mine
+
+    kwargs = command_arguments(opts, drop=("nproc_per_node", "query_column", "image_column", "id_column"))
+    mine(args.checkpoint, columns=opts.columns(), **kwargs)
+    return 0
+
+
 def _search(args) -> int:
     opts = options_from(args, SearchOptions)
     _check_inputs(opts, model=args.checkpoint, what="checkpoint")
@@ -165,6 +179,7 @@ examples:
   raggedvl eval runs/a --mteb "ViDoRe(v3)"        mteb's own evaluator on an mteb benchmark or task: its main scores
   raggedvl encode runs/a --dataset corpus/ --output index/   embed a document collection
   raggedvl search runs/a --index index/ --query "quarterly revenue" -k 5   its top 5 documents for a query
+  raggedvl mine runs/a --dataset pairs.parquet --output mined/ -k 4   hard negatives for a training set
   raggedvl export runs/a --format colpali --output out/colpali   load with colpali-engine (or --format transformers,
                                                    --format sentence-transformers)
   raggedvl data rdocs                              build the embedded dataset once and print its path
@@ -209,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="raggedvl", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"raggedvl {__version__} ({_stack_versions()})")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,eval,encode,search,export,data}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,eval,encode,mine,search,export,data}")
 
     p_train = sub.add_parser(
         "train",
@@ -233,6 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_encode = sub.add_parser("encode", help="embed a corpus's document images into an index folder (safetensors shards + ids)")
     p_encode.add_argument("checkpoint", help=checkpoint_help)
     add_arguments(p_encode, EncodeOptions)
+
+    p_mine = sub.add_parser("mine", help="mine hard negatives for a training set with a retriever (positive-aware)",
+                            description="Rank the training set's pages for each of its queries with a checkpoint, drop "
+                                        "the query's positives, their duplicates and likely unlabelled positives, and "
+                                        "write the training set with k hard negatives per query.")
+    p_mine.add_argument("checkpoint", help=checkpoint_help)
+    add_arguments(p_mine, MineOptions)
 
     p_search = sub.add_parser("search", help="top-k documents of a query in an index (exact, chunked MaxSim / cosine)")
     p_search.add_argument("checkpoint", help=checkpoint_help + " (the one that built the index)")
@@ -283,7 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     commands = {"train": lambda: _train(args, argv[1:]), "eval": lambda: _eval(args, argv[1:]),
-                "encode": lambda: _encode(args, argv[1:]), "search": lambda: _search(args), "export": lambda: _export(args),
+                "encode": lambda: _encode(args, argv[1:]), "mine": lambda: _mine(args, argv[1:]),
+                "search": lambda: _search(args), "export": lambda: _export(args),
                 "data": lambda: _data(args)}
     try:
         try:

@@ -71,6 +71,23 @@ class EncodeOptions(ColumnOptions):
 
 
 @dataclass
+class MineOptions(ColumnOptions):
+    dataset: str = option(None, "the training set: local (query, image) parquet pairs or a local BEIR folder "
+                                "(corpus / queries / qrels)", required=True)
+    split: str = option("train", "split")
+    output: str = option(None, "a new folder to write the training set with its hard negatives to", required=True)
+    k: int = option(4, "hard negatives per query", at_least=1, short="-k")
+    max_positive_ratio: float = option(0.95, "drop a candidate scoring at least this fraction of the query's lowest "
+                                             "positive score (a likely unlabelled positive; NV-Retriever's TopK-PercPos)",
+                                       above=0)
+    skip_top: int = option(0, "drop this many of the best candidates left after the positives", at_least=0)
+    batch_size: int = option(16, "samples per forward pass", at_least=1)
+    on_bad_image: Literal["error", "skip"] = option(
+        "error", "an unreadable image stops (error) or is never mined and counted (skip)")
+    nproc_per_node: str | None = option(None, _NPROC + " (none: 1)")
+
+
+@dataclass
 class SearchOptions:
     index: str = option(None, "index folder written by raggedvl encode", required=True)
     query: list[str] = option(None, "query text", required=True)

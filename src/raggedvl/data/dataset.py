@@ -564,7 +564,7 @@ class RetrievalDataset(Sequence):
 
     def _digest(self, index: int) -> str:
         try:
-            data = _source_bytes(self.image_sources[index])
+            data = source_bytes(self.image_sources[index])
         except (OSError, KeyError, TypeError) as exc:
             if self.on_bad_image == "skip":
                 return "unreadable:" + hashlib.sha256(str(self.records[index]["id"]).encode()).hexdigest()
@@ -590,7 +590,7 @@ class RetrievalDataset(Sequence):
             raise
 
 
-def _source_bytes(source: Any) -> bytes:
+def source_bytes(source: Any) -> bytes:
     """The stored bytes of an image source (a path, bytes, a ``{"bytes", "path"}`` dict, or a
     PIL image's mode, size and pixels). Raises ``OSError`` / ``KeyError`` / ``TypeError``."""
     if isinstance(source, dict):
@@ -609,7 +609,7 @@ def _page_key(source: Any, image: Image.Image) -> int:
     """A page's document key (:mod:`raggedvl.data.keys`): its stored bytes, or its decoded pixels
     for a source without stored bytes."""
     try:
-        return bytes_key(_source_bytes(source))
+        return bytes_key(source_bytes(source))
     except (OSError, KeyError, TypeError):
         return image_key(image)
 

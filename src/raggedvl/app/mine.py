@@ -1,0 +1,124 @@
+"""``raggedvl mine CHECKPOINT --dataset D --output OUT``: hard negatives for a training set,
+mined by a retriever with positive-aware filtering (:mod:`raggedvl.evaluation.mining`).
+
+The training set is read as a benchmark (each distinct query with its relevant pages, the
+distinct pages as the corpus). What is written, for ``raggedvl train --dataset OUT``:
+
+- (query, image) pairs (parquet): ``OUT/train.parquet``, the input rows with a ``negatives``
+  column (each row's mined pages, encoded bytes, best first; train with
+  ``--negatives-column negatives``);
+- a BEIR layout: ``OUT`` holds the input's ``corpus`` / ``queries`` / ``qrels`` parts (linked,
+  else copied) and ``negatives.parquet`` (``query-id``, ``corpus-ids``: a list, best first),
+  the negatives by reference.
+
+Rank 0 prints a summary: queries, negatives kept, candidates each filter removed, queries that
+got fewer than ``k``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+from raggedvl.app.column_flags import flags_for_columns
+from raggedvl.app.evaluate_checkpoint import load_model
+from raggedvl.data import RetrievalCollator
+from raggedvl.data.columns import Columns
+from raggedvl.data.dataset import source_bytes
+from raggedvl.data.scan import beir_part, read_column
+from raggedvl.data.source import DataSource
+from raggedvl.evaluation.benchmark import RetrievalBenchmark, load_benchmark
+from raggedvl.evaluation.mining import FILTERS, MinedNegatives, mine_negatives
+from raggedvl.parallel import barrier, init_distributed, shutdown
+
+NEGATIVES_COLUMN = "negatives"
+NEGATIVES_TABLE = "negatives.parquet"
+
+
+def mine(checkpoint: str | Path, *, dataset: str, split: str, output: str | Path, k: int,
+         max_positive_ratio: float = 0.95, skip_top: int = 0, batch_size: int = 16, on_bad_image: str = "error",
+         columns: Columns = Columns()) -> Path:
+    """Mine ``k`` hard negatives per query of ``dataset``'s ``split`` and write them to
+    ``output`` (module docstring). Raises ``ValueError`` for an ``output`` that holds files, a
+    source that is neither local parquet pairs nor a local BEIR layout, or a bad argument."""
+    out = Path(output)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--output {out} already holds files; choose a new folder")
+    source = DataSource.of(dataset)
+    if source.kind not in ("parquet", "folder", "beir") or (source.kind != "beir" and source.parquet(split) is None):
+        raise ValueError(f"--dataset {dataset}: mining writes local data, so it reads local (query, image) parquet "
+                         f"pairs or a local BEIR folder (corpus / queries / qrels); got a {source.kind} source")
+    info = init_distributed()
+    try:
+        model, processor, _, _ = load_model(Path(checkpoint), info.device)
+        with flags_for_columns():
+            bench = load_benchmark(dataset, split, on_bad_image=on_bad_image, columns=columns)
+        collate = RetrievalCollator(processor, on_bad_image=on_bad_image, prompts=model.config.prompts,
+                                    layout=model.family.name)
+        mined = mine_negatives(model, collate, bench, k=k, max_positive_ratio=max_positive_ratio, skip_top=skip_top,
+                               batch_size=batch_size, device=info.device, progress=info.is_main)
+        if info.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            if source.kind == "beir":
+                _write_by_reference(source.path, out, bench, mined)
+            else:
+                _write_pairs(source, split, out, bench, mined, columns.query)
+            print(summary(bench, mined, k, out, source.kind == "beir"))
+        barrier()
+        return out
+    finally:
+        shutdown()
+
+
+def summary(bench: RetrievalBenchmark, mined: MinedNegatives, k: int, out: Path, by_reference: bool) -> str:
+    """The command's closing lines: what was kept, what each filter removed, how to train."""
+    kept = sum(len(n) for n in mined.negatives)
+    removed = ", ".join(f"{name.replace('_', ' ')} {mined.removed[name]}" for name in FILTERS)
+    train = (f"raggedvl train --dataset {out}" if by_reference
+             else f"raggedvl train --dataset {out} --negatives-column {NEGATIVES_COLUMN}")
+    return (f"mined {kept} hard negatives for {len(bench.queries)} queries over {len(bench.documents)} pages "
+            f"(k = {k}; {mined.short} queries got fewer); candidates removed: {removed}\n"
+            f"wrote {out}; train with: {train}")
+
+
+def _write_pairs(source: DataSource, split: str, out: Path, bench: RetrievalBenchmark, mined: MinedNegatives,
+                 query_column: str) -> None:
+    """The input rows with a ``negatives`` column: each row's query's mined pages as bytes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.concat_tables([pq.read_table(f) for f in source.parquet(split).files])
+    if NEGATIVES_COLUMN in table.column_names:
+        table = table.drop_columns([NEGATIVES_COLUMN])
+    by_text = {text: q for q, text in enumerate(bench.queries)}
+    pages = {}  # position -> bytes, each page read once
+    negatives = []
+    for text in read_column(source.parquet(split), query_column):
+        q = by_text.get(text)
+        row = [] if q is None else mined.negatives[q]
+        for p in row:
+            if p not in pages:
+                pages[p] = source_bytes(bench.documents.image_sources[p])
+        negatives.append([pages[p] for p in row])
+    pq.write_table(table.append_column(NEGATIVES_COLUMN, pa.array(negatives, type=pa.list_(pa.binary()))),
+                   out / "train.parquet")
+
+
+def _write_by_reference(root: Path, out: Path, bench: RetrievalBenchmark, mined: MinedNegatives) -> None:
+    """The BEIR parts linked (else copied) into ``out`` and ``negatives.parquet`` by corpus id."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for stem in ("corpus", "queries", "qrels"):
+        part = beir_part(root, stem)
+        target = out / part.name
+        try:
+            os.symlink(part.resolve(), target, target_is_directory=part.is_dir())
+        except OSError:  # a file system without links
+            (shutil.copytree if part.is_dir() else shutil.copy2)(part, target)
+    ids = bench.doc_ids
+    table = pa.table({"query-id": bench.query_ids,
+                      "corpus-ids": [[ids[p] for p in row] for row in mined.negatives]})
+    pq.write_table(table, out / NEGATIVES_TABLE)
+

@@ -70,7 +70,7 @@ def test_every_example_of_the_top_level_help_parses():
 
     examples = [re.split(r"\s{3,}", line.strip())[0] for line in EPILOG.splitlines() if line.startswith("  raggedvl ")]
     commands = {shlex.split(example)[1] for example in examples}
-    assert commands == {"train", "eval", "encode", "search", "export", "data"}  # one example per command at least
+    assert commands == {"train", "eval", "encode", "mine", "search", "export", "data"}  # one example per command at least
     for example in examples:
         tokens = shlex.split(example)[1:]
         args = build_parser().parse_args(tokens)  # an unknown command, flag or choice exits here

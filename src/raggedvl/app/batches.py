@@ -29,11 +29,13 @@ from torch.utils.data import DataLoader
 
 class StepIndices:
     """Batch sampler over ``sampler`` from ``epoch`` on, endless; ``positions`` holds
-    ``(epoch, steps of it consumed)`` after each index list handed out and not yet claimed."""
+    ``(epoch, steps of it consumed)`` after each index list handed out and not yet claimed.
+    ``with_epoch``: hand out ``(index, epoch)`` pairs (for :class:`raggedvl.data.positives.EpochPositives`)."""
 
-    def __init__(self, sampler, epoch: int) -> None:
+    def __init__(self, sampler, epoch: int, *, with_epoch: bool = False) -> None:
         self.sampler = sampler
         self.epoch = epoch
+        self.with_epoch = with_epoch
         self.positions: deque[tuple[int, int]] = deque()
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -42,7 +44,7 @@ class StepIndices:
             self.sampler.set_epoch(epoch)
             for indices in self.sampler:
                 self.positions.append((epoch, self.sampler.state_dict()["step"]))
-                yield indices
+                yield [(i, epoch) for i in indices] if self.with_epoch else indices
             epoch += 1
 
 

@@ -73,7 +73,7 @@ class TrainConfig:
               "(none: evaluate on eval_split)", above=0)
     query_column: str = option("query", "column of the training pairs holding the query text")
     image_column: str = option("image", "column of the training pairs holding the document image (datasets Image "
-                                        "feature, or file paths)")
+                                        "feature, or file paths), or a list of them: the query's positives")
     id_column: str | None = option(None, "column of the training pairs holding each row's id, used in messages and "
                                          "reports (none: '<split>-<row>')")
     eval_query_column: str | None = option(
@@ -83,9 +83,13 @@ class TrainConfig:
         None, "column of the evaluation pairs holding the document image (none: image_column)")
     eval_id_column: str | None = option(None, "column of the evaluation pairs holding each row's id (none: id_column)")
     negatives_column: str | None = option(
-        None, "column holding each row's hard negatives: one image, or a list of images with the same length in "
-              "every row; each is encoded as a document and is a candidate for every query of the global batch "
-              "(none: in-batch negatives only)")
+        None, "column holding each row's hard negatives: one image, or a list of any length (0 included; rows "
+              "differ, nothing is padded); each is encoded as a document and is a candidate for every query of the "
+              "global batch (none: in-batch negatives only)")
+    positive_sampling: Literal["first", "random"] = option(
+        "first", "which positive a query trains against in an epoch when its image column holds a list: the first, "
+                 "or one drawn from (seed, epoch, row), the same after --resume; all its positives are masked from "
+                 "its candidates either way (with false_negatives mask)")
     on_empty_query: Literal["error", "skip"] = option(
         "error", "a training row whose query is empty or not text stops the run (error) or is left out and "
                  "counted (skip)")
@@ -119,8 +123,8 @@ class TrainConfig:
         "late_interaction", "contrastive loss: late_interaction or pairwise (multi-vector head), infonce (bi-encoder)")
     temperature: float = option(0.02, "softmax temperature: logits = score / temperature", above=0)
     false_negatives: Literal["mask", "keep"] = option(
-        "mask", "a candidate page that is one of the query's own pages (the same stored image as its positive, or "
-                "a page of another query with the same text; on any rank) is removed from the query's softmax "
+        "mask", "a candidate page that is one of the query's own pages (the same stored image as one of its "
+                "positives, or a page of another query with the same text; on any rank) is removed from the query's softmax "
                 "(mask) or kept as a negative (keep); metrics.jsonl counts the masked pairs per step")
     # optimisation
     global_batch_size: int = option(

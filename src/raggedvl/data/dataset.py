@@ -517,7 +517,9 @@ class RetrievalDataset(Sequence):
     @property
     def positive_counts(self) -> Sequence[int]:
         """Per row, its number of positives (1 for a one-image column)."""
-        return self._positive_counts if self._positives is not None else [1] * len(self)
+        if self._positive_counts is None:  # counted once: one per row, or each list's length
+            self._positive_counts = [1] * len(self) if self._positives is None else [len(r) for r in self._positives]
+        return self._positive_counts
 
     @property
     def positive_sources(self) -> Sequence[list[Any]]:
@@ -628,7 +630,7 @@ class RetrievalDataset(Sequence):
                          negative_inputs=(_Picked(self.negative_inputs, positions)
                                           if keep and self.negative_inputs is not None else None),
                          positive_sources=_Picked(self._positives, positions) if several else None,
-                         positive_counts=[self._positive_counts[p] for p in positions] if several else None,
+                         positive_counts=[self.positive_counts[p] for p in positions] if several else None,
                          positive_inputs=(_Picked(self._positive_inputs, positions)
                                           if several and self._positive_inputs is not None else None))
         out.skipped_rows = list(self.skipped_rows)  # the source's rows left out stay reported (a subset holds none)

@@ -43,5 +43,7 @@ class EpochPositives(Sequence):
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
         row, epoch = key
+        if self.sampling == "first":
+            return self.dataset.item(row)
         count = self.dataset.positive_counts[row]
         return self.dataset.item(row, positive=drawn_positive(count, self.sampling, seed=self.seed, epoch=epoch, row=row))

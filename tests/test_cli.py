@@ -299,3 +299,19 @@ def test_run_ends_without_teardown_after_atexit_and_flushed_output():
     assert out.returncode == 2, out.stderr
     assert out.stdout.splitlines() == ["buffered line", "atexit ran"]
     assert out.stderr.strip().splitlines() == ["raggedvl: error: checkpoint '/nonexistent-ckpt': no such folder (the folder '/' exists)"]
+
+
+def test_resume_takes_the_runs_own_settings_and_flags_override_them(tmp_path):
+    run = tmp_path / "moved-run"
+    run.mkdir()
+    TrainConfig(lr=5e-4, global_batch_size=4, output_dir="somewhere/else").save(run / "train_config.json")
+    cfg = _config("--output-dir", str(run), "--resume")
+    assert (cfg.lr, cfg.global_batch_size, cfg.output_dir, cfg.resume) == (5e-4, 4, str(run), True)
+    cfg = _config("--output-dir", str(run), "--resume", "--lr", "1e-4")
+    assert (cfg.lr, cfg.global_batch_size) == (1e-4, 4)
+    assert _config("--output-dir", str(run)).lr == TrainConfig().lr  # a new run: the defaults
+
+
+def test_an_empty_output_dir_is_refused():
+    with pytest.raises(ValueError, match="output_dir is empty"):
+        TrainConfig(output_dir="  ")

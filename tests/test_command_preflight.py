@@ -36,7 +36,7 @@ def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
         (["eval", "runs/a", "--dataset", "org/bench"], "--dataset 'org/bench': the hub is off (HF_HUB_OFFLINE)"),
         (["eval", "runs/a", "--dataset", renamed],
          f"{renamed} split 'test' has no column 'query' (columns: ['question', 'page', 'doc_id']); "
-         "pass --query-column (key query_column) naming the right one"),
+         "pass --query-column naming the right one"),
         (["eval", "runs/a", "--dataset", renamed, "--query-column", "question", "--image-column", "pgae"],
          "has no column 'pgae' (columns: ['question', 'page', 'doc_id']); did you mean 'page'? pass --image-column"),
         (["eval", "runs/a", "--dataset", renamed, "--query-column", "question", "--image-column", "page",
@@ -44,7 +44,7 @@ def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
         # encode names the columns' flags it has (it used to print --query-column, which it lacked)
         (["encode", "runs/a", "--dataset", renamed, "--output", "index"],
          f"{renamed} split 'test' has no column 'query' (columns: ['question', 'page', 'doc_id']); "
-         "pass --query-column (key query_column) naming the right one"),
+         "pass --query-column naming the right one"),
         (["encode", "runs/a", "--dataset", renamed, "--output", "index", "--query-column", "question",
           "--image-column", "pgae"], "did you mean 'page'? pass --image-column"),
         (["encode", "runs/a", "--dataset", renamed, "--output", "index", "--query-column", "question",

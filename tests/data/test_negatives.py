@@ -1,6 +1,6 @@
-"""Hard negatives from a column of images (issue 16 item 2): the dataset reads them lazily, the
-size estimate counts their patches, the collator encodes them exactly as documents, and bad
-columns or rows are one-line errors naming the row and the fix."""
+"""Hard negatives from a column of images: the dataset reads them lazily, the size estimate
+counts their patches, the collator encodes them exactly as documents, rows hold any number of
+them (none included), and bad columns or rows are one-line errors naming the row and the fix."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def negatives_parquet(path, n=6, k=2, *, single=False, rows=None, feature=None):
 def test_items_hold_k_decoded_negatives_and_the_estimate_counts_their_patches(tmp_path, tiny_processor):
     lists = load_retrieval_dataset(negatives_parquet(tmp_path / "k2.parquet"), columns=Columns(negatives="negs"))
     single = load_retrieval_dataset(negatives_parquet(tmp_path / "k1.parquet", single=True), columns=Columns(negatives="negs"))
-    assert (lists.negatives_per_row, single.negatives_per_row) == (2, 1)
+    assert (list(lists.negative_counts), list(single.negative_counts)) == ([2] * 6, [1] * 6)
     item = lists[3]
     assert [im.size for im in item["negatives"]] == [Image.open(io.BytesIO(png(130 + j))).size for j in range(2)]
     assert [im.size for im in single[3]["negatives"]] == [Image.open(io.BytesIO(png(103))).size]
@@ -58,7 +58,7 @@ def test_items_hold_k_decoded_negatives_and_the_estimate_counts_their_patches(tm
     assert with_negs.patches.tolist() == [a + b for a, b in zip(alone.patches.tolist(), neg_patches)]
     assert (with_negs.costs > alone.costs).all()
     picked = lists.select([4, 1])  # selection keeps each row's negatives
-    assert picked.negatives_per_row == 2
+    assert list(picked.negative_counts) == [2, 2]
     assert [im.size for im in picked[0]["negatives"]] == [im.size for im in lists[4]["negatives"]]
 
 
@@ -96,15 +96,27 @@ def test_a_bad_negative_drops_its_row_under_skip_and_names_it_under_error(tmp_pa
     assert [s["id"] for s in batch["skipped"]] == ["train-2"]
 
 
-@pytest.mark.parametrize("rows, feature, match", [
-    ({3: []}, None, r"row 3 \(id 'train-3'\) has no hard negative in column 'negs'; give every row"),
-    ({4: None}, None, r"row 4 \(id 'train-4'\) has no hard negative"),
-    ({1: [image(1)]}, None, r"row 1 \(id 'train-1'\) has 1 hard negatives .* row 0 has 2; .* give every row 2"),
-])
-def test_rows_without_negatives_or_with_another_count_are_refused(tmp_path, rows, feature, match):
-    path = negatives_parquet(tmp_path / "rows.parquet", rows=rows, feature=feature)
-    with pytest.raises(ValueError, match=match):
-        load_retrieval_dataset(path, columns=Columns(negatives="negs"))
+def test_rows_hold_any_number_of_negatives_and_the_estimate_counts_each_rows_own(tmp_path, tiny_processor):
+    """Rows with 0 (empty list, null), 1 and 3 negatives: nothing is padded; each row's patch
+    count is its document's plus its own negatives'; the collator says which negatives belong
+    to which query (neg_counts) and encodes them in order."""
+    rows = {0: [], 1: None, 2: [image(7)], 3: [image(8), image(9), image(11)]}
+    ds = load_retrieval_dataset(negatives_parquet(tmp_path / "ragged.parquet", n=5, rows=rows), columns=Columns(negatives="negs"))
+    assert list(ds.negative_counts) == [0, 0, 1, 3, 2]
+    assert [len(ds[i]["negatives"]) for i in range(5)] == [0, 0, 1, 3, 2]
+    policy = ImagePolicy.from_processor(tiny_processor)
+    costs = estimate_costs(ds.image_inputs(), text_tokens=32, policy=policy)
+
+    def patches(data):
+        return int(torch.tensor(policy.inspect(data).grid).prod())
+
+    negatives = {0: [], 1: [], 2: [png(7)], 3: [png(8), png(9), png(11)], 4: [png(140), png(141)]}
+    assert costs.patches.tolist() == [patches(png(i)) + sum(map(patches, negatives[i])) for i in range(5)]
+    batch = RetrievalCollator(tiny_processor)([ds[i] for i in (3, 0, 2)])
+    assert batch["neg_counts"].tolist() == [3, 0, 1] and batch["negatives"].num_samples == 4
+    assert batch["neg_keys"].tolist() == ds[3]["negative_keys"] + ds[2]["negative_keys"]
+    none = RetrievalCollator(tiny_processor)([ds[0], ds[1]])  # no negative in this batch: none encoded
+    assert none["neg_counts"].tolist() == [0, 0] and "negatives" not in none
 
 
 def test_a_column_that_is_missing_or_holds_no_images_names_the_fix(tmp_path):
@@ -123,13 +135,12 @@ def test_a_column_that_is_missing_or_holds_no_images_names_the_fix(tmp_path):
         load_retrieval_dataset("rdocs", columns=Columns(negatives="negs"))
 
 
-def test_collator_refuses_examples_with_different_negative_counts(tiny_processor):
+def test_collator_refuses_negatives_that_are_no_list_or_held_by_some_examples_only(tiny_processor):
     im = Image.open(io.BytesIO(png(1)))
-    examples = [{"id": "a", "query": "q a", "image": im, "negatives": [im, im]},
-                {"id": "b", "query": "q b", "image": im, "negatives": [im]}]
-    with pytest.raises(ValueError, match=r"different numbers of hard negatives \[2, 1\]"):
+    examples = [{"id": "a", "query": "q a", "image": im, "negatives": [im, im]}, {"id": "b", "query": "q b", "image": im}]
+    with pytest.raises(ValueError, match=r"examples \[1\] hold no 'negatives' list while others do"):
         RetrievalCollator(tiny_processor)(examples)
-    with pytest.raises(ValueError, match="'negatives' must be a non-empty list"):
+    with pytest.raises(ValueError, match="'negatives' must be a list of images"):
         RetrievalCollator(tiny_processor)([{"id": "a", "query": "q", "image": im, "negatives": im}])
 
 
@@ -137,13 +148,16 @@ def test_concatenated_datasets_keep_negatives_rows_and_distinct_ids(tmp_path):
     a = load_retrieval_dataset(negatives_parquet(tmp_path / "a.parquet", n=3), columns=Columns(negatives="negs"))
     b = load_retrieval_dataset(negatives_parquet(tmp_path / "b.parquet", n=2), columns=Columns(negatives="negs"))
     both = concat_datasets([a, b], ["a", "b"])
-    assert len(both) == 5 and both.part_sizes == [3, 2] and both.negatives_per_row == 2
+    assert len(both) == 5 and both.part_sizes == [3, 2] and list(both.negative_counts) == [2] * 5
     assert both.ids() == ["0:train-0", "0:train-1", "0:train-2", "1:train-0", "1:train-1"]
     assert both.row_name(4).startswith(f"{b.where} row 1") and len(both[4]["negatives"]) == 2
     assert len(both.image_inputs()[4]) == 3  # the image and its two negatives
     one = load_retrieval_dataset(negatives_parquet(tmp_path / "c.parquet", n=2, single=True), columns=Columns(negatives="negs"))
-    with pytest.raises(ValueError, match="a has 2 hard negatives per row but c has 1"):
-        concat_datasets([a, one], ["a", "c"])
+    mixed = concat_datasets([a, one], ["a", "c"])  # rows keep their own counts
+    assert list(mixed.negative_counts) == [2, 2, 2, 1, 1] and len(mixed[4]["negatives"]) == 1
+    plain = load_retrieval_dataset(tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match="a has a hard-negatives column but p has none"):
+        concat_datasets([a, plain], ["a", "p"])
 
 
 def test_a_benchmark_of_training_pairs_holds_documents_without_negatives(tmp_path):
@@ -151,7 +165,7 @@ def test_a_benchmark_of_training_pairs_holds_documents_without_negatives(tmp_pat
 
     ds = load_retrieval_dataset(negatives_parquet(tmp_path / "k2.parquet", n=4), columns=Columns(negatives="negs"))
     bench = RetrievalBenchmark.from_pairs(ds)
-    assert bench.documents.negatives_per_row == 0 and "negatives" not in bench.documents[0]
+    assert bench.documents.negative_sources is None and "negatives" not in bench.documents[0]
     assert len(ds.select([1, 2])[1]["negatives"]) == 2  # a plain selection keeps them
 
 

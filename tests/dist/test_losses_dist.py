@@ -54,18 +54,28 @@ class _Pipeline(nn.Module):
         return self.loss(*self.embed(qf, df, nf, masks), **keys)
 
 
+def _neg_counts(cfg, rank):
+    """Hard negatives of each query on ``rank``: ``neg_counts`` (per rank, per query) when the
+    case has ragged negatives, else ``k`` per query (an int, or a per-rank list)."""
+    if "neg_counts" in cfg:
+        return cfg["neg_counts"][rank]
+    k = cfg["k"][rank] if isinstance(cfg["k"], list) else cfg["k"]
+    return [k] * cfg["counts"][rank]
+
+
 def _k(cfg, rank):
-    """Hard negatives per query on ``rank`` (``k`` is an int, or a per-rank list)."""
-    return cfg["k"][rank] if isinstance(cfg["k"], list) else cfg["k"]
+    """Hard negatives on ``rank`` per query (fixed k) or in all (ragged)."""
+    counts = _neg_counts(cfg, rank)
+    return sum(counts) if "neg_counts" in cfg else (counts[0] if counts else 0)
 
 
 def _rank_data(cfg, rank, n, doc_len, neg_len):
     rank_seed = 1000 * cfg["seed"] + rank
     g = torch.Generator().manual_seed(rank_seed)
     multi = cfg["loss"] != "infonce"
-    k = _k(cfg, rank)
-    q_shape, d_shape, n_shape = ((n, 3), (n, doc_len), (n * k, neg_len)) if multi else (
-        (n,), (n,), (n * k,))
+    m = sum(_neg_counts(cfg, rank))
+    q_shape, d_shape, n_shape = ((n, 3), (n, doc_len), (m, neg_len)) if multi else (
+        (n,), (n,), (m,))
     feats = [torch.randn(*s, FEAT, generator=g, dtype=f64) for s in (q_shape, d_shape, n_shape)]
     if not multi:
         return feats, None
@@ -89,15 +99,24 @@ def _make_loss(cfg, gather):
 def _keys(cfg, world):
     """Per-rank document and query keys with duplicates inside and across ranks: positive g has
     page g % 3, hard negative j page (2 j) % 5 (pages 0-2 are also positives), queries g and g + 1
-    share their text when g is even. None when the case has no keys."""
+    share their text when g is even. With ``relevant``, query g also names pages
+    ``(g + 1) % 5 ..`` (g % 3 of them) as further positives. Ragged cases pass ``neg_counts``.
+    None when the case has no keys."""
     if not cfg.get("keys"):
         return None
     per_rank, start, neg_start = [], 0, 0
     for r in range(world):
-        n, m = cfg["counts"][r], cfg["counts"][r] * _k(cfg, r)
+        n, m = cfg["counts"][r], sum(_neg_counts(cfg, r))
         g = torch.arange(start, start + n)
-        per_rank.append(dict(doc_keys=g % 3, query_keys=g // 2,
-                             neg_keys=(2 * torch.arange(neg_start, neg_start + m)) % 5))
+        keys = dict(doc_keys=g % 3, query_keys=g // 2, neg_keys=(2 * torch.arange(neg_start, neg_start + m)) % 5)
+        if "neg_counts" in cfg:
+            keys["neg_counts"] = torch.tensor(_neg_counts(cfg, r), dtype=torch.int64)
+        if cfg.get("relevant"):
+            extra = [[(q + 1 + i) % 5 for i in range(q % 3)] for q in g.tolist()]
+            keys["relevant_keys"] = torch.tensor([key for e in extra for key in e], dtype=torch.int64)
+            keys["relevant_counts"] = torch.tensor([len(e) for e in extra], dtype=torch.int64)
+            keys["extra"] = extra
+        per_rank.append(keys)
         start, neg_start = start + n, neg_start + m
     return per_rank
 
@@ -106,10 +125,13 @@ def _reference_mask(cfg, keys):
     if keys is None:
         return {}
     pos, negs, queries = (torch.cat([k[name] for k in keys]) for name in ("doc_keys", "neg_keys", "query_keys"))
-    mask = ref.relevance_mask(pos, torch.cat([pos, negs]), queries)
+    extra = [e for k in keys for e in k["extra"]] if cfg.get("relevant") else None
+    mask = ref.relevance_mask(pos, torch.cat([pos, negs]), queries, extra)
     if not mask.any():
         raise AssertionError(f"{cfg['name']}: test data too weak, nothing to mask")
-    return dict(mask=mask, d2q_mask=ref.document_relevance_mask(pos, queries))
+    if extra is not None and torch.equal(mask, ref.relevance_mask(pos, torch.cat([pos, negs]), queries)):
+        raise AssertionError(f"{cfg['name']}: test data too weak, the further positives mask nothing more")
+    return dict(mask=mask, d2q_mask=ref.document_relevance_mask(pos, queries, extra))
 
 
 def _reference_loss(model, cfg, global_feats, global_masks, masks=None):
@@ -155,6 +177,7 @@ def _check(rank, world, cfg):
         masks = None if masks is None else [masks[0], masks[1], None]
     keys = _keys(cfg, world)
     local_keys = {} if keys is None else dict(keys[rank])
+    local_keys.pop("extra", None)
     if keys is not None and not _k(cfg, rank):
         local_keys.pop("neg_keys")
     ddp = DistributedDataParallel(model)
@@ -224,6 +247,10 @@ W2 = [
     _cfg("infonce symmetric false negatives", "infonce", [3, 2], 1, symmetric=True, keys=True),
     _cfg("late interaction false negatives", "late", [2, 3], 2, doc_len=[5, 9], neg_len=[4, 7], keys=True),
     _cfg("pairwise false negatives", "pairwise", [3, 2], [1, 0], doc_len=[6, 3], neg_len=[2, 0], keys=True),
+    _cfg("infonce symmetric several positives ragged negatives", "infonce", [3, 2], 0, symmetric=True, keys=True,
+         relevant=True, neg_counts=[[0, 1, 3], [3, 0]]),
+    _cfg("late interaction several positives ragged negatives", "late", [3, 2], 0, doc_len=[5, 9], neg_len=[4, 7],
+         keys=True, relevant=True, neg_counts=[[1, 0, 3], [0, 1]]),
 ]
 W3 = [
     _cfg("infonce negs", "infonce", [3, 1, 2], 2),
@@ -235,6 +262,12 @@ W3 = [
     _cfg("pairwise negs", "pairwise", [3, 1, 2], 2, doc_len=[4, 2, 7], neg_len=[5, 5, 2]),
     _cfg("infonce false negatives", "infonce", [3, 1, 2], [1, 0, 2], keys=True),
     _cfg("late interaction false negatives", "late", [3, 1, 2], 1, doc_len=[6, 11, 3], neg_len=[3, 8, 1], keys=True),
+    _cfg("infonce several positives ragged negatives", "infonce", [3, 1, 2], 0, keys=True, relevant=True,
+         neg_counts=[[3, 0, 1], [0], [1, 3]]),
+    _cfg("late interaction several positives ragged negatives", "late", [3, 1, 2], 0, doc_len=[6, 11, 3],
+         neg_len=[3, 8, 1], keys=True, relevant=True, neg_counts=[[0, 1, 3], [0], [3, 1]]),
+    _cfg("pairwise several positives ragged negatives", "pairwise", [3, 1, 2], 0, doc_len=[4, 2, 7],
+         neg_len=[5, 5, 2], keys=True, relevant=True, neg_counts=[[1, 3, 0], [1], [0, 0]]),
 ]
 
 

@@ -19,25 +19,26 @@ def maxsim(q, qmask, d, dmask):
     return best.sum(dim=-1)
 
 
-def relevance_mask(pos_keys, cand_keys, query_keys=None):
+def relevance_mask(pos_keys, cand_keys, query_keys=None, extra=None):
     """False negatives by explicit loops: ``[N, C]`` bool, True where candidate c is a document
-    relevant to query i (its own positive's key, or a positive key of any query with the same
-    query key) and c is not query i's own positive column i."""
+    relevant to query i (its own positive's key, one of its ``extra[i]`` keys, or those of any
+    query with the same query key) and c is not query i's own positive column i."""
     n, c = len(pos_keys), len(cand_keys)
+    extra = extra or [[] for _ in range(n)]
     mask = torch.zeros(n, c, dtype=torch.bool)
     for i in range(n):
         same = [j for j in range(n) if (query_keys is None and j == i)
                 or (query_keys is not None and int(query_keys[j]) == int(query_keys[i]))]
-        relevant = {int(pos_keys[j]) for j in same}
+        relevant = {int(pos_keys[j]) for j in same} | {int(key) for j in same for key in extra[j]}
         for col in range(c):
             mask[i, col] = col != i and int(cand_keys[col]) in relevant
     return mask
 
 
-def document_relevance_mask(pos_keys, query_keys=None):
+def document_relevance_mask(pos_keys, query_keys=None, extra=None):
     """Document-to-query false negatives by loops: ``[N, N]``, True where document i (query i's
     positive) is relevant to query j != i."""
-    full = relevance_mask(pos_keys, pos_keys, query_keys)  # [query j, document i]
+    full = relevance_mask(pos_keys, pos_keys, query_keys, extra)  # [query j, document i]
     return full.T.clone()
 
 

@@ -166,3 +166,28 @@ def test_hard_negatives_need_their_keys():
     q, d, keys = _perfect_batch()
     with pytest.raises(ValueError, match="neg_keys is missing for 3 hard negatives"):
         InfoNCELoss(0.1)(q, d, d.clone(), doc_keys=keys)
+
+
+def test_repeats_leave_with_their_ragged_negatives_and_relevant_keys():
+    """A repeated sample drops exactly its own hard negatives (per-query counts 0, 3, 1, 2) and its
+    further relevant keys: the loss equals the loss on the real rows alone, bit for bit (the same
+    float64 operations on the same rows), and the relevant keys still mask."""
+    from raggedvl.losses import InfoNCELoss
+
+    g = torch.Generator().manual_seed(5)
+    q, d = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, 6, generator=g, dtype=torch.float64)
+    neg_counts = torch.tensor([0, 3, 1, 2])
+    negs = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    keys = dict(doc_keys=torch.tensor([10, 11, 12, 13]), neg_keys=torch.tensor([20, 21, 12, 22, 23, 24]),
+                relevant_keys=torch.tensor([21, 23, 22]), relevant_counts=torch.tensor([1, 0, 1, 1]))
+    valid = torch.tensor([True, False, True, True])
+    loss = InfoNCELoss(0.5)
+    with_repeat = loss(q, d, negs, valid=valid, neg_counts=neg_counts, **keys)
+    counted = int(loss.false_negatives)
+    real = [0, 2, 3]  # query 1's negatives 0..2 leave; query 2 owns 3, query 3 owns 4, 5
+    alone = loss(q[real], d[real], negs[[3, 4, 5]], neg_counts=torch.tensor([0, 1, 2]),
+                 doc_keys=keys["doc_keys"][real], neg_keys=keys["neg_keys"][[3, 4, 5]],
+                 relevant_keys=torch.tensor([21, 23, 22]), relevant_counts=torch.tensor([1, 1, 1]))
+    assert torch.equal(with_repeat, alone)
+    # query 0 names 21 (query 1's negative: gone), query 2 names 23 (kept), query 3 names 22 (kept)
+    assert counted == int(loss.false_negatives) == 2

@@ -275,14 +275,29 @@ def _run_launcher(tmp_path, cases, *, before=""):
     return [(rc, torch == "True", transformers == "True", err) for (rc, torch, transformers), err in zip(results, errors)]
 
 
+def _positives_parquet(path, counts, corrupt=None):
+    """(query, image, doc_id) rows whose image cell is a list of ``counts[i]`` positives;
+    ``corrupt``: (row, index) of a cut PNG."""
+    cut = {"bytes": b"\x89PNG\r\n\x1a\n cut", "path": None}
+    images = [[cut if (i, j) == corrupt else {"bytes": _png(10 * i + j), "path": None} for j in range(c)]
+              for i, c in enumerate(counts)]
+    rows = {"query": [f"question {i}" for i in range(len(counts))], "image": images,
+            "doc_id": [f"doc-{i}" for i in range(len(counts))]}
+    features = datasets.Features({"query": datasets.Value("string"), "image": datasets.List(datasets.Image()),
+                                  "doc_id": datasets.Value("string")})
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(str(path))
+    return str(path)
+
+
 def test_negatives_eval_split_and_output_dir_fail_in_one_line_before_torch(tmp_path):
-    """A corrupt hard negative (in a list, or the one image of a row), a row with fewer
-    negatives, a missing evaluation split and an output directory holding another run's
+    """A corrupt hard negative (in a list, or the one image of a row), a row with an empty list
+    of positives, a missing evaluation split and an output directory holding another run's
     checkpoints: each one line and exit code 2 from the launcher, with 2 processes asked for,
     in a process that never imported torch or transformers."""
     listed = _negatives_parquet(tmp_path / "listed.parquet", corrupt=(5, 1))
     single = _negatives_parquet(tmp_path / "single.parquet", corrupt=(6, 0), single=True)
-    short = _negatives_parquet(tmp_path / "short.parquet", counts={3: 1})
+    short = _positives_parquet(tmp_path / "short.parquet", [2, 1, 2, 0, 1, 1, 2, 2])
+    broken = _positives_parquet(tmp_path / "broken.parquet", [2] * 8, corrupt=(4, 1))
     good = _parquet(tmp_path / "good.parquet")
     (tmp_path / "folder").mkdir()
     _parquet(tmp_path / "folder" / "train.parquet")
@@ -290,14 +305,15 @@ def test_negatives_eval_split_and_output_dir_fail_in_one_line_before_torch(tmp_p
     no_eval = ["--eval-before", "false", "--eval-after", "false"]
     cases = [["--dataset", listed, "--negatives-column", "negs", "--id-column", "doc_id", "--nproc-per-node", "2", *no_eval],
              ["--dataset", single, "--negatives-column", "negs", "--nproc-per-node", "2", *no_eval],
-             ["--dataset", short, "--negatives-column", "negs", "--id-column", "doc_id", "--nproc-per-node", "2", *no_eval],
+             ["--dataset", short, "--id-column", "doc_id", "--nproc-per-node", "2", *no_eval],
              ["--dataset", good, "--eval-dataset", str(tmp_path / "folder"), "--nproc-per-node", "2"],
              ["--dataset", good, "--nproc-per-node", "2", *no_eval],
              ["--dataset", "rdocs", "--negatives-column", "negs", "--nproc-per-node", "2", *no_eval],
              ["--dataset", listed, "--negatives-column", "query", "--nproc-per-node", "2", *no_eval],
              ["--dataset", listed, "--image-column", "doc_id", "--nproc-per-node", "2", *no_eval],
              ["--dataset", good, "--eval-dataset", good, "--eval-split", "train", "--eval-image-column", "query",
-              "--nproc-per-node", "2"]]
+              "--nproc-per-node", "2"],
+             ["--dataset", broken, "--id-column", "doc_id", "--nproc-per-node", "2", *no_eval]]
     results = _run_launcher(tmp_path, cases)
     for rc, torch, transformers, err in results:
         assert (rc, torch, transformers) == ("2", False, False), (rc, torch, transformers, err)
@@ -306,7 +322,7 @@ def test_negatives_eval_split_and_output_dir_fail_in_one_line_before_torch(tmp_p
     assert f"{listed} split 'train' row 5 (id 'doc-5'), hard negative 1: cannot read the image header" in errors[0]
     assert f"{single} split 'train' row 6 (id 'train-6'), hard negative 0: cannot read the image header" in errors[1]
     assert all("--on-bad-image skip" in e and "BytesIO" not in e for e in errors[:2])
-    assert "row 3 (id 'doc-3') has 1 hard negatives in column 'negs', row 0 has 2" in errors[2]
+    assert "row 3 (id 'doc-3') has no image in its list of positives in column 'image'" in errors[2]
     assert f"{tmp_path / 'folder'} has no split 'dev'; its splits: ['train']" in errors[3]
     assert "already holds checkpoints of a run (step-2); pass --resume to continue it, or choose a new --output-dir" in errors[4]
     assert "rdocs is an rdocs manifest, which has no hard-negatives column 'negs'" in errors[5]
@@ -323,7 +339,8 @@ def test_negatives_eval_split_and_output_dir_fail_in_one_line_before_torch(tmp_p
     assert errors[8].startswith("raggedvl: error: the image column 'query' holds text, not images: row 0's value "
                                 "'question 0' is not an image file (it is the query column;")
     assert "pass --eval-image-column (key eval_image_column)" in errors[8]
-    assert not any("--on-bad-image" in e for e in errors[6:])
+    assert not any("--on-bad-image" in e for e in errors[6:9])
+    assert f"{broken} split 'train' row 4 (id 'doc-4'), positive 1: cannot read the image header" in errors[9]
 
 
 def test_a_bad_image_in_a_row_with_hard_negatives_says_what_each_image_number_is():

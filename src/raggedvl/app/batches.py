@@ -31,11 +31,13 @@ class StepIndices:
     """Batch sampler over ``sampler`` from ``epoch`` on, endless; ``positions`` holds
     ``(epoch, steps of it consumed)`` after each index list handed out and not yet claimed, and
     ``sources`` (in step with it) the name of that step's source under one-source batches (the
-    sampler's ``step_source``; None otherwise)."""
+    sampler's ``step_source``; None otherwise). ``with_epoch``: hand out ``(index, epoch)``
+    pairs (for :class:`raggedvl.data.positives.EpochPositives`)."""
 
-    def __init__(self, sampler, epoch: int) -> None:
+    def __init__(self, sampler, epoch: int, *, with_epoch: bool = False) -> None:
         self.sampler = sampler
         self.epoch = epoch
+        self.with_epoch = with_epoch
         self.positions: deque[tuple[int, int]] = deque()
         self.sources: deque[str | None] = deque()
 
@@ -48,7 +50,7 @@ class StepIndices:
                 done = self.sampler.state_dict()["step"]
                 self.positions.append((epoch, done))
                 self.sources.append(step_source(done - 1))
-                yield indices
+                yield [(i, epoch) for i in indices] if self.with_epoch else indices
             epoch += 1
 
 

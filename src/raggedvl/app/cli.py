@@ -68,7 +68,7 @@ def _check_inputs(args, *, model: str, what: str, columns: Columns | None = None
 
         table = DataSource.of(dataset).parquet(args.split or "test")  # None for a BEIR layout, a hub id...
         if table is not None:
-            with flags_for_columns():
+            with flags_for_columns(keys=False):
                 check_columns(table.columns, table.where, columns)
 
 

@@ -9,20 +9,22 @@ from typing import Iterator
 from raggedvl.data.columns import ColumnError
 
 
-def column_fix(role: str, prefix: str = "") -> str:
-    """How a user fixes the column of ``role``: its flag and key (``prefix`` ``"eval_"``: the
-    evaluation set's own, ``--eval-query-column``; hard negatives and sources are training only)."""
+def column_fix(role: str, prefix: str = "", *, keys: bool = True) -> str:
+    """How a user fixes the column of ``role``: its flag and, with ``keys`` (``raggedvl train``:
+    every flag is also a config key), its key (``prefix`` ``"eval_"``: the evaluation set's own,
+    ``--eval-query-column``; hard negatives and sources are training only)."""
     training_only = role in ("negatives", "source")
     key = f"{role}_column" if training_only else f"{prefix}{role}_column"
     unset = training_only or (role == "id" and not prefix)  # an evaluation id falls back to id_column
-    return f"pass --{key.replace('_', '-')} (key {key}) naming the right one" + (", or none" if unset else "")
+    named = f"--{key.replace('_', '-')}" + (f" (key {key})" if keys else "")
+    return f"pass {named} naming the right one" + (", or none" if unset else "")
 
 
 @contextlib.contextmanager
-def flags_for_columns(prefix: str = "") -> Iterator[None]:
+def flags_for_columns(prefix: str = "", *, keys: bool = True) -> Iterator[None]:
     """Re-raise a ``ColumnError`` from the block as a ``ValueError`` whose fix names the flag
-    (:func:`column_fix`)."""
+    (:func:`column_fix`; ``keys=False`` for commands without a config)."""
     try:
         yield
     except ColumnError as exc:
-        raise exc.with_fix(column_fix(exc.role, prefix)) from None
+        raise exc.with_fix(column_fix(exc.role, prefix, keys=keys)) from None

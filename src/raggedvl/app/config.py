@@ -86,7 +86,7 @@ class TrainConfig:
               "(none: evaluate on eval_split)", above=0)
     query_column: str = option("query", "column of the training pairs holding the query text")
     image_column: str = option("image", "column of the training pairs holding the document image (datasets Image "
-                                        "feature, or file paths)")
+                                        "feature, or file paths), or a list of them: the query's positives")
     id_column: str | None = option(None, "column of the training pairs holding each row's id, used in messages and "
                                          "reports (none: '<split>-<row>')")
     eval_query_column: str | None = option(
@@ -96,9 +96,13 @@ class TrainConfig:
         None, "column of the evaluation pairs holding the document image (none: image_column)")
     eval_id_column: str | None = option(None, "column of the evaluation pairs holding each row's id (none: id_column)")
     negatives_column: str | None = option(
-        None, "column holding each row's hard negatives: one image, or a list of images with the same length in "
-              "every row; each is encoded as a document and is a candidate for every query of the global batch "
-              "(none: in-batch negatives only)")
+        None, "column holding each row's hard negatives: one image, or a list of any length (0 included; rows "
+              "differ, nothing is padded); each is encoded as a document and is a candidate for every query of the "
+              "global batch (none: in-batch negatives only)")
+    positive_sampling: Literal["first", "random"] = option(
+        "first", "which positive a query trains against in an epoch when its image column holds a list: the first, "
+                 "or one drawn from (seed, epoch, row), the same after --resume; all its positives are masked from "
+                 "its candidates either way (with false_negatives mask)")
     on_empty_query: Literal["error", "skip"] = option(
         "error", "a training row whose query is empty or not text stops the run (error) or is left out and "
                  "counted (skip)")
@@ -132,8 +136,8 @@ class TrainConfig:
         "late_interaction", "contrastive loss: late_interaction or pairwise (multi-vector head), infonce (bi-encoder)")
     temperature: float = option(0.02, "softmax temperature: logits = score / temperature", above=0)
     false_negatives: Literal["mask", "keep"] = option(
-        "mask", "a candidate page that is one of the query's own pages (the same stored image as its positive, or "
-                "a page of another query with the same text; on any rank) is removed from the query's softmax "
+        "mask", "a candidate page that is one of the query's own pages (the same stored image as one of its "
+                "positives, or a page of another query with the same text; on any rank) is removed from the query's softmax "
                 "(mask) or kept as a negative (keep); metrics.jsonl counts the masked pairs per step")
     # optimisation
     global_batch_size: int = option(
@@ -181,7 +185,8 @@ class TrainConfig:
     stop_on_collapse: bool = option(
         False, "stop the run (final checkpoint and report written) when the collapse check fires")
     # run
-    output_dir: str = option("runs/default", "run directory: checkpoints, metrics.jsonl, summary.md, report.png")
+    output_dir: str = option("runs/default", "run directory: checkpoints, metrics.jsonl, summary.md, report.png; "
+                                             "with --resume its train_config.json gives the settings flags do not")
     checkpoint_every: int = option(50, "checkpoint interval, in optimizer steps (a final one is always written)",
                                    at_least=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept on disk", at_least=1)
@@ -209,6 +214,9 @@ class TrainConfig:
         if isinstance(self.dataset, (list, tuple)) and len(self.dataset) == 1:
             self.dataset = self.dataset[0]  # one --dataset flag: the plain name
         check_fields(self)
+        if not self.output_dir.strip():
+            raise ValueError("output_dir is empty: it would write the run into the current folder; name the run "
+                             "directory (--output-dir runs/NAME)")
         if isinstance(self.dataset, (list, tuple)):
             self.dataset = list(self.dataset)
         if self.dataset_weights is not None:
@@ -326,8 +334,23 @@ def add_config_arguments(parser) -> None:
 
 
 def config_from_args(args) -> TrainConfig:
-    """Defaults < ``--config`` YAML < flags that were given."""
+    """Defaults < ``--config`` YAML < flags that were given. With ``--resume`` and no
+    ``--config``, the run's own settings (``<output_dir>/train_config.json``) take the place of
+    the defaults, so ``raggedvl train --output-dir RUN --resume`` continues the run as it was
+    started; flags given still override them (and the resume check refuses what a checkpoint
+    cannot continue with)."""
     overrides = values_from(args, TrainConfig)
     if getattr(args, "config", None):
         return TrainConfig.from_yaml(args.config, overrides)
+    if overrides.get("resume"):
+        output_dir = overrides.get("output_dir", TrainConfig.output_dir)
+        saved = Path(output_dir).expanduser() / TRAIN_CONFIG_NAME
+        if saved.is_file():
+            try:
+                values = json.loads(saved.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{saved} cannot be read ({exc}); pass the run's settings as flags or --config") from None
+            known = {f.name for f in dataclasses.fields(TrainConfig)}
+            values = {k: v for k, v in values.items() if k in known}
+            return TrainConfig.from_dict({**values, "output_dir": output_dir, **overrides})
     return TrainConfig.from_dict(overrides)

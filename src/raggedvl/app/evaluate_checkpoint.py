@@ -131,7 +131,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
         else:
             split = split or "test"
             given = Columns(query=query_column or "query", image=image_column or "image", id=id_column)
-            with flags_for_columns():
+            with flags_for_columns(keys=False):
                 bench = load_benchmark(dataset, split, limit=max_samples, on_bad_image=on_bad_image, columns=given)
             name = dataset
         collate = checkpoint_collator(model, processor, cfg, on_bad_image=on_bad_image)

@@ -39,7 +39,7 @@ def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str, output: s
     info = init_distributed()
     try:
         model, processor, _, described = load_model(Path(checkpoint), info.device)
-        with flags_for_columns():
+        with flags_for_columns(keys=False):
             docs = load_corpus(dataset, split, on_bad_image=on_bad_image, columns=columns)
         collate = RetrievalCollator(processor, on_bad_image=on_bad_image, prompts=model.config.prompts,
                                     layout=model.family.name)

@@ -253,15 +253,16 @@ def check_data(cfg) -> list[str]:
     parquet files (``raggedvl.data.scan``; other sources are checked by ``prepare_run_data``):
     the columns (``--source-column`` too, with a value in every row trained on and one
     ``--dataset-weights`` entry per value when given; an image or hard-negatives column holding text, such as the queries, is refused:
-    ``raggedvl.data.scan.check_image_column``), the queries (``--on-empty-query``), the hard
-    negatives (``--negatives-column``: the column's type and every row's count), and every
+    ``raggedvl.data.scan.check_image_column``), the queries (``--on-empty-query``), the
+    positives (an image column of lists: every row has one), the hard negatives
+    (``--negatives-column``: the column's type; any number per row), and every
     image's header, documents and hard negatives, read in parallel and cached beside the data, so the ranks' size estimate reads no
     document image; and for the evaluation set (``--eval-dataset``, else the first dataset's
     ``--eval-split``) held in local parquet files: that the split exists and its columns
     (``cfg.eval_columns``).
 
     Raises ``ValueError`` (a missing column, with the columns present and the flag; a missing
-    split, with the splits present; an empty query or a row without hard negatives, with its row
+    split, with the splits present; an empty query or an empty list of positives, with its row
     and id) or ``BadImageError`` (the first unreadable image among the rows the run trains on,
     with its row, id, file and ``--on-bad-image skip``; with ``--eval-fraction``, left to
     ``prepare_run_data``). Returns what it could NOT check here, one phrase each (empty when
@@ -312,8 +313,8 @@ def needs_torch(cfg, unchecked: Sequence[str]) -> list[str]:
 
 def _check_parquet_data(cfg, source) -> bool:
     """Check one training set (:func:`check_data`, a ``DataSource``); False when it is not local parquet."""
-    from raggedvl.data.dataset import check_negatives_type, kept_rows, negative_count, source_values
     from raggedvl.app.column_flags import flags_for_columns
+    from raggedvl.data.dataset import check_images_type, check_positive_counts, kept_rows, source_values
     from raggedvl.data.scan import check_columns, check_image_column, image_sizes, read_column
     from raggedvl.images import BadImageError
 
@@ -338,17 +339,19 @@ def _check_parquet_data(cfg, source) -> bool:
         names = sorted(set(values))
         cfg.check_source_weights(names, [values.count(name) for name in names])
 
-    negatives = None
-    if cfg.negatives_column is not None:
-        import pyarrow.parquet as pq
+    import pyarrow.parquet as pq
 
-        kind = pq.ParquetFile(table.files[0]).schema_arrow.field(cfg.negatives_column).type
-        check_negatives_type(kind, cfg.negatives_column, table.where)
+    schema = pq.ParquetFile(table.files[0]).schema_arrow
+    several = check_images_type(schema.field(cfg.image_column).type, cfg.image_column, table.where, "image")
+    negatives = None
+    if cfg.negatives_column is not None:  # any number per row: only the type is checked
+        check_images_type(schema.field(cfg.negatives_column).type, cfg.negatives_column, table.where)
         with flags_for_columns():
             check_image_column(table, "negatives", cfg.columns)
         negatives = image_sizes(table, cfg.negatives_column, item="hard negative")
-        negative_count(negatives.counts, used, [ids[r] for r in used], cfg.negatives_column, table.where)
-    sizes = image_sizes(table, cfg.image_column)
+    sizes = image_sizes(table, cfg.image_column, item="positive" if several else None)
+    if several:
+        check_positive_counts(sizes.counts, used, [ids[r] for r in used], cfg.image_column, table.where)
     # with --eval-fraction the rows used depend on image digests: prepare_run_data decides
     if cfg.on_bad_image != "error" or cfg.eval_fraction is not None:
         return True

@@ -41,6 +41,7 @@ from raggedvl.parallel import (
     wrap_model,
 )
 from raggedvl.batch import RaggedBatch
+from raggedvl.data.positives import EpochPositives
 from raggedvl.evaluation.metrics import mean_pairwise_cosine
 from raggedvl.losses import loss_with_negatives
 from raggedvl.app.batches import StepIndices, step_batches
@@ -334,8 +335,9 @@ class Trainer:
         ``epoch`` to those of the batch just handed out."""
         cuda = self.info.device.type == "cuda"
         workers = self.cfg.data_workers if self.cfg.data_workers is not None else int(cuda)
-        indices = StepIndices(self.c.sampler, self.epoch)
-        stream = step_batches(self.c.train_set, self.c.collate, indices, workers=workers,
+        indices = StepIndices(self.c.sampler, self.epoch, with_epoch=True)
+        rows = EpochPositives(self.c.train_set, self.cfg.positive_sampling, self.cfg.seed)  # each epoch's positive
+        stream = step_batches(rows, self.c.collate, indices, workers=workers,
                               pin_memory=cuda)  # the workers start collating now
 
         def claimed() -> Iterator[dict[str, Any]]:
@@ -363,10 +365,11 @@ class Trainer:
             docs = RaggedBatch.concat([docs, batch["negatives"]])  # same length: split from one processor call
         docs = docs.to(self.info.device, non_blocking=True)
 
-        keys = {}
-        if self.cfg.false_negatives == "mask":
-            keys = {name: batch[name].to(self.info.device, non_blocking=True)
-                    for name in ("doc_keys", "neg_keys", "query_keys")}
+        # each query's own number of hard negatives (it differs per query and per rank; used locally, never gathered)
+        keys = {} if "neg_counts" not in batch else {"neg_counts": batch["neg_counts"].to(self.info.device)}
+        if self.cfg.false_negatives == "mask":  # every rank passes the same names: the keys are gathered
+            keys.update({name: batch[name].to(self.info.device, non_blocking=True)
+                         for name in ("doc_keys", "neg_keys", "query_keys", "relevant_keys", "relevant_counts")})
             if batch.get("negatives") is None:
                 keys.pop("neg_keys")
 

@@ -52,7 +52,7 @@ def mine(checkpoint: str | Path, *, dataset: str, split: str, output: str | Path
     info = init_distributed()
     try:
         model, processor, _, _ = load_model(Path(checkpoint), info.device)
-        with flags_for_columns():
+        with flags_for_columns(keys=False):
             bench = load_benchmark(dataset, split, on_bad_image=on_bad_image, columns=columns)
         collate = RetrievalCollator(processor, on_bad_image=on_bad_image, prompts=model.config.prompts,
                                     layout=model.family.name)

@@ -8,7 +8,7 @@ learning rate. Continuing it is exact only with the settings that produced them:
 
 - weights: ``model``, ``head``, ``dim``, ``pooling``, whether LoRA is on, ``lora_r``, ``lora_alpha``;
 - the sampler's plan: the training data (``dataset`` and ``dataset_weights``, ``batch_sampling``,
-  ``source_column``, ``negatives_column``, ``train_split``, ``eval_fraction``,
+  ``source_column``, ``negatives_column``, ``positive_sampling``, ``train_split``, ``eval_fraction``,
   ``max_train_samples``, the columns, ``on_empty_query``, the image size limits), the global
   batch, ``seed``, ``sampler``, ``max_patches_per_rank`` and the number of processes;
 - the learning rates: ``lr`` and ``head_lr`` (the scheduler's saved base rates would win over
@@ -37,7 +37,7 @@ from raggedvl.app.config import TrainConfig
 RESUME_KEYS = (
     "model", "head", "dim", "pooling", "lora", "lora_r", "lora_alpha",
     "dataset", "dataset_weights", "batch_sampling", "source_column",
-    "negatives_column", "train_split", "eval_fraction", "max_train_samples",
+    "negatives_column", "positive_sampling", "train_split", "eval_fraction", "max_train_samples",
     "query_column", "image_column", "on_empty_query",
     "min_pixels", "max_pixels", "global_batch_size", "seed", "sampler", "max_patches_per_rank",
     "lr", "head_lr",

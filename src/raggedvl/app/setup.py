@@ -26,7 +26,7 @@ from raggedvl.evaluation.benchmark import RetrievalBenchmark, load_benchmark
 from raggedvl.losses import RetrievalLoss, make_retrieval_loss
 from raggedvl.models import LoraSettings, build_retriever
 from raggedvl.parallel import DistInfo
-from raggedvl.images import ImagePolicy
+from raggedvl.images import BadImageError, ImagePolicy
 from raggedvl.sampling import BalancedDistributedBatchSampler, Mixture, SampleCosts, estimate_costs
 from raggedvl.app.column_flags import flags_for_columns
 from raggedvl.app.config import TrainConfig
@@ -105,7 +105,7 @@ def load_splits(cfg: TrainConfig, *, warn: bool = True,
     elif not cfg.evaluates:
         bench = None
     else:
-        with flags_for_columns(eval_flags):
+        with flags_for_columns(eval_flags, keys=bool(eval_flags)):  # raggedvl eval: flags, no keys
             bench = load_benchmark(cfg.eval_dataset or sources[0], cfg.eval_split, limit=cfg.max_eval_samples,
                                    on_bad_image=cfg.on_bad_image, columns=cfg.eval_columns)
     if bench is not None:
@@ -152,13 +152,27 @@ def negatives_label(k: int) -> str:
 def estimate_train_costs(cfg: TrainConfig, train_set, policy: ImagePolicy) -> SampleCosts:
     """Per-pair costs and patch counts of the training split from image headers (no decoding),
     through the collator's own image ``policy``, so ``patches`` equal the collator's rows (a
-    pair's document and its hard negatives together).
+    pair's document and its own hard negatives together, however many the row has). A row with
+    several positives counts its first under ``positive_sampling="first"`` and its largest
+    (most patch rows) under ``"random"``, a bound on whichever an epoch draws, so
+    ``max_patches_per_rank`` holds every epoch.
     Raises ``BadImageError`` naming the row under ``on_bad_image="error"``; under "skip" the
     rejected pairs are listed in ``SampleCosts.skipped`` (and :func:`make_sampler` never draws them)."""
-    k = train_set.negatives_per_row  # each row's images: the document, then its k hard negatives
-    which = negatives_label(k)
-    names = [train_set.row_name(i) + which for i in range(len(train_set))]
-    return estimate_costs(train_set.image_inputs(), text_tokens=32, policy=policy,
+    negatives = train_set.negative_counts
+    names = [train_set.row_name(i) + negatives_label(negatives[i]) for i in range(len(train_set))]
+    choose = None
+    if cfg.positive_sampling == "random":
+        def choose(positives: list) -> object:  # the positive with the most patch rows
+            best, most = positives[0], -1
+            for positive in positives:
+                try:
+                    t, h, w = policy.inspect(positive).grid
+                except BadImageError:
+                    return positive  # estimate_costs names the row and applies on_bad_image
+                if t * h * w > most:
+                    best, most = positive, t * h * w
+            return best
+    return estimate_costs(train_set.image_inputs(choose), text_tokens=32, policy=policy,
                           on_bad_image=cfg.on_bad_image, names=names)
 
 

@@ -13,11 +13,12 @@ torchvision backend and each document's patch rows equal ``estimate_costs``'s co
 is padded to the batch: ``pixel_values`` stays one flat [sum t*h*w, patch_dim] tensor owned per
 sample through ``RaggedBatch``. Text is padded to the batch's longest row on the prompts' side.
 
-Hard negatives: an example may hold ``"negatives"``, a list of k images (the same k in every
-example of a batch). They go through the same image policy and are written and encoded exactly
-like documents, in the same processor call as the positives (one padding for both), and come
-back as ``"negatives"``: a RaggedBatch of B*k documents, query-major (negatives ``i*k ..
-i*k+k-1`` belong to example i), the layout the losses take. Under ``on_bad_image="skip"`` a
+Hard negatives: an example may hold ``"negatives"``, a list of its own images (any number,
+0 included; examples differ). They go through the same image policy and are written and
+encoded exactly like documents, in the same processor call as the positives (one padding for
+both), and come back as ``"negatives"``: a RaggedBatch of M = sum of the counts documents,
+query-major, with ``"neg_counts"`` [B] int64 saying how many belong to each example, the
+layout the losses take (no negative is padded or repeated). Under ``on_bad_image="skip"`` a
 bad negative drops its whole example.
 
 Truncation (case C09): queries are text only and are truncated to ``max_length`` tokens.
@@ -59,17 +60,20 @@ class RetrievalCollator:
     Output: ``queries`` (text-only RaggedBatch, B rows), ``docs`` (RaggedBatch, B rows, one image
     each), ``ids`` (B example ids, in order), ``skipped`` (list of ``{"id", "reason"}``, the reason
     the short cause, ``BadImageError.reason``), and,
-    when the examples hold hard negatives, ``negatives`` (RaggedBatch, B*k rows, query-major).
-    ``doc_keys`` [B], ``neg_keys`` [B*k] and ``query_keys`` [B] (int64) name each positive's and
+    when the examples hold hard negatives, ``neg_counts`` [B] int64 (each example's count) and,
+    when that sums to more than 0, ``negatives`` (RaggedBatch, M rows, query-major).
+    ``doc_keys`` [B], ``neg_keys`` [M] and ``query_keys`` [B] (int64) name each positive's and
     hard negative's page (an example's ``doc_key`` / ``negative_keys``, else the key of the
-    decoded image) and each query's text (:mod:`raggedvl.data.keys`): the losses' false-negative
-    keys.
+    decoded image) and each query's text (:mod:`raggedvl.data.keys`); ``relevant_keys`` [R]
+    with ``relevant_counts`` [B] (int64, query-major) list each example's further relevant
+    pages (its ``relevant_keys``: its other positives; none by default): the losses'
+    false-negative keys.
 
     Raises:
         ValueError: an example without ``query``/``image``, an empty query or one containing a
             visual placeholder token, a document longer
-            than ``max_length``, examples with different numbers of hard negatives (or
-            ``negatives`` that is not a non-empty list), or a batch where every example was skipped.
+            than ``max_length``, ``negatives`` that is not a list (or held by some examples
+            only), or a batch where every example was skipped.
     """
 
     def __init__(
@@ -95,7 +99,7 @@ class RetrievalCollator:
 
     def _prepare(self, examples: Sequence[dict[str, Any]], with_query: bool = True):
         kept, images, negatives, skipped, keys = [], [], [], [], []
-        k = _negatives_per_example(examples) if with_query else 0
+        with_negatives = _holds_negatives(examples) if with_query else False
         for position, example in enumerate(examples):
             ident = str(example.get("id", position))
             missing = [k for k in (("query", "image") if with_query else ("image",)) if k not in example]
@@ -112,7 +116,7 @@ class RetrievalCollator:
                     raise BadImageError(f"example {ident!r}: {reason}", reason=reason)
                 image = self.image_policy.prepare(image, name=f"image of example {ident!r}")
                 negs = []
-                for j, neg in enumerate(example["negatives"] if k else ()):
+                for j, neg in enumerate(example["negatives"] if with_negatives else ()):
                     part = f"hard negative {j}"
                     negs.append(self.image_policy.prepare(neg, name=f"{part} of example {ident!r}"))
                 neg_keys = example.get("negative_keys") or [image_key(neg) for neg in negs]
@@ -126,10 +130,11 @@ class RetrievalCollator:
             images.append(image)
             negatives.extend(negs)
             doc_key = example.get("doc_key")
-            keys.append((image_key(image) if doc_key is None else doc_key, list(neg_keys)))
+            keys.append((image_key(image) if doc_key is None else doc_key, list(neg_keys),
+                         list(example.get("relevant_keys") or ())))
         if not kept:
             raise ValueError(f"every example of this batch was rejected: {skipped}")
-        return kept, images, negatives, skipped, keys
+        return kept, images, (negatives if with_negatives else None), skipped, keys
 
     def _check_doc_lengths(self, ids: list[str], features) -> None:
         if self.max_length is None:
@@ -173,34 +178,37 @@ class RetrievalCollator:
         kept, images, negatives, skipped, keys = self._prepare(examples)
         ids = [ident for ident, _ in kept]
         out = {"queries": self.collate_queries([q for _, q in kept]), "ids": ids, "skipped": skipped,
-               "doc_keys": torch.tensor([doc for doc, _ in keys], dtype=torch.int64),
-               "neg_keys": torch.tensor([n for _, negs in keys for n in negs], dtype=torch.int64),
-               "query_keys": torch.tensor([text_key(q) for _, q in kept], dtype=torch.int64)}
+               "doc_keys": torch.tensor([doc for doc, _, _ in keys], dtype=torch.int64),
+               "neg_keys": torch.tensor([n for _, negs, _ in keys for n in negs], dtype=torch.int64),
+               "query_keys": torch.tensor([text_key(q) for _, q in kept], dtype=torch.int64),
+               "relevant_keys": torch.tensor([r for _, _, rel in keys for r in rel], dtype=torch.int64),
+               "relevant_counts": torch.tensor([len(rel) for _, _, rel in keys], dtype=torch.int64)}
+        if negatives is not None:
+            out["neg_counts"] = torch.tensor([len(negs) for _, negs, _ in keys], dtype=torch.int64)
         if not negatives:
             return {**out, "docs": self._collate_images(ids, images)}
-        k = len(negatives) // len(ids)
-        neg_ids = [f"{ident} (hard negative {j})" for ident in ids for j in range(k)]
+        neg_ids = [f"{ident} (hard negative {j})" for ident, (_, negs, _) in zip(ids, keys) for j in range(len(negs))]
         docs, negs = self._collate_images(ids + neg_ids, images + negatives).split([len(ids), len(negatives)])
         return {**out, "docs": docs, "negatives": negs}
 
 
-def _negatives_per_example(examples: Sequence[dict[str, Any]]) -> int:
-    """k, the hard negatives of every example (0 when none has any; rows without an image are
-    not counted: they are dropped). Raises ``ValueError`` when examples differ in k or
-    ``negatives`` is not a non-empty list."""
-    counts = []
+def _holds_negatives(examples: Sequence[dict[str, Any]]) -> bool:
+    """Whether the examples hold hard negatives (a list each, of any length; rows without an
+    image are not looked at: they are dropped). Raises ``ValueError`` when ``negatives`` is
+    not a list, or some examples hold a list and others none."""
+    held = []
     for position, example in enumerate(examples):
         negs = example.get("negatives")
         if example.get("image") is None:  # a row the dataset rejected (on_bad_image="skip"): dropped later
             continue
-        if negs is not None and (not isinstance(negs, (list, tuple)) or not negs):
-            raise ValueError(f"example {position} (id {example.get('id', position)!r}): 'negatives' must be a non-empty "
-                             f"list of images, got {type(negs).__name__} {negs!r:.80}")
-        counts.append(0 if negs is None else len(negs))
-    if len(set(counts)) > 1:
-        raise ValueError(f"examples hold different numbers of hard negatives {counts}; the losses score the same "
-                         "number per query: give every example the same count")
-    return counts[0] if counts else 0
+        if negs is not None and not isinstance(negs, (list, tuple)):
+            raise ValueError(f"example {position} (id {example.get('id', position)!r}): 'negatives' must be a list "
+                             f"of images, got {type(negs).__name__} {negs!r:.80}")
+        held.append((position, negs is not None))
+    if len({h for _, h in held}) > 1:
+        raise ValueError(f"examples {[i for i, h in held if not h]} hold no 'negatives' list while others "
+                         "do; give every example a list (empty for none)")
+    return bool(held) and held[0][1]
 
 
 def _check_query(query: Any, name: str) -> None:

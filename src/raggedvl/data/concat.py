@@ -41,16 +41,17 @@ class _Chain(Sequence):
 
 def concat_datasets(parts: Sequence[RetrievalDataset], names: Sequence[str]) -> RetrievalDataset:
     """The rows of ``parts`` in order, as one dataset (module docstring); one part is returned
-    as is. Raises ``ValueError`` when the parts differ in hard negatives per row (the losses
-    score the same number for every query of a batch) or in their bad-image policy."""
+    as is. Rows keep their own positives and hard negatives (any number each). Raises
+    ``ValueError`` when some parts have a hard-negatives column and others none, or when they
+    differ in their bad-image policy."""
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
     for name, part in zip(names, parts):
-        if part.negatives_per_row != first.negatives_per_row:
-            raise ValueError(
-                f"{names[0]} has {first.negatives_per_row} hard negatives per row but {name} has "
-                f"{part.negatives_per_row}; the losses score the same number per query: give every dataset the same count")
+        if (part.negative_sources is None) != (first.negative_sources is None):
+            with_, without = (names[0], name) if part.negative_sources is None else (name, names[0])
+            raise ValueError(f"{with_} has a hard-negatives column but {without} has none; load every dataset with "
+                             "the same --negatives-column")
         if (part.on_bad_image, part.max_source_pixels) != (first.on_bad_image, first.max_source_pixels):
             raise ValueError(f"{name} reads images with other settings than {names[0]}; load them with the same ones")
     records = []
@@ -64,11 +65,18 @@ def concat_datasets(parts: Sequence[RetrievalDataset], names: Sequence[str]) -> 
     known = None  # each part's known negative sizes, else its sources
     if negatives is not None and any(part.negative_inputs is not None for part in parts):
         known = _Chain([part.negative_sources if part.negative_inputs is None else part.negative_inputs for part in parts])
+    several = {}  # each part's positives, where some part has several per row
+    if any(part._positives is not None for part in parts):
+        several = dict(positive_sources=_Chain([part.positive_sources for part in parts]),
+                       positive_counts=_Chain([part.positive_counts for part in parts]),
+                       positive_inputs=_Chain([part.positive_sources if part._positive_inputs is None
+                                               else part._positive_inputs for part in parts]))
     out = RetrievalDataset(
         records, _Chain([part.image_sources for part in parts]), first.split, sizes=sizes,
         on_bad_image=first.on_bad_image, max_source_pixels=first.max_source_pixels,
         where=" + ".join(names), on_empty_query=first.on_empty_query,
-        negative_sources=negatives, negatives_per_row=first.negatives_per_row, negative_inputs=known,
+        negative_sources=negatives, negative_inputs=known,
+        negative_counts=None if negatives is None else _Chain([part.negative_counts for part in parts]), **several,
     )
     out.part_sizes = [len(part) for part in parts]
     out.skipped_rows = [{**row, "dataset": part.where} for part in parts for row in part.skipped_rows]

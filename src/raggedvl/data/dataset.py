@@ -2,10 +2,14 @@
 
 Items are dicts ``{"query": str, "image": PIL.Image (RGB, decoded on access), "id": str, ...}``
 plus metadata (rdocs: split, pdf, page, pages, view, dpi, width, height, source). Query i's
-relevant document is item i's image. With a hard-negatives column (``Columns(negatives=...)``) an
-item also holds ``"negatives"``: a list of k PIL images, the same k for every row (the losses
-score k hard negatives per query), decoded on access like the image. Every item carries
-``"doc_key"`` (and with negatives ``"negative_keys"``): the document key of its page
+relevant document is item i's image. The image column may hold a list of images per row (at
+least one): the query's several positives. An item then holds one of them as ``"image"``
+(``item(i, positive=j)``; ``dataset[i]`` is positive 0, :mod:`raggedvl.data.positives` draws one
+per epoch for training) and the keys of the others as ``"relevant_keys"``, which the losses mask
+from the query's candidates. With a hard-negatives column (``Columns(negatives=...)``) an item also
+holds ``"negatives"``: a list of the row's own PIL images, any number per row (0 for an empty or
+null cell; the losses take each query's count), decoded on access like the image. Every item
+carries ``"doc_key"`` (and with negatives ``"negative_keys"``): the document key of its page
 (:func:`raggedvl.data.keys.bytes_key` of the stored bytes), which the losses use to keep a page
 from being a negative of a query it answers.
 
@@ -24,9 +28,9 @@ Bad input policy:
   cause, ``BadImageError.reason``, prefixed ``hard negative J:`` for a negative), and
   ``RetrievalCollator`` drops it and lists it under ``"skipped"`` in its output (counted in the
   run summary, never silent). A bad hard negative does the same to its whole row;
-- a hard-negatives column that is missing, holds something other than images (paths, bytes,
-  the datasets ``Image`` feature), or has a row with no negatives or with a count that differs
-  from the first row's: ``ValueError`` at construction naming the row and the fix.
+- a hard-negatives or image column that is missing or holds something other than images
+  (paths, bytes, the datasets ``Image`` feature), or a row whose list of positives is empty:
+  ``ValueError`` at construction naming the row and the fix.
 """
 
 from __future__ import annotations
@@ -190,60 +194,60 @@ def _arrow_of_hf(dataset):
     return dataset.data.table
 
 
-def _negative_counts(dataset, column: str, rows: list[int], ids: list[str], where: str) -> int:
-    """k, the number of hard negatives in every row of ``column`` (one image, or a list of
-    images), read from the Arrow column's list lengths (no image bytes are copied). Raises
-    ``ValueError`` naming the first row that has none, holds no image, or differs from row 0."""
+def list_counts(dataset, column: str, where: str, what: str) -> tuple[list[int], bool]:
+    """(each table row's number of images in ``column``, whether the column holds lists), read
+    from the Arrow column's list lengths (no image bytes are copied); a null cell holds 0 and a
+    one-image column 1 per row. ``what`` names the column in errors (:func:`check_images_type`)."""
     import pyarrow.compute as pc
 
     chunked = _arrow(dataset).column(column)
-    kind = chunked.type
-    if check_negatives_type(kind, column, where):
+    is_list = check_images_type(chunked.type, column, where, what)
+    if is_list:
         lengths = pc.list_value_length(chunked).to_numpy(zero_copy_only=False)
     else:
         lengths = chunked.is_valid().to_numpy(zero_copy_only=False).astype(int)
     nulls = chunked.is_null().to_numpy(zero_copy_only=False)
     counts = [0 if nulls[r] or lengths[r] != lengths[r] else int(lengths[r]) for r in range(len(lengths))]  # null: NaN
-    return negative_count(counts, rows, ids, column, where)
+    return counts, is_list
 
 
-def check_negatives_type(kind, column: str, where: str) -> bool:
-    """Whether the Arrow type ``kind`` of a hard-negatives column is a list (else one image per
-    row). Raises ``ValueError`` when its values are not images (paths, bytes or the datasets
-    Image struct). Reads the schema only: the launcher calls it before torch."""
+def is_list_type(kind) -> bool:
+    """Whether the Arrow type ``kind`` is a list (of images: several per row)."""
     import pyarrow as pa
 
-    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+
+
+def check_images_type(kind, column: str, where: str, what: str = "hard-negatives") -> bool:
+    """Whether the Arrow type ``kind`` of an image column (``what``: "hard-negatives" or
+    "image") is a list of images per row (else one image per row). Raises ``ValueError`` when
+    its values are not images (paths, bytes or the datasets Image struct). Reads the schema
+    only: the launcher calls it before torch."""
+    import pyarrow as pa
+
+    is_list = is_list_type(kind)
     item = kind.value_type if is_list else kind
     image_like = (pa.types.is_string(item) or pa.types.is_large_string(item) or pa.types.is_binary(item)
                   or pa.types.is_large_binary(item) or (pa.types.is_struct(item) and item.get_field_index("bytes") >= 0))
     if not image_like:
-        raise ValueError(f"{where}: hard-negatives column {column!r} holds {item} values, not images; give each row "
+        raise ValueError(f"{where}: {what} column {column!r} holds {item} values, not images; give each row "
                          "one image or a list of images (the datasets Image feature, file paths or encoded bytes)")
     return is_list
 
 
-def negative_count(counts: Sequence[int], rows: list[int], ids: list[str], column: str, where: str) -> int:
-    """k, the hard negatives of every row in ``rows`` (``counts``: per table row, 0 for none or
-    null; ``ids``: of ``rows``, in order). Raises ``ValueError`` naming the first of ``rows`` that
-    has none or whose count differs from the first's."""
-    first = counts[rows[0]] if rows else 0
+def check_positive_counts(counts: Sequence[int], rows: list[int], ids: list[str], column: str, where: str) -> None:
+    """Raise ``ValueError`` naming the first of ``rows`` whose list of positives in ``column`` is
+    empty (``counts``: per table row; ``ids``: of ``rows``, in order)."""
     for position, row in enumerate(rows):
-        count = counts[row]
-        if count == 0:
-            raise ValueError(f"{where}: row {row} (id {ids[position]!r}) has no hard negative in column {column!r}; "
-                             "give every row at least one image there, or leave out --negatives-column")
-        if count != first:
-            raise ValueError(
-                f"{where}: row {row} (id {ids[position]!r}) has {count} hard negatives in column {column!r}, row "
-                f"{rows[0]} has {first}; the losses score the same number per query: give every row {first} "
-                "(repeat or drop negatives)")
-    return first
+        if counts[row] == 0:
+            raise ValueError(f"{where}: row {row} (id {ids[position]!r}) has no image in its list of positives in "
+                             f"column {column!r}; give every row at least one image there, or remove the row")
 
 
 class _RowLists(Sequence):
-    """Per row, the list of its undecoded hard-negative image sources (a one-image cell is a
-    list of one), read lazily from a view of the column."""
+    """Per row, the list of its undecoded image sources (hard negatives, or positives; a
+    one-image cell is a list of one, a null cell an empty list), read lazily from a view of the
+    column."""
 
     def __init__(self, column: "_ImageColumn", base_dir: str | os.PathLike | None) -> None:
         self.column, self.base_dir = column, base_dir  # the column view joins no paths itself
@@ -258,7 +262,7 @@ class _RowLists(Sequence):
         return map(self._listed, iter(self.column))
 
     def _listed(self, value: Any) -> list[Any]:
-        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        values = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
         if self.base_dir is not None:
             values = [str(Path(self.base_dir) / v) if isinstance(v, str) else v for v in values]
         return values
@@ -280,6 +284,48 @@ class _KnownOrSources(Sequence):
             return list(known)  # every size known: no source is read
         sources = self.sources[index]
         return [source if size is None else size for size, source in zip(known, sources)] if known else sources
+
+
+class _Firsts(Sequence):
+    """Per row, the first of its list (its positive 0): lazy."""
+
+    def __init__(self, lists: Sequence[list[Any]]) -> None:
+        self.lists = lists
+
+    def __len__(self) -> int:
+        return len(self.lists)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.lists[index][0]
+
+    def __iter__(self):
+        return (row[0] for row in self.lists)
+
+
+class _Singletons(Sequence):
+    """Per row, a list of its one value: a one-image column seen as lists of positives."""
+
+    def __init__(self, values: Sequence[Any]) -> None:
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, index: int) -> list[Any]:
+        return [self.values[index]]
+
+
+class _Chosen(Sequence):
+    """Per row, ``choose(lists[row])``: lazy."""
+
+    def __init__(self, lists: Sequence[list[Any]], choose) -> None:
+        self.lists, self.choose = lists, choose
+
+    def __len__(self) -> int:
+        return len(self.lists)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.choose(self.lists[index])
 
 
 class _Picked(Sequence):
@@ -316,6 +362,12 @@ class RetrievalDataset(Sequence):
 
     Build with ``from_manifest`` (rdocs directory) or ``from_hf`` (a ``datasets.Dataset``), or
     through ``load_retrieval_dataset``. ``split`` names the split held.
+
+    ``image_sources``: per row, its (first) positive's undecoded image; ``positive_sources``
+    (optional): per row, the list of all its positives (``image_sources[i]`` being
+    ``positive_sources[i][0]``), with ``positive_inputs`` their known (width, height) or
+    sources. ``negative_sources``: per row, the list of its hard negatives (any length), with
+    ``negative_inputs`` likewise.
     """
 
     def __init__(
@@ -330,8 +382,11 @@ class RetrievalDataset(Sequence):
         where: str = "dataset",
         on_empty_query: str = "error",
         negative_sources: Sequence[list[Any]] | None = None,
-        negatives_per_row: int = 0,
+        negative_counts: Sequence[int] | None = None,
         negative_inputs: Sequence[list[Any]] | None = None,
+        positive_sources: Sequence[list[Any]] | None = None,
+        positive_counts: Sequence[int] | None = None,
+        positive_inputs: Sequence[list[Any]] | None = None,
     ) -> None:
         check_bad_image_policy(on_bad_image)
         if len(records) != len(image_sources):
@@ -348,10 +403,14 @@ class RetrievalDataset(Sequence):
         self.where = where
         self.on_empty_query = on_empty_query
         self.part_sizes = [len(records)]  # rows of each dataset concat_datasets joined (one entry otherwise)
-        self.negative_sources = negative_sources  # per row, k undecoded images (None: no hard negatives)
-        self.negatives_per_row = negatives_per_row if negative_sources is not None else 0  # k
+        self.negative_sources = negative_sources  # per row, its undecoded images (None: no hard negatives)
+        # per row, its number of hard negatives (None: read from negative_sources when asked)
+        self._negative_counts = None if negative_sources is None else negative_counts
         # per row, each hard negative's known (width, height) (the size cache) or its source
         self.negative_inputs = negative_inputs if negative_sources is not None else None
+        self._positives = positive_sources  # per row, all its positives (None: one per row, image_sources)
+        self._positive_counts = positive_counts if positive_sources is not None else None
+        self._positive_inputs = positive_inputs if positive_sources is not None else None
         self._sizes = sizes  # from the manifest or the size cache; a None entry: read the header
         self._read_sizes: list[tuple[int, int] | None] | None = None  # from the headers, cached
 
@@ -416,14 +475,17 @@ class RetrievalDataset(Sequence):
         """Wrap a ``datasets.Dataset`` (or a ``pyarrow.Table``, or a ``MappedTable`` from
         ``raggedvl.data.arrow_cache``) with the ``columns`` (:class:`~raggedvl.data.columns.Columns`):
         a query column and an image column (the datasets ``Image`` feature, encoded bytes, or
-        strings holding paths relative to ``base_dir``), optionally an id column and a
-        hard-negatives column (one image or a list of images per row, the same count in each).
+        strings holding paths relative to ``base_dir``; or a list of them per row: the query's
+        positives, at least one), optionally an id column and a hard-negatives column (one image
+        or a list of any length per row).
         ``sizes``: each row's image (width, height) when known (``raggedvl.data.scan``'s cache;
-        None: read the header when needed), so that a size estimate reads no image;
+        None: read the header when needed), so that a size estimate reads no image (an image
+        column of lists: per row the list of its positives' sizes);
         ``negative_sizes``: likewise, per row the list of its hard negatives' sizes.
         Raises :class:`~raggedvl.data.columns.ColumnError` (a ``ValueError``) for a missing
-        column, and for an image or hard-negatives column that holds text, e.g. the queries
-        (``raggedvl.data.scan.check_not_text``).
+        column and for an image or hard-negatives column that holds text, e.g. the queries
+        (``raggedvl.data.scan.check_not_text``), and ``ValueError`` for values that are not
+        images and for a row with an empty list of positives.
 
         Rows are read from the Arrow data, undecoded (an ``Image`` value is its
         ``{"bytes", "path"}`` storage), row by row on access, and decoded by this package's
@@ -449,14 +511,25 @@ class RetrievalDataset(Sequence):
                                    columns.source, where)
             for record, value in zip(records, values):
                 record["source_value"] = value
-        negatives, k = None, 0
+        kept_ids = [ids[i] for i in keep]
+        several = is_list_type(table.schema.field(columns.image).type)
+        images = _ImageColumn(source, columns.image, keep, None if several else base_dir)
+        if several:  # a list of positives per row
+            positive_counts, _ = list_counts(table, columns.image, where, "image")
+            check_positive_counts(positive_counts, keep, kept_ids, columns.image, where)
+            positives = _RowLists(images, base_dir)
+            kwargs.update(positive_sources=positives, positive_counts=[positive_counts[i] for i in keep])
+            if sizes is not None:
+                kwargs["positive_inputs"] = _KnownOrSources([sizes[i] for i in keep], positives)
+                sizes = [row[0] if row else None for row in sizes]
+            images = _Firsts(positives)
         if columns.negatives is not None:
-            k = _negative_counts(table, columns.negatives, keep, [ids[i] for i in keep], where)
+            counts, _ = list_counts(table, columns.negatives, where, "hard-negatives")
             negatives = _RowLists(_ImageColumn(source, columns.negatives, keep, None), base_dir)
+            kwargs.update(negative_sources=negatives, negative_counts=[counts[i] for i in keep])
             if negative_sizes is not None:
                 kwargs["negative_inputs"] = _KnownOrSources([negative_sizes[i] for i in keep], negatives)
-        result = cls(records, _ImageColumn(source, columns.image, keep, base_dir), split, where=where,
-                     on_empty_query=on_empty_query, negative_sources=negatives, negatives_per_row=k,
+        result = cls(records, images, split, where=where, on_empty_query=on_empty_query,
                      sizes=None if sizes is None else [sizes[i] for i in keep], **kwargs)
         result.skipped_rows = skipped
         return result
@@ -465,16 +538,58 @@ class RetrievalDataset(Sequence):
     def __len__(self) -> int:
         return len(self.records)
 
+    @property
+    def positive_counts(self) -> Sequence[int]:
+        """Per row, its number of positives (1 for a one-image column)."""
+        if self._positive_counts is None:  # counted once: one per row, or each list's length
+            self._positive_counts = [1] * len(self) if self._positives is None else [len(r) for r in self._positives]
+        return self._positive_counts
+
+    @property
+    def positive_sources(self) -> Sequence[list[Any]]:
+        """Per row, the list of its positives' undecoded sources."""
+        return self._positives if self._positives is not None else _Singletons(self.image_sources)
+
+    @property
+    def negative_counts(self) -> Sequence[int]:
+        """Per row, its number of hard negatives (all 0 without a hard-negatives column)."""
+        if self.negative_sources is None:
+            return [0] * len(self)
+        if self._negative_counts is None:
+            self._negative_counts = [len(row) for row in self.negative_sources]
+        return self._negative_counts
+
     def __getitem__(self, index: int) -> dict[str, Any]:
         if isinstance(index, slice):
             raise TypeError("RetrievalDataset does not support slices; index one row at a time")
+        return self.item(index)
+
+    def item(self, index: int, positive: int = 0) -> dict[str, Any]:
+        """Row ``index`` with its positive ``positive`` (of ``positive_counts[index]``) decoded as
+        ``"image"`` and, for a row with several, the keys of the others as ``"relevant_keys"``
+        (from their stored bytes; none is decoded). Raises ``IndexError`` for a positive the row
+        does not have; a bad image as the module docstring says."""
         record = dict(self.records[index])
         name = self.row_name(index)
-        part = None  # the hard negative being read, if any
+        part = None  # the hard negative or further positive being read, if any
         try:
-            source = self.image_sources[index]
+            if self._positives is None:
+                if positive != 0:
+                    raise IndexError(f"{name} has 1 positive, not {positive + 1}")
+                source, others = self.image_sources[index], []
+            else:
+                sources = self._positives[index]
+                if not 0 <= positive < len(sources):
+                    raise IndexError(f"{name} has {len(sources)} positives, not {positive + 1}")
+                source, others = sources[positive], [(j, s) for j, s in enumerate(sources) if j != positive]
             record["image"] = load_image(source, max_source_pixels=self.max_source_pixels, name=name)
             record["doc_key"] = _page_key(source, record["image"])
+            if self._positives is not None:
+                keys = []
+                for j, other in others:
+                    part = f"positive {j}"
+                    keys.append(_stored_key(other, name=f"{name}: {part}"))
+                record["relevant_keys"] = keys
             if self.negative_sources is not None:
                 negatives, keys = [], []
                 for j, source in enumerate(self.negative_sources[index]):
@@ -497,13 +612,18 @@ class RetrievalDataset(Sequence):
     def ids(self) -> list[str]:
         return [r["id"] for r in self.records]
 
-    def image_inputs(self) -> Sequence[Any]:
+    def image_inputs(self, choose=None) -> Sequence[Any]:
         """Per item, what a size estimate reads (``raggedvl.sampling.estimate_costs``): the
         manifest's (width, height) when it has one, else the undecoded image source (a path or a
-        ``{"bytes", "path"}`` dict, of which only the header is read). With hard negatives, each
-        row's entry is the list ``[image, *negatives]``, so a row's cost counts every image the
-        collator encodes for it. Lazy: rows are read on access."""
-        images = self.image_sources if self._sizes is None else _SizesOrSources(self._sizes, self.image_sources)
+        ``{"bytes", "path"}`` dict, of which only the header is read). ``choose``: for rows with
+        several positives, a function from the row's list of positive inputs to the one to count
+        (default: the first). With hard negatives, each row's entry is the list
+        ``[image, *negatives]`` (its own negatives, any number), so a row's cost counts every
+        image the collator encodes for it. Lazy: rows are read on access."""
+        if choose is not None and self._positives is not None:
+            images = _Chosen(self._positive_inputs if self._positive_inputs is not None else self._positives, choose)
+        else:
+            images = self.image_sources if self._sizes is None else _SizesOrSources(self._sizes, self.image_sources)
         if self.negative_sources is None:
             return images
         return _WithNegatives(images, self.negative_sources if self.negative_inputs is None else self.negative_inputs)
@@ -525,13 +645,18 @@ class RetrievalDataset(Sequence):
         sizes = None if self._sizes is None else [self._sizes[p] for p in positions]
         sources = [self.image_sources[p] for p in positions]
         keep = negatives and self.negative_sources is not None
+        several = self._positives is not None
         out = type(self)([self.records[p] for p in positions], sources, self.split, sizes=sizes,
                          on_bad_image=self.on_bad_image, max_source_pixels=self.max_source_pixels,
                          where=self.where, on_empty_query=self.on_empty_query,
                          negative_sources=_Picked(self.negative_sources, positions) if keep else None,
-                         negatives_per_row=self.negatives_per_row if keep else 0,
+                         negative_counts=[self.negative_counts[p] for p in positions] if keep else None,
                          negative_inputs=(_Picked(self.negative_inputs, positions)
-                                          if keep and self.negative_inputs is not None else None))
+                                          if keep and self.negative_inputs is not None else None),
+                         positive_sources=_Picked(self._positives, positions) if several else None,
+                         positive_counts=[self.positive_counts[p] for p in positions] if several else None,
+                         positive_inputs=(_Picked(self._positive_inputs, positions)
+                                          if several and self._positive_inputs is not None else None))
         out.skipped_rows = list(self.skipped_rows)  # the source's rows left out stay reported (a subset holds none)
         return out
 
@@ -603,6 +728,15 @@ def source_bytes(source: Any) -> bytes:
     if isinstance(source, Image.Image):
         return source.tobytes() + repr((source.mode, source.size)).encode()
     raise TypeError(f"unsupported image source {type(source).__name__}")
+
+
+def _stored_key(source: Any, name: str) -> int:
+    """The document key of an undecoded page (its stored bytes; a PIL image: its pixels).
+    Raises ``BadImageError`` naming ``name`` when the bytes cannot be read."""
+    try:
+        return bytes_key(source_bytes(source))
+    except (OSError, KeyError, TypeError) as exc:
+        raise BadImageError(f"{name}: cannot read the image ({exc})", reason=f"cannot read the image ({exc})") from exc
 
 
 def _page_key(source: Any, image: Image.Image) -> int:
@@ -692,11 +826,13 @@ def load_retrieval_dataset(
 
     found = source.parquet(split)  # local parquet: its files and columns, once
     rows, base = _load_split(source, split, found, cache_dir, **load_kwargs)
+    schema = rows.features.arrow_schema if hasattr(rows, "features") else _arrow(rows).schema
+    several = columns.image in schema.names and is_list_type(schema.field(columns.image).type)
     return RetrievalDataset.from_hf(
         rows, split, columns=columns, limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}",
-        sizes=_cached_sizes(found, columns.image, _num_rows(rows)),
+        sizes=_cached_sizes(found, columns.image, _num_rows(rows), "positive" if several else None),
         negative_sizes=(None if columns.negatives is None
-                        else _cached_negative_sizes(found, columns.negatives, _num_rows(rows))),
+                        else _cached_sizes(found, columns.negatives, _num_rows(rows), "hard negative")),
         **common,
     )
 
@@ -705,29 +841,18 @@ def _num_rows(rows) -> int:
     return _arrow(rows).num_rows if isinstance(rows, MappedTable) else len(rows)
 
 
-def _cached_sizes(table: ParquetSplit | None, image_column: str,
-                  num_rows: int) -> list[tuple[int, int] | None] | None:
+def _cached_sizes(table: ParquetSplit | None, column: str, num_rows: int,
+                  item: str | None = None) -> list[Any] | None:
     """Each row's image size from ``raggedvl.data.scan``'s cache of a local parquet split (the
-    launcher writes it), else None (the sizes are then read from the headers when needed)."""
+    launcher writes it), None for an unreadable image; with ``item`` (a column of image lists,
+    ``"positive"`` or ``"hard negative"``) per row the list of its images' sizes. None when
+    there is no cache entry (the sizes are then read from the headers when needed)."""
     from raggedvl.data.scan import cached_image_sizes
 
-    if table is not None:
-        found = cached_image_sizes(table, image_column)
-        if found is not None and table.num_rows == num_rows:
-            return [None if width < 0 else (width, height) for width, height in found.sizes.tolist()]
-    return None
-
-
-def _cached_negative_sizes(table: ParquetSplit | None, column: str,
-                           num_rows: int) -> list[list[tuple[int, int] | None]] | None:
-    """Each row's hard negatives' sizes from ``raggedvl.data.scan``'s cache of a local parquet
-    split (``item="hard negative"``; the launcher writes it), None for an unreadable one; None
-    when there is no cache entry."""
-    from raggedvl.data.scan import cached_image_sizes
-
-    if table is not None:
-        found = cached_image_sizes(table, column, item="hard negative")
-        if found is not None and table.num_rows == num_rows:
-            return [[None if w < 0 else (w, h) for w, h in row[:count]]
-                    for row, count in zip(found.sizes.tolist(), found.counts.tolist())]
-    return None
+    found = cached_image_sizes(table, column, item=item) if table is not None else None
+    if found is None or table.num_rows != num_rows:
+        return None
+    if item is None:
+        return [None if width < 0 else (width, height) for width, height in found.sizes.tolist()]
+    return [[None if w < 0 else (w, h) for w, h in row[:count]]
+            for row, count in zip(found.sizes.tolist(), found.counts.tolist())]

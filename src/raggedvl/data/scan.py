@@ -14,8 +14,8 @@ cannot be read keep their reason, so a corrupt image is reported again from the 
 
 Shapes and units: sizes are ``[N, 2]`` int64 (width, height) in pixels, EXIF orientation
 applied, ``-1`` for an unreadable row; N counts the split's rows over all its files. A column of
-several images per row (hard negatives: ``image_sizes(..., item="hard negative")``, each cell
-one image or a list) gives ``[N, K, 2]``, K the longest row, ``-1`` past a row's own images,
+several images per row (hard negatives: ``image_sizes(..., item="hard negative")``, or an
+image column of positives: ``item="positive"``; each cell one image or a list) gives ``[N, K, 2]``, K the longest row, ``-1`` past a row's own images,
 and ``counts`` [N], each row's number of images (0 for a null cell).
 
 The cache is written only by the process that scans (``raggedvl train``'s launcher), through a

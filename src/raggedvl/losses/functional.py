@@ -27,20 +27,38 @@ import torch.nn.functional as F
 from raggedvl.batch.offsets import exclusive_cumsum
 
 
-def real_rows(valid: torch.Tensor, n: int, negatives_per_query: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row indices of the real samples of a local batch: ``(pairs [n_real], negatives [n_real * k])``.
+def ragged_rows(owners: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Row indices of the ragged items of some owners: ``[sum(counts[owners])]`` int64.
+
+    ``counts`` [n] int64: how many consecutive items (hard negatives, relevant keys) each of the
+    n owners has, owner-major; ``owners`` [p] int64: the owners to keep, in order. Returns the
+    indices of their items in a ``[sum(counts)]`` tensor. Pure: no communication.
+    """
+    counts = counts.to(owners.device)
+    sizes = counts[owners]
+    first = exclusive_cumsum(counts)[owners].repeat_interleave(sizes)
+    within = torch.arange(int(sizes.sum()), device=owners.device) - exclusive_cumsum(sizes).repeat_interleave(sizes)
+    return first + within
+
+
+def real_rows(valid: torch.Tensor, n: int, negatives_per_query: int = 0, *,
+              negative_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices of the real samples of a local batch: ``(pairs [n_real], negatives [M_real])``.
 
     ``valid`` [n] bool: True for a real sample, False for one that only fills the batch (a
     repeat). ``pairs`` indexes the queries and their positives; ``negatives`` indexes the hard
-    negatives (query-major, ``k = negatives_per_query`` per query), so a dropped sample's hard
-    negatives go with it. Both are int64 on ``valid``'s device. Raises ``TypeError`` for a
-    non-bool mask and ``ValueError`` for a mask that is not ``[n]``.
+    negatives (query-major: ``k = negatives_per_query`` per query, or ``negative_counts[i]``
+    for query i when the int64 ``[n]`` counts are given), so a dropped sample's hard negatives
+    go with it. Both are int64 on ``valid``'s device. Raises ``TypeError`` for a non-bool mask
+    and ``ValueError`` for a mask that is not ``[n]``.
     """
     if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
         raise TypeError(f"valid must be a bool tensor [n] (True = real sample), got {getattr(valid, 'dtype', type(valid))}")
     if tuple(valid.shape) != (n,):
         raise ValueError(f"valid has shape {list(valid.shape)} but the batch has {n} samples; pass one flag per sample")
     pairs = valid.nonzero().flatten()
+    if negative_counts is not None:
+        return pairs, ragged_rows(pairs, negative_counts)
     k = torch.arange(negatives_per_query, device=valid.device)
     return pairs, (pairs[:, None] * negatives_per_query + k[None, :]).flatten()
 
@@ -104,6 +122,39 @@ def global_mean_share(terms: torch.Tensor, world_size: int, global_count: int) -
     return terms.sum() * (world_size / global_count)
 
 
+def relevance(
+    positive_keys: torch.Tensor,
+    candidate_keys: torch.Tensor,
+    *,
+    relevant_keys: torch.Tensor | None = None,
+    relevant_queries: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Which candidates each query of the global batch names relevant itself: ``[N, C]`` bool.
+
+    Query j's own relevant documents are its positive (``positive_keys`` [N] int64) and, when
+    given, its further relevant keys: ``relevant_keys`` [R] int64 with ``relevant_queries`` [R]
+    int64, the global query each key belongs to (e.g. the positives of a query with several,
+    besides the one drawn for this step). ``candidate_keys`` [C] int64. Pure: no communication.
+    """
+    if (relevant_keys is None) != (relevant_queries is None):
+        raise ValueError("pass relevant_keys and relevant_queries together (or neither)")
+    relevant = positive_keys[:, None] == candidate_keys[None, :]
+    if relevant_keys is not None and relevant_keys.numel():
+        if relevant_queries.shape != relevant_keys.shape:
+            raise ValueError(
+                f"relevant_queries has {relevant_queries.shape[0]} entries for {relevant_keys.shape[0]} "
+                "relevant keys; pass the owning query of every key"
+            )
+        hits = (relevant_keys[:, None] == candidate_keys[None, :]).to(torch.float32)
+        extra = torch.zeros(relevant.shape, dtype=torch.float32, device=relevant.device)
+        relevant = relevant | (extra.index_add_(0, relevant_queries, hits) > 0)
+    return relevant
+
+
+def _same_query(query_keys: torch.Tensor, all_query_keys: torch.Tensor) -> torch.Tensor:
+    return (query_keys[:, None] == all_query_keys[None, :]).to(torch.float32)
+
+
 def false_negative_mask(
     labels: torch.Tensor,
     positive_keys: torch.Tensor,
@@ -111,6 +162,8 @@ def false_negative_mask(
     *,
     query_keys: torch.Tensor | None = None,
     all_query_keys: torch.Tensor | None = None,
+    relevant_keys: torch.Tensor | None = None,
+    relevant_queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Which candidates are the same document as one of a query's relevant documents: ``[n, C]`` bool.
 
@@ -118,10 +171,11 @@ def false_negative_mask(
     the document key of every positive of the global batch (column j is global query j's
     positive). ``candidate_keys`` [C] int64: the key of every candidate column (the N positives,
     then the hard negatives). Two candidates with equal keys are the same document (a corpus id
-    or a hash of the page content). A query's relevant documents are its own positive and, when
-    query keys are given, the positives of every query of the global batch with the same key
-    (``query_keys`` [n] for the local queries, ``all_query_keys`` [N] for the global batch:
-    equal keys = the same query text, e.g. several pages answer one question).
+    or a hash of the page content). A query's relevant documents are its own positive, its
+    further relevant keys (``relevant_keys`` [R] / ``relevant_queries`` [R], see
+    :func:`relevance`) and, when query keys are given, those of every query of the global batch
+    with the same key (``query_keys`` [n] for the local queries, ``all_query_keys`` [N] for the
+    global batch: equal keys = the same query text, e.g. several pages answer one question).
 
     ``mask[i, c]`` is True when candidate c is one of query i's relevant documents and not its
     own label column: such a candidate is a false negative, to be removed from the query's
@@ -133,17 +187,17 @@ def false_negative_mask(
     n, total = labels.shape[0], positive_keys.shape[0]
     if (query_keys is None) != (all_query_keys is None):
         raise ValueError("pass query_keys and all_query_keys together (or neither)")
+    own = relevance(positive_keys, candidate_keys, relevant_keys=relevant_keys, relevant_queries=relevant_queries)
     if query_keys is None:
-        relevant = positive_keys[labels][:, None] == candidate_keys[None, :]
+        relevant = own[labels]
     else:
         if query_keys.shape[0] != n or all_query_keys.shape[0] != total:
             raise ValueError(
                 f"query_keys has {query_keys.shape[0]} rows for {n} queries and all_query_keys "
                 f"{all_query_keys.shape[0]} for {total} positives; pass one key per query"
             )
-        same_query = (query_keys[:, None] == all_query_keys[None, :]).to(torch.float32)
-        same_page = (positive_keys[:, None] == candidate_keys[None, :]).to(torch.float32)
-        relevant = (same_query @ same_page) > 0  # integer counts, exact in float32 below 2**24
+        # integer counts, exact in float32 below 2**24
+        relevant = (_same_query(query_keys, all_query_keys) @ own.to(torch.float32)) > 0
     return relevant.scatter(1, labels[:, None], False)
 
 
@@ -151,17 +205,21 @@ def document_false_negative_mask(
     labels: torch.Tensor,
     positive_keys: torch.Tensor,
     all_query_keys: torch.Tensor | None = None,
+    *,
+    relevant_keys: torch.Tensor | None = None,
+    relevant_queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """For the document-to-query direction: which of the N queries each local positive is relevant
     to, besides its own query: ``[n, N]`` bool.
 
     ``labels`` [n]: the global index of each local positive (= its own query). ``positive_keys``
-    [N] and ``all_query_keys`` [N] (optional) as in :func:`false_negative_mask`: document
-    ``labels[i]`` is relevant to query j when some query l with query j's key has a positive with
-    the document's key. Pure: no communication.
+    [N], ``all_query_keys`` [N] (optional) and ``relevant_keys`` / ``relevant_queries`` [R]
+    (optional) as in :func:`false_negative_mask`: document ``labels[i]`` is relevant to query j
+    when it is one of the relevant documents of some query l with query j's key (l = j without
+    query keys). Pure: no communication.
     """
-    same_page = positive_keys[labels][:, None] == positive_keys[None, :]
+    own = relevance(positive_keys, positive_keys[labels], relevant_keys=relevant_keys,
+                    relevant_queries=relevant_queries).T  # [n documents, N queries]
     if all_query_keys is not None:
-        same_query = (all_query_keys[:, None] == all_query_keys[None, :]).to(torch.float32)
-        same_page = (same_page.to(torch.float32) @ same_query) > 0
-    return same_page.scatter(1, labels[:, None], False)
+        own = (own.to(torch.float32) @ _same_query(all_query_keys, all_query_keys)) > 0
+    return own.scatter(1, labels[:, None], False)

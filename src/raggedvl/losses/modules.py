@@ -39,6 +39,16 @@ ranks for the global batch; ``candidates_kept`` holds each local query's number 
 left in its denominator (int64 ``[n]``; None without keys), from which the loss value at equal
 scores follows (the mean of ``ln candidates_kept`` for the softmax losses). Pass keys on every
 rank or on none.
+
+Several positives, variable hard negatives: ``neg_counts`` (int64 ``[n]``, optional) gives each
+query's number of hard negatives (query-major, any count >= 0, summing to the rows of
+``neg_emb``); without it every query has ``k = rows / n``. Ownership only decides which
+negatives leave with a repeated sample: every query is scored against all hard negatives of
+the global batch either way. ``relevant_keys`` (int64 ``[R]``) with ``relevant_counts`` (int64
+``[n]``, summing to R) lists each query's further relevant documents (its other positives,
+query-major): a candidate with one of these keys is a false negative of that query (and of
+every query with the same ``query_keys``), gathered with the other keys in the same
+collective. Both need ``doc_keys``; pass them on every rank or on none.
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ from raggedvl.losses.functional import (
     global_mean_share,
     pairwise_terms,
     positive_labels,
+    ragged_rows,
     real_rows,
 )
 from raggedvl.losses.scoring import (
@@ -66,22 +77,41 @@ from raggedvl.losses.scoring import (
 from raggedvl.parallel import all_gather_packed, all_gather_variable, get_rank, get_world_size
 
 
-def _negatives_per_query(n: int, neg_rows: int) -> int:
+def _check_counts(name: str, counts, n: int, total: int, items: str) -> None:
+    if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int64 or tuple(counts.shape) != (n,):
+        got = f"{counts.dtype} {list(counts.shape)}" if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise ValueError(f"{name} must be an int64 tensor [{n}] (one count per query), got {got}")
+    if n and (int(counts.min()) < 0 or int(counts.sum()) != total):
+        raise ValueError(
+            f"{name} {counts.tolist()} must be >= 0 and sum to the {total} {items} passed; "
+            f"pass each query's number of {items}, query-major"
+        )
+
+
+def _negatives_per_query(n: int, neg_rows: int, neg_counts=None) -> int:
+    if neg_counts is not None:
+        _check_counts("neg_counts", neg_counts, n, neg_rows, "hard negatives")
+        return 0
     if (n == 0 and neg_rows) or (n and neg_rows % n):
         raise ValueError(
             f"neg_emb has {neg_rows} rows for {n} queries; pass k hard negatives per query, "
-            "query-major ([n * k, ...], negatives i*k..i*k+k-1 belong to query i)"
+            "query-major ([n * k, ...], negatives i*k..i*k+k-1 belong to query i), or each "
+            "query's count as neg_counts"
         )
     return neg_rows // n if n else 0
 
 
-def _check_keys(n: int, neg_rows: int, doc_keys, neg_keys, query_keys) -> None:
+def _check_keys(n: int, neg_rows: int, doc_keys, neg_keys, query_keys, relevant_keys=None, relevant_counts=None) -> None:
     """Local checks of the document and query keys (before any collective)."""
+    if (relevant_keys is None) != (relevant_counts is None):
+        raise ValueError("pass relevant_keys and relevant_counts together (or neither)")
     if doc_keys is None:
-        if neg_keys is not None or query_keys is not None:
-            raise ValueError("neg_keys and query_keys need doc_keys: pass the key of every positive too")
+        if neg_keys is not None or query_keys is not None or relevant_keys is not None:
+            raise ValueError("neg_keys, query_keys and relevant_keys need doc_keys: pass the key of every positive too")
         return
     expected = {"doc_keys": (doc_keys, n), "neg_keys": (neg_keys, neg_rows), "query_keys": (query_keys, n)}
+    if relevant_keys is not None:
+        expected["relevant_keys"] = (relevant_keys, relevant_keys.shape[0] if isinstance(relevant_keys, torch.Tensor) else 0)
     for name, (keys, rows) in expected.items():
         if keys is None:
             if name == "neg_keys" and neg_rows:
@@ -90,6 +120,8 @@ def _check_keys(n: int, neg_rows: int, doc_keys, neg_keys, query_keys) -> None:
         if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or tuple(keys.shape) != (rows,):
             got = f"{keys.dtype} {list(keys.shape)}" if isinstance(keys, torch.Tensor) else type(keys).__name__
             raise ValueError(f"{name} must be an int64 tensor [{rows}] (one key per row), got {got}")
+    if relevant_keys is not None:
+        _check_counts("relevant_counts", relevant_counts, n, relevant_keys.shape[0], "relevant keys")
 
 
 class _GatheredKeys(NamedTuple):
@@ -97,31 +129,65 @@ class _GatheredKeys(NamedTuple):
     candidates: torch.Tensor  # [N + M]: positives, then hard negatives, rank-ordered
     local_queries: torch.Tensor | None  # [n]
     queries: torch.Tensor | None  # [N]
+    relevant: torch.Tensor | None  # [R] further relevant keys of all ranks' queries
+    relevant_queries: torch.Tensor | None  # [R] the global query of each
 
 
-def _gather_keys(doc_keys, neg_keys, query_keys, counts, world, group) -> _GatheredKeys:
+def _owners(counts: torch.Tensor, offset: int) -> torch.Tensor:
+    return offset + torch.arange(counts.shape[0], device=counts.device).repeat_interleave(counts)
+
+
+def _gather_keys(doc_keys, neg_keys, query_keys, relevant_keys, relevant_counts, counts, world, group) -> _GatheredKeys:
     """All ranks' keys in candidate order; one ``all_gather_variable`` of the packed local keys."""
     neg_keys = doc_keys.new_zeros(0) if neg_keys is None else neg_keys
-    parts = [doc_keys] + ([] if query_keys is None else [query_keys])
+    has_rel = relevant_keys is not None
+    parts = [doc_keys] + ([] if query_keys is None else [query_keys]) + ([relevant_counts] if has_rel else [])
     if world == 1:
-        return _GatheredKeys(doc_keys, torch.cat([doc_keys, neg_keys]), query_keys, query_keys)
-    packed = all_gather_variable(torch.cat(parts + [neg_keys]), group=group, tag="keys")
-    positives, queries, negatives = [], [], []
+        return _GatheredKeys(doc_keys, torch.cat([doc_keys, neg_keys]), query_keys, query_keys,
+                             relevant_keys, _owners(relevant_counts, 0) if has_rel else None)
+    packed = all_gather_variable(torch.cat(parts + ([relevant_keys] if has_rel else []) + [neg_keys]),
+                                 group=group, tag="keys")
+    positives, queries, negatives, relevant, owners = [], [], [], [], []
+    offset = 0
     for n_r, start, size in zip(counts, packed.offsets, packed.counts):
         segment = packed.values[start:start + size]
         positives.append(segment[:n_r])
         if query_keys is not None:
             queries.append(segment[n_r:2 * n_r])
-        negatives.append(segment[len(parts) * n_r:])
+        rest = segment[len(parts) * n_r:]
+        if has_rel:
+            rel_counts = segment[(len(parts) - 1) * n_r:len(parts) * n_r]
+            r = int(rel_counts.sum())
+            relevant.append(rest[:r])
+            owners.append(_owners(rel_counts, offset))
+            rest = rest[r:]
+        negatives.append(rest)
+        offset += n_r
     positives = torch.cat(positives)
     return _GatheredKeys(
         positives, torch.cat([positives] + negatives), query_keys,
         None if query_keys is None else torch.cat(queries),
+        torch.cat(relevant) if has_rel else None, torch.cat(owners) if has_rel else None,
     )
 
 
 def _rows_of(keys, rows):
     return None if keys is None else keys[rows.to(keys.device)]
+
+
+def _real_keys(pairs, negs, doc_keys, neg_keys, query_keys, relevant_keys, relevant_counts):
+    """The keys of the real samples (``pairs``, ``negs`` from :func:`real_rows`)."""
+    if relevant_keys is not None:
+        relevant_keys = _rows_of(relevant_keys, ragged_rows(pairs.to(relevant_counts.device), relevant_counts))
+        relevant_counts = _rows_of(relevant_counts, pairs)
+    return (_rows_of(doc_keys, pairs), _rows_of(neg_keys, negs), _rows_of(query_keys, pairs),
+            relevant_keys, relevant_counts)
+
+
+def _mask(labels, keys: _GatheredKeys) -> torch.Tensor:
+    return false_negative_mask(labels, keys.positives, keys.candidates, query_keys=keys.local_queries,
+                               all_query_keys=keys.queries, relevant_keys=keys.relevant,
+                               relevant_queries=keys.relevant_queries)
 
 
 def _check_temperature(temperature: float) -> None:
@@ -209,7 +275,7 @@ class InfoNCELoss(_CrossRankLoss):
         return self.log_logit_scale.clamp(max=math.log(self.max_logit_scale)).exp()
 
     def forward(self, query_emb, doc_emb, neg_emb=None, *, valid=None, doc_keys=None, neg_keys=None,
-                query_keys=None):
+                query_keys=None, neg_counts=None, relevant_keys=None, relevant_counts=None):
         if query_emb.dim() != 2 or tuple(query_emb.shape) != tuple(doc_emb.shape):
             raise ValueError(
                 f"InfoNCELoss needs query_emb and doc_emb of the same shape [n, D]; got "
@@ -223,12 +289,13 @@ class InfoNCELoss(_CrossRankLoss):
             raise TypeError(
                 f"dtypes differ: query {query_emb.dtype}, doc {doc_emb.dtype}, neg {neg_emb.dtype}"
             )
-        k = _negatives_per_query(query_emb.shape[0], neg_emb.shape[0])
-        _check_keys(query_emb.shape[0], neg_emb.shape[0], doc_keys, neg_keys, query_keys)
+        k = _negatives_per_query(query_emb.shape[0], neg_emb.shape[0], neg_counts)
+        _check_keys(query_emb.shape[0], neg_emb.shape[0], doc_keys, neg_keys, query_keys, relevant_keys, relevant_counts)
         if valid is not None:  # repeats leave before any gather: never a query nor a candidate
-            pairs, negs = real_rows(valid.to(query_emb.device), query_emb.shape[0], k)
+            pairs, negs = real_rows(valid.to(query_emb.device), query_emb.shape[0], k, negative_counts=neg_counts)
             query_emb, doc_emb, neg_emb = query_emb[pairs], doc_emb[pairs], neg_emb[negs]
-            doc_keys, query_keys, neg_keys = _rows_of(doc_keys, pairs), _rows_of(query_keys, pairs), _rows_of(neg_keys, negs)
+            doc_keys, neg_keys, query_keys, relevant_keys, relevant_counts = _real_keys(
+                pairs, negs, doc_keys, neg_keys, query_keys, relevant_keys, relevant_counts)
         rank, world = self._world()
         docs = all_gather_variable(doc_emb, group=self.group, tag="positives") if world > 1 else None
         all_docs = docs.values if docs else doc_emb
@@ -245,13 +312,15 @@ class InfoNCELoss(_CrossRankLoss):
         logits = query_emb @ torch.cat([all_docs, all_negs]).T * scale
         d2q = doc_emb @ all_queries.T * scale if self.symmetric else None
         if doc_keys is not None:
-            keys = _gather_keys(doc_keys, neg_keys, query_keys, counts, world, self.group)
-            masked = false_negative_mask(labels, keys.positives, keys.candidates,
-                                         query_keys=keys.local_queries, all_query_keys=keys.queries)
+            keys = _gather_keys(doc_keys, neg_keys, query_keys, relevant_keys, relevant_counts, counts, world,
+                                self.group)
+            masked = _mask(labels, keys)
             self._count(masked)
             logits = logits.masked_fill(masked, float("-inf"))
             if d2q is not None:
-                d2q = d2q.masked_fill(document_false_negative_mask(labels, keys.positives, keys.queries), float("-inf"))
+                d2q_masked = document_false_negative_mask(labels, keys.positives, keys.queries, relevant_keys=keys.relevant,
+                                                          relevant_queries=keys.relevant_queries)
+                d2q = d2q.masked_fill(d2q_masked, float("-inf"))
         else:
             self._count(None)
         terms = cross_entropy_terms(logits, labels)
@@ -271,7 +340,8 @@ class _MultiVectorLoss(_CrossRankLoss):
         raise NotImplementedError
 
     def forward(self, query_emb, query_mask, doc_emb, doc_mask, neg_emb=None, neg_mask=None, *, valid=None,
-                doc_keys=None, neg_keys=None, query_keys=None):
+                doc_keys=None, neg_keys=None, query_keys=None, neg_counts=None, relevant_keys=None,
+                relevant_counts=None):
         n, dim = query_emb.shape[0], query_emb.shape[-1]
         if doc_emb.dim() != 3 or doc_emb.shape[0] != n:
             raise ValueError(
@@ -282,16 +352,17 @@ class _MultiVectorLoss(_CrossRankLoss):
             raise ValueError("pass neg_emb and neg_mask together (or neither)")
         if neg_emb is None:
             neg_emb, neg_mask = doc_emb.new_zeros((0, 0, dim)), doc_mask.new_zeros((0, 0))
-        k = _negatives_per_query(n, neg_emb.shape[0])
+        k = _negatives_per_query(n, neg_emb.shape[0], neg_counts)
         # local checks of every tensor before any collective (raises ValueError/TypeError)
         check_late_interaction_inputs(query_emb, query_mask, doc_emb, doc_mask)
         check_late_interaction_inputs(query_emb, query_mask, neg_emb, neg_mask, doc_name="hard negatives")
-        _check_keys(n, neg_emb.shape[0], doc_keys, neg_keys, query_keys)
+        _check_keys(n, neg_emb.shape[0], doc_keys, neg_keys, query_keys, relevant_keys, relevant_counts)
         if valid is not None:  # repeats leave before any gather: never a query nor a candidate
-            pairs, negs = real_rows(valid.to(query_emb.device), n, k)
+            pairs, negs = real_rows(valid.to(query_emb.device), n, k, negative_counts=neg_counts)
             query_emb, query_mask, doc_emb, doc_mask = query_emb[pairs], query_mask[pairs], doc_emb[pairs], doc_mask[pairs]
             neg_emb, neg_mask = neg_emb[negs], neg_mask[negs]
-            doc_keys, query_keys, neg_keys = _rows_of(doc_keys, pairs), _rows_of(query_keys, pairs), _rows_of(neg_keys, negs)
+            doc_keys, neg_keys, query_keys, relevant_keys, relevant_counts = _real_keys(
+                pairs, negs, doc_keys, neg_keys, query_keys, relevant_keys, relevant_counts)
         rank, world = self._world()
         counts = [query_emb.shape[0]]
         if world > 1:
@@ -313,9 +384,9 @@ class _MultiVectorLoss(_CrossRankLoss):
         labels = positive_labels(counts, rank, device=query_emb.device)
         masked = None
         if doc_keys is not None:
-            keys = _gather_keys(doc_keys, neg_keys, query_keys, counts, world, self.group)
-            masked = false_negative_mask(labels, keys.positives, keys.candidates,
-                                         query_keys=keys.local_queries, all_query_keys=keys.queries)
+            keys = _gather_keys(doc_keys, neg_keys, query_keys, relevant_keys, relevant_counts, counts, world,
+                                self.group)
+            masked = _mask(labels, keys)
             self._count(masked)
         else:
             self._count(None)

@@ -84,3 +84,13 @@ def test_the_agent_runs_as_a_module_without_runpy_warning():
                                "print('raggedvl.app.agent' in sys.modules)"],
                               capture_output=True, text=True, env=env, timeout=300)
     assert imported.stdout.strip() == "False", imported.stderr[-2000:]
+
+
+def test_join_timeout_applies_to_the_static_rendezvous_too():
+    from raggedvl.app.rendezvous import join_timeout
+
+    static = SimpleNamespace(rdzv_backend="static", rdzv_conf="join_timeout=10")
+    assert join_timeout(static) == 10 and static.rdzv_conf == "join_timeout=10,timeout=10"
+    assert join_timeout(SimpleNamespace(rdzv_backend="static", rdzv_conf="")) == 900  # torchrun's default
+    assert join_timeout(SimpleNamespace(rdzv_backend="c10d", rdzv_conf="join_timeout=30")) == 30
+    assert join_timeout(SimpleNamespace(rdzv_backend="c10d", rdzv_conf="")) == 600

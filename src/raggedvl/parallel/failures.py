@@ -166,8 +166,10 @@ def describe_rank(rank: int, store=None) -> str:
     """``rank R (node N, host H, pid P)`` from the identity its :class:`Heartbeat` left (the
     node only under torchrun), or ``rank R`` when it left none."""
     store = store if store is not None else group_store()
+    key = _WHO_KEY.format(rank=rank)
     try:
-        who = json.loads(store.get(_WHO_KEY.format(rank=rank)))
+        who = json.loads(store.get(key)) if store.check([key]) else {}
+        who["host"], who["pid"]
     except Exception:  # noqa: BLE001 - no identity: the rank alone
         return f"rank {rank}"
     node = f"node {who['node']}, " if who.get("node") is not None else ""

@@ -143,7 +143,7 @@ class StallWatchdog:
     posts it as this rank's failure note. Peers blocked on this rank fail at ``timeout_s`` (the
     collective timeout), so the warning precedes their errors and their reports name the right
     rank. Phases with ``watch=False`` (evaluation, which issues no collective) are never warned
-    about. A note from a phase that then finished is removed. ``timeout_s`` is in seconds, > 0
+    about. A note from a phase that then finished is removed (also one left for a silent peer). ``timeout_s`` is in seconds, > 0
     (``ValueError`` otherwise). With ``enabled=False`` (one process, no peers to wait on it)
     ``enter`` only records the phase and no heartbeat runs.
     """
@@ -165,12 +165,16 @@ class StallWatchdog:
         self._thread: threading.Thread | None = None
         self._main_ident = threading.get_ident()
         self._heartbeat = Heartbeat(rank) if enabled else None
+        self._noted_for: list[int] = []  # silent peers this rank left a note for
 
     def enter(self, phase: str, *, watch: bool = True) -> None:
         """Start ``phase`` now (the thread that calls this is the one whose stack is shown)."""
         with self._lock:
             if self._warned:
                 clear_note(self.rank)
+            for peer in self._noted_for:  # it answered after all: the phase it held up finished
+                clear_note(peer)
+            self._noted_for = []
             self.phase, self._watch, self._warned = phase, watch, False
             self._since = time.monotonic()
             self._entered += 1
@@ -201,14 +205,15 @@ class StallWatchdog:
                 if entered != self._entered:  # the phase finished meanwhile: nobody stalled
                     continue
                 elapsed, ident = time.monotonic() - self._since, self._main_ident
+                for peer in silent:  # their note, which they cannot leave; removed if the phase still finishes
+                    post_note(peer, _silence([peer]))
+                self._noted_for = silent
             if silent:
                 self._waiting_for(silent, phase, elapsed)
             else:
                 self._stalled(phase, elapsed, ident)
 
     def _waiting_for(self, silent: list[int], phase: str, elapsed: float) -> None:
-        for peer in silent:
-            post_note(peer, _silence([peer]))
         print(f"raggedvl: rank {self.rank} has waited {elapsed:.0f} s {phase} for {_silence(silent, which=True)}; "
               f"the job fails at collective_timeout_s={self.timeout_s:g}", file=sys.stderr, flush=True)
 

@@ -60,13 +60,12 @@ def group_store():
         return None
 
 
-def post_note(rank: int, text: str, store=None) -> bool:
+def post_note(rank: int, text: str) -> bool:
     """Leave ``text`` as ``rank``'s note (replacing an earlier one); False when impossible.
     A rank may leave one for a silent peer (:func:`silent_peers`), which cannot leave its own.
-    ``store``: the process group's store (default: the current one).
 
     One store write (no collective; peers need not participate)."""
-    store = store if store is not None else group_store()
+    store = group_store()
     if store is None:
         return False
     try:
@@ -77,7 +76,7 @@ def post_note(rank: int, text: str, store=None) -> bool:
 
 
 def clear_note(rank: int) -> None:
-    """Remove this rank's note (a stall that ended). No collective; silent when impossible."""
+    """Remove ``rank``'s note (a stall that ended). No collective; silent when impossible."""
     store = group_store()
     if store is None:
         return
@@ -168,9 +167,10 @@ def describe_rank(rank: int, store=None) -> str:
     store = store if store is not None else group_store()
     key = _WHO_KEY.format(rank=rank)
     try:
-        who = json.loads(store.get(key)) if store.check([key]) else {}
-        who["host"], who["pid"]
-    except Exception:  # noqa: BLE001 - no identity: the rank alone
+        who = json.loads(store.get(key)) if store.check([key]) else None
+    except Exception:  # noqa: BLE001 - store gone: the rank alone
+        who = None
+    if not who:
         return f"rank {rank}"
     node = f"node {who['node']}, " if who.get("node") is not None else ""
     return f"rank {rank} ({node}host {who['host']}, pid {who['pid']})"

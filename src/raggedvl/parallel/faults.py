@@ -143,9 +143,9 @@ class StallWatchdog:
     posts it as this rank's failure note. Peers blocked on this rank fail at ``timeout_s`` (the
     collective timeout), so the warning precedes their errors and their reports name the right
     rank. Phases with ``watch=False`` (evaluation, which issues no collective) are never warned
-    about. A note from a phase that then finished is removed (also one left for a silent peer). ``timeout_s`` is in seconds, > 0
-    (``ValueError`` otherwise). With ``enabled=False`` (one process, no peers to wait on it)
-    ``enter`` only records the phase and no heartbeat runs.
+    about. A note from a phase that then finished is removed (also one left for a silent peer).
+    ``timeout_s`` is in seconds, > 0 (``ValueError`` otherwise). With ``enabled=False`` (one
+    process, no peers to wait on it) ``enter`` only records the phase and no heartbeat runs.
     """
 
     def __init__(self, rank: int, timeout_s: float, *, enabled: bool = True) -> None:

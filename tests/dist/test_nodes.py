@@ -91,6 +91,12 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r.get("event") == "train"}
 
 
+def _stepped(run_dir) -> bool:
+    """Whether rank 0 logged its first step (read as text: the line being written may be partial)."""
+    path = run_dir / "metrics.jsonl"
+    return path.exists() and any(x.startswith('{"event": "train", "step": 1,') for x in path.read_text().splitlines())
+
+
 def _finished(job):
     result = _wait_for(job.poll, "end of the launcher")
     assert not result.timed_out, result.describe()
@@ -102,7 +108,7 @@ def _both_training(tmp_path, cache, *extra):
     the pid of node 1's rank)."""
     port = _free_port()
     jobs = [_node(tmp_path, cache, rank, port, *extra) for rank in (0, 1)]
-    _wait_for(lambda: 1 in _losses(tmp_path / "node0") or any(j.poll() for j in jobs), "first step")
+    _wait_for(lambda: _stepped(tmp_path / "node0") or any(j.poll() for j in jobs), "first step")
     assert all(j.poll() is None for j in jobs), [j.poll().describe() for j in jobs if j.poll()]
     (worker,) = _children(jobs[1].proc.pid)  # node 1's agent has the same pid as its launcher (exec)
     return jobs[0], jobs[1], worker

@@ -96,17 +96,20 @@ def test_only_a_huge_message_is_cut_and_says_so():
     assert "... (6000 more characters in the traceback)" in text
 
 
-def test_silent_peers_are_those_whose_heartbeat_stopped_and_that_left_no_note():
-    """A store as the ranks see it: rank 1 beats, rank 2 stopped beating, rank 3 never started
-    one (not judged), rank 4 stopped but reported its own failure (not silent)."""
+def test_silent_peers_are_those_whose_heartbeat_stopped_and_that_left_no_note(monkeypatch):
+    """A store as the ranks see it: rank 1 beats, rank 2 (node 1) stopped beating, rank 3 never
+    started one (not judged), rank 4 stopped but reported its own failure (not silent), rank 5
+    stopped on this rank's node 0 (left to this node's agent when only other nodes are asked about)."""
     from torch.distributed import HashStore
 
     from raggedvl.parallel.failures import describe_rank, silent_peers
 
     store = HashStore()
-    for rank in (1, 2, 4):
+    for rank in (1, 2, 4, 5):
         store.add(f"raggedvl/heartbeat/{rank}", 1)
-    store.set("raggedvl/identity/2", '{"node": "1", "host": "n1", "pid": 42}')
+        node = 0 if rank == 5 else 1
+        store.set(f"raggedvl/identity/{rank}", f'{{"node": "{node}", "host": "n{node}", "pid": {40 + rank}}}')
+    monkeypatch.setenv("GROUP_RANK", "0")
     store.set("raggedvl/failure-note/4", '{"time": 0, "text": "rank 4 failed in step 3: boom"}')
     done = threading.Event()
 
@@ -117,7 +120,8 @@ def test_silent_peers_are_those_whose_heartbeat_stopped_and_that_left_no_note():
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()
     try:
-        assert silent_peers(0, store=store, world_size=5, silence_s=1.0) == [2]
+        assert silent_peers(0, store=store, world_size=6, silence_s=1.0) == [2, 5]
+        assert silent_peers(0, store=store, world_size=6, silence_s=1.0, other_nodes=True) == [2]
     finally:
         done.set()
         thread.join()

@@ -139,6 +139,8 @@ def show_waits(args) -> None:
     endpoint = get_rdzv_endpoint(args)
     nodes = parse_min_max_nnodes(args.nnodes)[0]
     timeout_s = join_timeout(args)
+    same = (f"--nnodes {args.nnodes}, --node-rank 0 to {nodes - 1}, the same --rdzv-endpoint" if args.rdzv_backend == "static"
+            else f"--nnodes {args.nnodes}, the same --rdzv-endpoint and --rdzv-id")
 
     def shown(self, worker_group):
         wait = NodeWait(endpoint, nodes, timeout_s, str(args.rdzv_id))
@@ -150,8 +152,7 @@ def show_waits(args) -> None:
             if "Timed out" in text or "timed out" in text or type(exc).__name__ == "RendezvousTimeoutError":
                 raise NodesMissing(
                     f"the nodes did not join within the join timeout: {wait.line()}; start the same command on "
-                    f"every node (--nnodes {args.nnodes}, --node-rank 0 to {nodes - 1}, the same --rdzv-endpoint), "
-                    "or wait longer with --rdzv-conf join_timeout=SECONDS") from exc
+                    f"every node ({same}), or wait longer with --rdzv-conf join_timeout=SECONDS") from exc
             raise NodesMissing(f"rendezvous at {endpoint} failed: {type(exc).__name__}: {text}") from exc
 
     api.SimpleElasticAgent._rendezvous = shown

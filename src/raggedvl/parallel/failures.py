@@ -176,14 +176,17 @@ def describe_rank(rank: int, store=None) -> str:
     return f"rank {rank} ({node}host {who['host']}, pid {who['pid']})"
 
 
-def silent_peers(rank: int, *, store=None, world_size: int | None = None,
-                 silence_s: float = SILENCE_S) -> list[int]:
+def silent_peers(rank: int, *, store=None, world_size: int | None = None, silence_s: float = SILENCE_S,
+                 other_nodes: bool = False) -> list[int]:
     """Peers of ``rank`` whose :class:`Heartbeat` counter did not move for ``silence_s`` seconds
     and that left no note (a peer that reported its own failure is not silent): killed, frozen or
     on a lost node. Peers that never started a heartbeat are not judged. Returns as soon as every
     peer's counter moved (about :data:`HEARTBEAT_S` when all are alive), else after
     ``silence_s``. ``store`` and ``world_size`` default to the current process group's (pass
-    them to ask after the group was torn down). Store reads only; [] when unreadable."""
+    them to ask after the group was torn down). ``other_nodes``: only peers on other nodes than
+    this one (torchrun's ``GROUP_RANK``; all peers outside torchrun) are judged: this node's agent
+    sees its own ranks end at once, and stops the others meanwhile. Store reads only; [] when
+    unreadable."""
     store = store if store is not None else group_store()
     if store is None:
         return []
@@ -191,6 +194,9 @@ def silent_peers(rank: int, *, store=None, world_size: int | None = None,
         world_size = world_size if world_size is not None else dist.get_world_size()
         keys = {p: _BEAT_KEY.format(rank=p) for p in range(world_size) if p != rank}
         keys = {p: k for p, k in keys.items() if store.check([k])}
+        node = os.environ.get("GROUP_RANK")
+        if other_nodes and node is not None:
+            keys = {p: k for p, k in keys.items() if json.loads(store.get(_WHO_KEY.format(rank=p))).get("node") != node}
         first = {p: store.get(k) for p, k in keys.items()}
         deadline = time.monotonic() + silence_s
         waiting = set(keys)

@@ -87,8 +87,10 @@ def report_failure(rank: int, where: str, exc: BaseException) -> str:
     """Report that this rank failed ``where`` (e.g. ``"in step 3"``) with ``exc``; returns the text.
 
     Posts this rank's note, aborts the process group (see
-    :func:`raggedvl.parallel.failures.abort`), and when no peer left a note, looks for peers that
-    fell silent (up to ``SILENCE_S`` seconds; about one heartbeat when all are alive). Then prints
+    :func:`raggedvl.parallel.failures.abort`), and when no peer left a note, looks for peers on
+    other nodes that fell silent (up to ``SILENCE_S`` seconds; about one heartbeat when all are
+    alive; a frozen peer on this node was named at half the timeout by :class:`StallWatchdog`,
+    a killed one is named by this node's agent). Then prints
     to stderr (not in ranks of ``raggedvl.app.agent``, which prints the first failure of the job;
     the one-line report is kept in ``exc.raggedvl_report`` with the peer it followed as
     ``cause``) and appends the text to ``exc``'s notes (so it shows in the traceback and in
@@ -102,7 +104,7 @@ def report_failure(rank: int, where: str, exc: BaseException) -> str:
     store = group_store()  # held: still readable after the group is torn down
     world = dist.get_world_size() if store is not None else None
     abort()
-    silent = [] if notes or store is None else silent_peers(rank, store=store, world_size=world)
+    silent = [] if notes or store is None else silent_peers(rank, store=store, world_size=world, other_nodes=True)
     lines = [f"raggedvl: {own}"]
     lines += [f"raggedvl:   rank {n.rank} reported {now - n.time:.1f} s earlier: {n.text}" for n in notes]
     cause = notes[0].text if notes else _silence(silent, store) if silent else None

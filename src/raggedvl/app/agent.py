@@ -14,6 +14,7 @@ process that holds nothing of the launcher's. What it changes is what a failure 
   torchrun's ``ChildFailedError`` block. The first failure is, in order: a rank killed by a
   signal other than SIGTERM/SIGINT/SIGHUP (those are how torchrun stops the other ranks) that
   left no record (it could not report; the line names the signal and the next rank's error),
+  unless a peer had found it frozen (torchrun's teardown then ends it with SIGKILL),
   the earliest record not preceded by a peer's note or a silent peer, the earliest record (led
   by what it followed: ``rank 1 (node 1, host H, pid P) stopped responding: ...; then rank 0
   failed in step S: ...``, so a rank that waited for a killed, frozen or lost peer is never
@@ -133,6 +134,9 @@ def first_failure(failures: dict[int, Any]) -> tuple[str, int]:
     killed = sorted(r for r, f in failures.items() if r not in records and f.exitcode < 0)
     # SIGTERM / SIGINT / SIGHUP: most likely torchrun's own teardown of the other ranks
     hard = [r for r in killed if -failures[r].exitcode not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)]
+    # a rank a peer found frozen is SIGKILLed by torchrun's teardown (a stopped process ignores SIGTERM)
+    frozen = {r for r in by_time if "stopped responding" in str(records[r].get("cause"))}
+    hard = [r for r in hard if not any(str(records[f]["cause"]).startswith(f"rank {r} ") for f in frozen)]
     if hard or (killed and not by_time):
         rank = (hard or killed)[0]
         line = f"rank {rank} was killed by {_signal_name(failures[rank].exitcode)} (it left no report"

@@ -50,8 +50,9 @@ def test_the_first_own_failure_wins_over_peers_that_only_followed_it(tmp_path, m
     line, code = first_failure(failures)
     assert line.startswith("rank 1 failed in step 3: RuntimeError: injected fault on rank 1 in step 3 (traceback: ")
     assert line.endswith("error-1.json)") and code == 1
-    alone, _ = first_failure({0: failures[0]})  # only the follower recorded: its line names what it followed
-    assert "rank 0 failed in step 3: RuntimeError: Connection closed by peer (after rank 1: rank 1 failed" in alone
+    alone, _ = first_failure({0: failures[0]})  # only the follower recorded: what it followed comes first
+    assert alone.startswith("rank 1 failed in step 3: boom; then rank 0 failed in step 3: RuntimeError: Connection "
+                            "closed by peer (traceback: "), alone
 
 
 def test_a_killed_rank_without_a_record_comes_first(tmp_path, monkeypatch):
@@ -83,3 +84,28 @@ def test_the_agent_runs_as_a_module_without_runpy_warning():
                                "print('raggedvl.app.agent' in sys.modules)"],
                               capture_output=True, text=True, env=env, timeout=300)
     assert imported.stdout.strip() == "False", imported.stderr[-2000:]
+
+
+def test_join_timeout_applies_to_the_static_rendezvous_too():
+    from raggedvl.app.rendezvous import join_timeout
+
+    static = SimpleNamespace(rdzv_backend="static", rdzv_conf="join_timeout=10")
+    assert join_timeout(static) == 10 and static.rdzv_conf == "join_timeout=10,timeout=10"
+    assert join_timeout(SimpleNamespace(rdzv_backend="static", rdzv_conf="")) == 900  # torchrun's default
+    assert join_timeout(SimpleNamespace(rdzv_backend="c10d", rdzv_conf="join_timeout=30")) == 30
+    assert join_timeout(SimpleNamespace(rdzv_backend="c10d", rdzv_conf="")) == 600
+
+
+def test_a_frozen_rank_that_torchrun_then_killed_is_named_as_frozen(tmp_path, monkeypatch):
+    """Rank 1 froze (SIGSTOP): rank 0 timed out after finding it silent; torchrun's teardown then
+    SIGKILLed rank 1, which never ran again. The line leads with the silence, not the SIGKILL."""
+    timed_out = RuntimeError("Timed out waiting 20000ms for recv operation to complete")
+    cause = "rank 1 (node 0, host h, pid 7) stopped responding: no heartbeat for 5 s (killed, frozen, or its node lost)"
+    setattr(timed_out, "raggedvl_report", {"line": f"rank 0 failed in step 4: x (after rank 1: {cause})", "time": 1.0,
+                                           "own": "rank 0 failed in step 4: RuntimeError: Timed out", "cause": cause,
+                                           "after_peer": True})
+    waited = _failure(tmp_path, monkeypatch, 0, timed_out, exit_code=1)
+    killed = ProcessFailure(local_rank=1, pid=7, exitcode=-9, error_file=str(tmp_path / "none.json"))
+    line, code = first_failure({0: waited, 1: killed})
+    assert line.startswith(f"{cause}; then rank 0 failed in step 4: RuntimeError: Timed out (traceback: "), line
+    assert code == 1

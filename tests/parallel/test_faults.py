@@ -94,3 +94,55 @@ def test_a_long_error_keeps_its_fix_on_one_line():
 def test_only_a_huge_message_is_cut_and_says_so():
     text = report_failure(0, "in step 2", RuntimeError("y" * 10_000))
     assert "... (6000 more characters in the traceback)" in text
+
+
+def test_silent_peers_are_those_whose_heartbeat_stopped_and_that_left_no_note(monkeypatch):
+    """A store as the ranks see it: rank 1 beats, rank 2 (node 1) stopped beating, rank 3 never
+    started one (not judged), rank 4 stopped but reported its own failure (not silent), rank 5
+    stopped on this rank's node 0 (left to this node's agent when only other nodes are asked about)."""
+    from torch.distributed import HashStore
+
+    from raggedvl.parallel.failures import describe_rank, silent_peers
+
+    store = HashStore()
+    for rank in (1, 2, 4, 5):
+        store.add(f"raggedvl/heartbeat/{rank}", 1)
+        node = 0 if rank == 5 else 1
+        store.set(f"raggedvl/identity/{rank}", f'{{"node": "{node}", "host": "n{node}", "pid": {40 + rank}}}')
+    monkeypatch.setenv("GROUP_RANK", "0")
+    store.set("raggedvl/failure-note/4", '{"time": 0, "text": "rank 4 failed in step 3: boom"}')
+    done = threading.Event()
+
+    def beat():
+        while not done.wait(0.1):
+            store.add("raggedvl/heartbeat/1", 1)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        assert silent_peers(0, store=store, world_size=6, silence_s=1.0) == [2, 5]
+        assert silent_peers(0, store=store, world_size=6, silence_s=1.0, other_nodes=True) == [2]
+    finally:
+        done.set()
+        thread.join()
+    assert describe_rank(2, store) == "rank 2 (node 1, host n1, pid 42)"
+    assert describe_rank(3, store) == "rank 3"  # no identity left: the rank alone
+
+
+def test_a_rank_waiting_for_a_silent_peer_says_so_instead_of_warning_that_it_stalls(monkeypatch, capfd):
+    notes = {}
+    monkeypatch.setattr("raggedvl.parallel.faults.silent_peers", lambda rank: [1])
+    monkeypatch.setattr("raggedvl.parallel.faults.describe_rank", lambda rank, store=None: f"rank {rank} (node 1)")
+    monkeypatch.setattr("raggedvl.parallel.faults.post_note", lambda rank, text: notes.update({rank: text}))
+    monkeypatch.setattr("raggedvl.parallel.faults.clear_note", lambda rank: notes.pop(rank, None))
+    dog = StallWatchdog(rank=0, timeout_s=0.4)
+    try:
+        _stalled_phase(dog, "in step 3", 0.6)
+        err = capfd.readouterr().err
+        assert notes == {1: "rank 1 (node 1) stopped responding: no heartbeat for 5 s (killed, frozen, or its node lost)"}
+        dog.enter("in step 4")  # the phase finished after all: the note left for rank 1 goes
+        assert notes == {}
+    finally:
+        dog.stop()
+    assert "raggedvl: rank 0 has waited" in err and "in step 3 for rank 1 (node 1), which stopped responding" in err
+    assert "has spent" not in err and "in _stalled_phase" not in err  # no stall warning, no stack of the waiting rank

@@ -14,10 +14,18 @@ process that holds nothing of the launcher's. What it changes is what a failure 
   torchrun's ``ChildFailedError`` block. The first failure is, in order: a rank killed by a
   signal other than SIGTERM/SIGINT/SIGHUP (those are how torchrun stops the other ranks) that
   left no record (it could not report; the line names the signal and the next rank's error),
-  the earliest record not preceded by a peer's note, the earliest record, a rank terminated
-  without a record. Its
+  unless a peer had found it frozen (torchrun's teardown then ends it with SIGKILL),
+  the earliest record not preceded by a peer's note or a silent peer, the earliest record (led
+  by what it followed: ``rank 1 (node 1, host H, pid P) stopped responding: ...; then rank 0
+  failed in step S: ...``, so a rank that waited for a killed, frozen or lost peer is never
+  the one named first), a rank terminated without a record. Its
   traceback stays in the error file, whose path the line gives for errors that are not input
   errors. torchrun's own log lines are silenced (``RAGGEDVL_AGENT_VERBOSE=1`` keeps them);
+- a rank whose agent is gone (killed with its node's job, SIGKILL) ends itself within a second
+  (:func:`end_with_agent`) instead of training on as an orphan: its peers then see it fall
+  silent and name it;
+- on a multi-node job, the wait for the other nodes is shown, bounded by the join timeout and
+  stopped by Ctrl-C, each with one line (``raggedvl.app.rendezvous``);
 - SIGTERM and SIGUSR1 (a cluster's preemption) are passed on to the ranks, which finish their
   step, save a checkpoint and end normally; rank 0 leaves its line in the file named by
   ``RAGGEDVL_PREEMPTED_FILE`` and this agent exits with ``PREEMPTED_EXIT_CODE`` (3);
@@ -39,6 +47,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, NoReturn, Sequence
@@ -125,6 +134,9 @@ def first_failure(failures: dict[int, Any]) -> tuple[str, int]:
     killed = sorted(r for r, f in failures.items() if r not in records and f.exitcode < 0)
     # SIGTERM / SIGINT / SIGHUP: most likely torchrun's own teardown of the other ranks
     hard = [r for r in killed if -failures[r].exitcode not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)]
+    # a rank a peer found frozen is SIGKILLed by torchrun's teardown (a stopped process ignores SIGTERM)
+    frozen = {r for r in by_time if "stopped responding" in str(records[r].get("cause"))}
+    hard = [r for r in hard if not any(str(records[f]["cause"]).startswith(f"rank {r} ") for f in frozen)]
     if hard or (killed and not by_time):
         rank = (hard or killed)[0]
         line = f"rank {rank} was killed by {_signal_name(failures[rank].exitcode)} (it left no report"
@@ -133,7 +145,10 @@ def first_failure(failures: dict[int, Any]) -> tuple[str, int]:
     if by_time:
         own = [r for r in by_time if not records[r].get("after_peer")]
         rank = (own or by_time)[0]
-        line, code = records[rank]["line"], int(records[rank].get("exit_code", 1))
+        record = records[rank]
+        line, code = record["line"], int(record.get("exit_code", 1))
+        if not own and record.get("cause") and record.get("own"):  # the peer it followed comes first
+            line = f"{record['cause']}; then {record['own']}"
         if code != INPUT_ERROR_EXIT_CODE:
             line += f" (traceback: {failures[rank].error_file})"
         return line, code
@@ -200,6 +215,22 @@ def _first_signal_only() -> None:
     api._terminate_process_handler = first_only
 
 
+def end_with_agent(poll_s: float = 1.0) -> None:
+    """In a rank of this agent: a daemon thread that ends this process (exit 1, one line) once
+    the agent that started it is gone (its parent process changed: the agent was killed, or its
+    node's job was). A torchrun rank runs in a session of its own, so nothing else would stop it."""
+    agent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(poll_s)
+        print(f"raggedvl: rank {os.environ.get('RANK', '?')}: the torchrun agent that started it (pid {agent}) is "
+              "gone; ending this rank", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="raggedvl-agent-watch", daemon=True).start()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``torchrun ARGS`` with one-line failure reports; returns the exit code (128 + the signal
     when the job was stopped by one: 130 for Ctrl-C, silently, rank 0 having said where)."""
@@ -209,7 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["LOGLEVEL"] = "CRITICAL"
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import parse_args, parse_min_max_nnodes, run
+
+    from raggedvl.app.rendezvous import NodesMissing, show_waits
 
     if not verbose:
         _silence_torchrun()
@@ -225,14 +258,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ[PREEMPTED_FILE_ENV] = preempted
     os.environ[TEARDOWN_FILE_ENV] = preempted + ".teardown"
     _mark_teardowns(os.environ[TEARDOWN_FILE_ENV])
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not args.standalone and parse_min_max_nnodes(args.nnodes)[1] > 1:
+        show_waits(args)
     try:
-        run(parse_args(list(sys.argv[1:] if argv is None else argv)))
+        run(args)
         if os.path.getsize(preempted):  # rank 0 saved and said where: a requeue script's exit code
             return PREEMPTED_EXIT_CODE
     except ChildFailedError as exc:
         line, code = first_failure(exc.failures)
         print(f"raggedvl: {line}", file=sys.stderr, flush=True)
         return code
+    except NodesMissing as exc:
+        print(f"raggedvl: {exc}", file=sys.stderr, flush=True)
+        return 1
     except SignalException as exc:  # the job was stopped (Ctrl-C, SIGTERM): the ranks are gone
         if exc.sigval != signal.SIGINT:  # Ctrl-C: rank 0 printed where training stopped (parallel.interrupts)
             print(f"raggedvl: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr, flush=True)

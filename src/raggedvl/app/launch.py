@@ -50,6 +50,8 @@ TORCHRUN_HELP = {  # name: (metavar, help)
     "rdzv_id": ("ID", "job id shared by the nodes of one job"),
     "master_addr": ("HOST", "address of the rank-0 node (static rendezvous)"),
     "master_port": ("PORT", "port on the rank-0 node (static rendezvous)"),
+    "rdzv_conf": ("KEY=VALUE,...", "torchrun rendezvous settings, e.g. join_timeout=SECONDS: how long the nodes may take "
+                  "to join (default: 900 s with --node-rank, else 600 s)"),
     "max_restarts": ("N", "times torchrun restarts the workers after a failure (default: 0)"),
 }
 TORCHRUN_OPTIONS = tuple(TORCHRUN_HELP)
@@ -376,6 +378,11 @@ def launch_train(args, argv: Sequence[str]) -> int:
     clock = StartupClock.from_env() if rank else StartupClock()
     cfg = config_from_args(args)
     if rank:
+        from raggedvl.app.agent import end_with_agent
+        from raggedvl.parallel.faults import quiet_ranks
+
+        if quiet_ranks():  # started by raggedvl's agent: end with it
+            end_with_agent()
         plain_output()
         from raggedvl.app.loop import train
 

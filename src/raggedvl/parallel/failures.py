@@ -7,8 +7,14 @@ process group's key-value store: the torchrun agent's store under torchrun, the 
 TCPStore hosted by rank 0 otherwise, or a file store. A rank whose collective then fails
 reads its peers' notes and prints them beside its own error.
 
-Notes are best effort: a rank killed by a signal leaves none (torchrun's failure summary names
-it, with the signal), and when the store's host has died the notes cannot be read; every
+A rank that can leave no note (killed, frozen by SIGSTOP or a hung driver, or on a node that
+was lost) is found by its silence instead: while a :class:`Heartbeat` runs, each rank adds 1
+to its own counter in the store every :data:`HEARTBEAT_S` seconds, and
+:func:`silent_peers` names the peers whose counter stops moving for :data:`SILENCE_S` seconds.
+Counters are compared by their values, never by time stamps, so clocks of different nodes
+need not agree.
+
+Notes are best effort: when the store's host has died the notes cannot be read; every
 function here then returns quietly instead of raising, so failure reporting never masks the
 original error. The store is reached through ``torch.distributed.distributed_c10d.
 _get_default_store`` (private, stable since PyTorch 1.x; used because no public accessor
@@ -18,6 +24,9 @@ exists).
 from __future__ import annotations
 
 import json
+import os
+import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -26,6 +35,10 @@ import torch.distributed as dist
 from raggedvl.parallel.runtime import is_distributed
 
 _KEY = "raggedvl/failure-note/{rank}"
+_BEAT_KEY = "raggedvl/heartbeat/{rank}"
+_WHO_KEY = "raggedvl/identity/{rank}"
+HEARTBEAT_S = 1.0  # seconds between two beats of a rank's Heartbeat
+SILENCE_S = 5.0  # a peer whose counter has not moved for this long is silent (killed, frozen, node lost)
 
 
 @dataclass(frozen=True)
@@ -37,7 +50,8 @@ class FailureNote:
     text: str
 
 
-def _store():
+def group_store():
+    """The default process group's key-value store, or None (no group, or none reachable)."""
     if not is_distributed():
         return None
     try:
@@ -47,10 +61,11 @@ def _store():
 
 
 def post_note(rank: int, text: str) -> bool:
-    """Leave ``text`` as this rank's note (replacing an earlier one); False when impossible.
+    """Leave ``text`` as ``rank``'s note (replacing an earlier one); False when impossible.
+    A rank may leave one for a silent peer (:func:`silent_peers`), which cannot leave its own.
 
     One store write (no collective; peers need not participate)."""
-    store = _store()
+    store = group_store()
     if store is None:
         return False
     try:
@@ -61,8 +76,8 @@ def post_note(rank: int, text: str) -> bool:
 
 
 def clear_note(rank: int) -> None:
-    """Remove this rank's note (a stall that ended). No collective; silent when impossible."""
-    store = _store()
+    """Remove ``rank``'s note (a stall that ended). No collective; silent when impossible."""
+    store = group_store()
     if store is None:
         return
     try:
@@ -75,7 +90,7 @@ def peer_notes(rank: int) -> list[FailureNote]:
     """Notes left by every rank other than ``rank``, oldest first (empty when unreadable).
 
     Store reads only (no collective); never blocks on a missing key."""
-    store = _store()
+    store = group_store()
     if store is None:
         return []
     notes = []
@@ -108,3 +123,86 @@ def abort() -> None:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the process is failing anyway; keep the first error
         pass
+
+
+class Heartbeat:
+    """A daemon thread that adds 1 to this rank's counter in the process group's store every
+    :data:`HEARTBEAT_S` seconds, after leaving this process's identity (node, host, pid) for
+    :func:`silent_peers` to name it by. A no-op without a process group. Store operations only."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        store = group_store()
+        if store is None:
+            return
+        who = {"node": os.environ.get("GROUP_RANK"), "host": socket.gethostname(), "pid": os.getpid()}
+        try:
+            store.set(_WHO_KEY.format(rank=rank), json.dumps(who))
+            store.add(_BEAT_KEY.format(rank=rank), 1)
+        except Exception:  # noqa: BLE001 - no store: nobody can be told
+            return
+        self._thread = threading.Thread(target=self._run, args=(store,), name="raggedvl-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self, store) -> None:
+        key = _BEAT_KEY.format(rank=self.rank)
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                store.add(key, 1)
+            except Exception:  # noqa: BLE001 - store host gone: nothing left to tell
+                return
+
+    def stop(self) -> None:
+        """Stop beating (safe to call more than once); peers then see this rank fall silent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+def describe_rank(rank: int, store=None) -> str:
+    """``rank R (node N, host H, pid P)`` from the identity its :class:`Heartbeat` left (the
+    node only under torchrun), or ``rank R`` when it left none."""
+    store = store if store is not None else group_store()
+    key = _WHO_KEY.format(rank=rank)
+    try:
+        who = json.loads(store.get(key)) if store.check([key]) else None
+    except Exception:  # noqa: BLE001 - store gone: the rank alone
+        who = None
+    if not who:
+        return f"rank {rank}"
+    node = f"node {who['node']}, " if who.get("node") is not None else ""
+    return f"rank {rank} ({node}host {who['host']}, pid {who['pid']})"
+
+
+def silent_peers(rank: int, *, store=None, world_size: int | None = None, silence_s: float = SILENCE_S,
+                 other_nodes: bool = False) -> list[int]:
+    """Peers of ``rank`` whose :class:`Heartbeat` counter did not move for ``silence_s`` seconds
+    and that left no note (a peer that reported its own failure is not silent): killed, frozen or
+    on a lost node. Peers that never started a heartbeat are not judged. Returns as soon as every
+    peer's counter moved (about :data:`HEARTBEAT_S` when all are alive), else after
+    ``silence_s``. ``store`` and ``world_size`` default to the current process group's (pass
+    them to ask after the group was torn down). ``other_nodes``: only peers on other nodes than
+    this one (torchrun's ``GROUP_RANK``; all peers outside torchrun) are judged: this node's agent
+    sees its own ranks end at once, and stops the others meanwhile. Store reads only; [] when
+    unreadable."""
+    store = store if store is not None else group_store()
+    if store is None:
+        return []
+    try:
+        world_size = world_size if world_size is not None else dist.get_world_size()
+        keys = {p: _BEAT_KEY.format(rank=p) for p in range(world_size) if p != rank}
+        keys = {p: k for p, k in keys.items() if store.check([k])}
+        node = os.environ.get("GROUP_RANK")
+        if other_nodes and node is not None:
+            keys = {p: k for p, k in keys.items() if json.loads(store.get(_WHO_KEY.format(rank=p))).get("node") != node}
+        first = {p: store.get(k) for p, k in keys.items()}
+        deadline = time.monotonic() + silence_s
+        waiting = set(keys)
+        while waiting and time.monotonic() < deadline:
+            time.sleep(min(0.25, HEARTBEAT_S / 4))
+            waiting = {p for p in waiting if store.get(keys[p]) == first[p]}
+        return sorted(p for p in waiting if not store.check([_KEY.format(rank=p)]))
+    except Exception:  # noqa: BLE001 - store host gone: nobody can be judged
+        return []

@@ -31,11 +31,13 @@ from raggedvl.parallel import (
     all_gather_floats,
     all_gather_objects,
     barrier,
-    full_state_dicts,
     init_distributed,
     is_distributed,
     load_full_state_dicts,
+    load_sharded_state_dicts,
+    read_sharded,
     report_failure,
+    sharded_state_dicts,
     shutdown,
     unwrap_model,
     wrap_model,
@@ -45,10 +47,13 @@ from raggedvl.evaluation.metrics import mean_pairwise_cosine
 from raggedvl.losses import loss_with_negatives
 from raggedvl.app.batches import StepIndices, step_batches
 from raggedvl.app.checkpoint import (
+    SHARDED,
     CheckpointError,
     check_free_space,
+    is_sharded,
     list_checkpoints,
     load_latest_checkpoint,
+    load_older_state,
     remove_stale_temporaries,
     save_checkpoint,
 )
@@ -219,9 +224,11 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoints
     def save(self, root: Path | None = None, keep: int | None = None) -> None:
-        """A full checkpoint of this step under ``root`` (default: the run's checkpoints/).
-        Collective: every rank calls it. Raises ``CheckpointError`` on every rank, writing
-        nothing, when any weight is NaN or infinite."""
+        """A sharded checkpoint of this step under ``root`` (default: the run's checkpoints/):
+        every rank writes its own shards of the weights and the optimizer state, nothing is
+        gathered (``raggedvl.app.checkpoint``). Collective: every rank calls it. Raises
+        ``CheckpointError`` on every rank, writing nothing, when any weight is NaN or infinite
+        or the write fails on any rank."""
         problem = None
         if self.info.is_main:  # rank 0 writes: its disk decides, every rank raises alike
             try:
@@ -234,36 +241,34 @@ class Trainer:
         if not all(row[0] == 1.0 for row in all_gather_floats(_weights_finite(self.model))):
             raise CheckpointError(f"the weights of step {self.step} are not finite (NaN or inf): not saved, so the "
                                   "last checkpoint stays the newest; lower --lr or raise --temperature")
-        model_sd, optim_sd = full_state_dicts(self.model, self.optimizer)
+        model_sd, optim_sd = sharded_state_dicts(self.model, self.optimizer)
+        retriever = unwrap_model(self.model)
         if root is None:
             self.saved_step = self.step
         rng = all_gather_objects(capture_rng_state())
-        if self.info.is_main:
-            retriever = unwrap_model(self.model)
 
-            def settings_and_processor(folder: Path) -> None:  # the checkpoint loads with build_retriever
-                retriever.save_settings(folder)
-                self.c.processor.save_pretrained(folder)
+        def settings_and_processor(folder: Path) -> None:  # the checkpoint loads with build_retriever
+            retriever.save_settings(folder)
+            self.c.processor.save_pretrained(folder)
 
-            save_checkpoint(
-                root or self.ckpt_dir,
-                self.step,
-                model_state=retriever.weights_to_save(model_sd),  # LoRA on a named base: adapters + head
-                optimizer_state=optim_sd,
-                rng_states=rng,
-                trainer_state={
-                    "step": self.step,
-                    "epoch": self.epoch,
-                    "world_size": self.info.world_size,
-                    "sampler": {**self.c.sampler.state_dict(step=self.sampler_position[1]),
-                                "epoch": self.sampler_position[0]},
-                    "scheduler": self.scheduler.state_dict(),
-                    "config": self.cfg.to_dict(),
-                },
-                keep=keep or self.cfg.keep_checkpoints,
-                extra_files=settings_and_processor,
-            )
-        barrier()
+        save_checkpoint(
+            root or self.ckpt_dir,
+            self.step,
+            model_state=retriever.weights_to_save(model_sd),  # LoRA on a named base: adapters + head
+            optimizer_state=optim_sd,
+            rng_states=rng,
+            trainer_state={
+                "step": self.step,
+                "epoch": self.epoch,
+                "world_size": self.info.world_size,
+                "sampler": {**self.c.sampler.state_dict(step=self.sampler_position[1]),
+                            "epoch": self.sampler_position[0]},
+                "scheduler": self.scheduler.state_dict(),
+                "config": self.cfg.to_dict(),
+            },
+            keep=keep or self.cfg.keep_checkpoints,
+            extra_files=settings_and_processor,
+        )
 
     def save_best(self) -> None:
         """With ``--save-best METRIC``: evaluate the dev benchmark and, when METRIC beats every
@@ -290,7 +295,11 @@ class Trainer:
         barrier()
 
     def resume(self) -> bool:
-        ckpt, problems = load_latest_checkpoint(self.ckpt_dir)
+        """Continue from the newest checkpoint that verifies (the ranks hash it together): each
+        rank reads its own shards of the weights and the optimizer state (resharded when the
+        checkpoint was written by another number of processes), the scheduler, the sampler
+        position and its RNG state. Collective. Returns False when there is no checkpoint."""
+        ckpt, problems = load_latest_checkpoint(self.ckpt_dir, shared=True)
         for p in problems:
             self.log(f"warning: skipped checkpoint: {p}")
         if ckpt is None:
@@ -299,14 +308,24 @@ class Trainer:
             self.log(f"--resume: no checkpoint in {self.ckpt_dir}; starting from scratch")
             return False
         # the launcher's pre-flight check, again for ranks that torchrun started directly (same verdict on every rank)
-        check_resume_settings(self.cfg, self.info.world_size, ckpt.path, ckpt.state)
-        load_full_state_dicts(self.model, self.optimizer, ckpt.model, ckpt.optimizer)
+        note = check_resume_settings(self.cfg, self.info.world_size, ckpt.path, ckpt.state)
+        if is_sharded(ckpt.path):
+            model_sd, optim_sd = sharded_state_dicts(self.model, self.optimizer)  # this rank's shards: the template
+            model_sd = unwrap_model(self.model).weights_to_save(model_sd)
+            for name, state in zip(SHARDED, (model_sd, optim_sd)):
+                read_sharded(ckpt.path / name, state)
+            load_sharded_state_dicts(self.model, self.optimizer, model_sd, optim_sd)
+        else:  # the single-file layout of older versions: every rank reads the whole state
+            load_full_state_dicts(self.model, self.optimizer, *load_older_state(ckpt.path))
         load_scheduler_state(self.scheduler, ckpt.state["scheduler"])
-        self.c.sampler.load_state_dict(ckpt.state["sampler"])
-        restore_rng_state(ckpt.rng[self.info.rank])
+        self.c.sampler.load_state_dict(ckpt.state["sampler"])  # on another world size: the same global batches
+        restore_rng_state(ckpt.rng[self.info.rank % len(ckpt.rng)])  # a rank the checkpoint lacks: a saved one's
         self.step = ckpt.state["step"]
         self.epoch = ckpt.state["epoch"]
-        self.sampler_position = (ckpt.state["sampler"]["epoch"], ckpt.state["sampler"]["step"])
+        self.sampler_position = (ckpt.state["sampler"]["epoch"], self.c.sampler.state_dict()["step"])
+        self.resumed_world_size = ckpt.state.get("world_size", self.info.world_size)
+        if note:
+            self.log(note)
         self.log(f"resumed from {ckpt.path} at step {self.step}")
         return True
 
@@ -501,7 +520,8 @@ class Trainer:
         log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step if resumed else None) if info.is_main else None
         self.metrics_log = log
         if info.is_main and resumed:
-            log.write({"event": "resume", "step": self.step})
+            log.write({"event": "resume", "step": self.step, "world_size": info.world_size,
+                       "checkpoint_world_size": self.resumed_world_size})
         if info.is_main and not resumed:
             log.write({"event": "config", **cfg.to_dict(), "world_size": info.world_size})
             log.write({"event": "size_estimate", "pairs": len(self.c.costs.costs), "patches": int(self.c.costs.patches.sum()),

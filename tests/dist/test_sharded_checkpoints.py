@@ -10,7 +10,7 @@
   own shards' bytes, while the largest full parameter is larger than that (the same probe sees
   it when the state is gathered).
 - ``raggedvl export`` of a sharded checkpoint (one process, no process group) writes the same
-  weights as the export of the same weights saved whole.
+  weights as the export of the same weights saved whole, and ``--model`` builds them.
 """
 
 from __future__ import annotations
@@ -205,7 +205,6 @@ def test_the_resume_records_both_process_counts(runs):
 def test_no_rank_materialises_the_full_state_during_a_save(runs):
     for rank in (0, 1):
         m = runs["same"][rank][f"memory/{rank}"]
-        print(rank, m)
         assert m["full_max"] > m["own_max"]  # the largest parameter is sharded: a full one would show
         assert m["gather_max"] >= m["full_max"]  # the probe sees a gathered tensor
         assert m["created_max"] <= m["own_max"], m  # no tensor larger than this rank's largest shard
@@ -228,3 +227,18 @@ def test_export_of_a_sharded_checkpoint_equals_export_of_the_whole_weights(runs,
             got, want = load_file(tmp_path / fmt / "sharded" / file), load_file(tmp_path / fmt / "whole" / file)
             assert got.keys() == want.keys()
             assert all(got[k].dtype == want[k].dtype and got[k].equal(want[k]) for k in want)
+
+
+def test_a_sharded_checkpoint_is_a_model_to_continue_training_from(runs):
+    """``--model step_dir``: the retriever built for training holds the checkpoint's weights,
+    consolidated in this process from the 2 ranks' shards."""
+    from safetensors.torch import load_file
+
+    from raggedvl.app.config import TrainConfig
+    from raggedvl.app.setup import build_cfg_processor, build_model, check_model_checkpoint
+
+    cfg = TrainConfig(model=str(runs["out"] / "probed" / "step-000004"), lora=False, max_pixels=50_176)
+    check_model_checkpoint(cfg)  # the launcher's check: the manifest verifies
+    state = build_model(cfg, build_cfg_processor(cfg)).state_dict()
+    whole = load_file(runs["out"] / "whole" / "raggedvl_retriever.safetensors")
+    assert state.keys() == whole.keys() and all(state[k].equal(whole[k]) for k in whole)

@@ -28,7 +28,8 @@ other causes) removes the temporary folder, keeps every older checkpoint and rai
 :class:`CheckpointError` on every rank, saying "no space left" when that is the cause;
 :func:`check_free_space` refuses a save up front when the disk cannot hold one more checkpoint,
 and :func:`remove_stale_temporaries` clears the temporary folders that processes killed while
-writing left behind.
+writing left behind. :func:`start_checkpoint` and :func:`finish_checkpoint` are the two halves
+of a save: between them the shards may be written in the background (``--async-checkpoint``).
 
 Loading: checkpoints are tried newest first; one whose manifest is missing, or whose files
 differ in size or hash, is reported and skipped, so a torn write falls back to the previous
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -59,6 +61,7 @@ from safetensors.torch import load_file
 from raggedvl.models.retriever import WEIGHTS_NAME, weights_file
 from raggedvl.models.weights import save_tensors
 from raggedvl.parallel import (
+    BackgroundWrite,
     all_gather_objects,
     check_metadata,
     get_rank,
@@ -139,14 +142,48 @@ def save_checkpoint(
     are used on rank 0. Raises ``ValueError`` if ``keep < 1``, :class:`CheckpointError` on every
     rank when any rank's write fails (nothing of the checkpoint is kept).
     """
+    return finish_checkpoint(start_checkpoint(
+        root, step, model_state=model_state, optimizer_state=optimizer_state, rng_states=rng_states,
+        trainer_state=trainer_state, keep=keep, extra_files=extra_files))
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint whose shards are being written (:func:`start_checkpoint`)."""
+
+    root: Path
+    step: int
+    tmp: Path
+    written: Callable[[], list[Path]]  # this rank's files once written; raises what the write raised
+    rng_states: list[dict[str, Any]]
+    trainer_state: dict[str, Any]
+    keep: int
+    extra_files: Callable[[Path], None] | None
+
+
+def start_checkpoint(
+    root: str | Path,
+    step: int,
+    *,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
+    rng_states: list[dict[str, Any]],
+    trainer_state: dict[str, Any],
+    keep: int = 2,
+    extra_files: Callable[[Path], None] | None = None,
+    background: tuple[Any, bool] | None = None,
+) -> PendingCheckpoint:
+    """The first half of :func:`save_checkpoint` (same arguments): the temporary folder and the
+    shards. ``background = (group, pinned)``: the shards are copied to host memory now and
+    written in a background thread over ``group`` (``raggedvl.parallel.checkpoint_group``;
+    ``raggedvl.parallel.BackgroundWrite``), so this returns before they are on disk; else they
+    are written before it returns. :func:`finish_checkpoint` completes either. Collective."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     root = Path(root)
-    main = get_rank() == 0
-    final = root / step_dir_name(step)
-    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+    tmp = root / f"{step_dir_name(step)}.tmp-{os.getpid()}"
     problem = None
-    if main:
+    if get_rank() == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
@@ -158,17 +195,43 @@ def save_checkpoint(
     if problem is not None:
         raise CheckpointError(problem)
     tmp = Path(tmp_name)
+    writes = [(tmp / name, state) for name, state in zip(SHARDED, (model_state, optimizer_state))]
+    if background is not None:
+        written = BackgroundWrite(writes, background[0], pinned=background[1]).result
+    else:
+        try:
+            outcome: list[Path] | BaseException = [path for folder, state in writes for path in write_sharded(folder, state)]
+        except (OSError, RuntimeError) as exc:  # DCP's save raises on every rank when one rank's write fails
+            outcome = exc
+        written = functools.partial(_returned, outcome)
+    return PendingCheckpoint(root, step, tmp, written, rng_states, trainer_state, keep, extra_files)
+
+
+def _returned(outcome: list[Path] | BaseException) -> list[Path]:
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+def finish_checkpoint(pending: PendingCheckpoint) -> Path:
+    """Wait for the shards of ``pending``, hash this rank's files, and on rank 0 write the small
+    files and the manifest, rename the folder into place and rotate; returns the checkpoint's
+    path on every rank. Collective (two ``all_gather_objects``). Raises
+    :class:`CheckpointError` on every rank when any rank's write failed (the temporary folder
+    is removed, older checkpoints are untouched)."""
     hashes: dict[str, Any] = {}
     failure = None
     try:
-        for name, state in zip(SHARDED, (model_state, optimizer_state)):
-            for path in write_sharded(tmp / name, state):  # this rank's files; each rank hashes its own
-                hashes[path.relative_to(tmp).as_posix()] = _entry(path)
-    except (OSError, RuntimeError) as exc:  # DCP's save raises on every rank when one rank's write fails
+        for path in pending.written():  # each rank hashes its own files
+            hashes[path.relative_to(pending.tmp).as_posix()] = _entry(path)
+    except (OSError, RuntimeError) as exc:
         failure = (f"{type(exc).__name__}: {exc}", _out_of_space(exc))
     reports = all_gather_objects((hashes, failure))
-    if main:
-        problem = _finish(root, tmp, final, step, reports, rng_states, trainer_state, keep, extra_files)
+    final = pending.root / step_dir_name(pending.step)
+    problem = None
+    if get_rank() == 0:
+        problem = _finish(pending.root, pending.tmp, final, pending.step, reports, pending.rng_states,
+                          pending.trainer_state, pending.keep, pending.extra_files)
     problem = all_gather_objects(problem)[0]
     if problem is not None:
         raise CheckpointError(problem)

@@ -31,6 +31,7 @@ from raggedvl.parallel import (
     all_gather_floats,
     all_gather_objects,
     barrier,
+    checkpoint_group,
     init_distributed,
     is_distributed,
     load_full_state_dicts,
@@ -49,13 +50,15 @@ from raggedvl.app.batches import StepIndices, step_batches
 from raggedvl.app.checkpoint import (
     SHARDED,
     CheckpointError,
+    PendingCheckpoint,
     check_free_space,
+    finish_checkpoint,
     is_sharded,
     list_checkpoints,
     load_latest_checkpoint,
     load_older_state,
     remove_stale_temporaries,
-    save_checkpoint,
+    start_checkpoint,
 )
 from raggedvl.app.collapse import CollapseCheck, chance_loss
 from raggedvl.app.config import TRAIN_CONFIG_NAME, TrainConfig
@@ -218,6 +221,9 @@ class Trainer:
         self.nonfinite_streak = 0  # steps in a row not applied for a non-finite gradient norm
         self.preemption = PreemptionRequest()  # train() installs the signal handlers
         self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote
+        self.pending: PendingCheckpoint | None = None  # --async-checkpoint: the save being written
+        self.resumed_world_size: int | None = None  # the processes that wrote the checkpoint resumed from
+        self.checkpoint_group = checkpoint_group() if cfg.async_checkpoint else None  # its writes' collectives
         # bf16 autocast: by default on CUDA; on CPU only when asked for explicitly (slow there).
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and info.device.type == "cuda")
         self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
@@ -228,7 +234,10 @@ class Trainer:
         every rank writes its own shards of the weights and the optimizer state, nothing is
         gathered (``raggedvl.app.checkpoint``). Collective: every rank calls it. Raises
         ``CheckpointError`` on every rank, writing nothing, when any weight is NaN or infinite
-        or the write fails on any rank."""
+        or the write fails on any rank. With ``--async-checkpoint`` (saves into the run's
+        checkpoints/) the previous background save is completed first, then the shards are
+        copied to host memory and written in the background (:meth:`finish_pending`)."""
+        self.finish_pending()
         problem = None
         if self.info.is_main:  # rank 0 writes: its disk decides, every rank raises alike
             try:
@@ -247,11 +256,12 @@ class Trainer:
             self.saved_step = self.step
         rng = all_gather_objects(capture_rng_state())
 
-        def settings_and_processor(folder: Path) -> None:  # the checkpoint loads with build_retriever
+        def settings_and_processor(folder: Path) -> None:  # for export, eval and --model
             retriever.save_settings(folder)
             self.c.processor.save_pretrained(folder)
 
-        save_checkpoint(
+        background = root is None and self.cfg.async_checkpoint
+        pending = start_checkpoint(
             root or self.ckpt_dir,
             self.step,
             model_state=retriever.weights_to_save(model_sd),  # LoRA on a named base: adapters + head
@@ -268,7 +278,25 @@ class Trainer:
             },
             keep=keep or self.cfg.keep_checkpoints,
             extra_files=settings_and_processor,
+            background=(self.checkpoint_group, self.info.device.type == "cuda") if background else None,
         )
+        if background:
+            self.pending = pending
+        else:
+            finish_checkpoint(pending)
+
+    def finish_pending(self) -> None:
+        """Complete the background save in flight, if any (each rank waits for its write and
+        hashes its files; rank 0 writes the manifest and renames the folder into place).
+        Collective. Raises ``CheckpointError`` on every rank, naming the save's step, when it
+        failed on any rank."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            finish_checkpoint(pending)
+        except CheckpointError as exc:
+            raise CheckpointError(f"the background checkpoint of step {pending.step} failed: {exc}") from exc
 
     def save_best(self) -> None:
         """With ``--save-best METRIC``: evaluate the dev benchmark and, when METRIC beats every
@@ -432,6 +460,7 @@ class Trainer:
         if self.saved_step != self.step and not late and cfg.checkpoint_on_signal:
             self.watchdog.enter(f"writing the checkpoint of step {self.step} (preempted)")
             self.save()
+        self.finish_pending()
         newest = list_checkpoints(self.ckpt_dir)
         where = str(newest[0]) if newest else "none"
         if late and self.saved_step != self.step:
@@ -616,6 +645,8 @@ class Trainer:
                 progress.close()
                 return self._stop_preempted(signal_age)
         progress.close()
+        self.watchdog.enter(f"completing the checkpoint of step {self.step}")
+        self.finish_pending()
         self.watchdog.enter("in evaluation after training", watch=False)
         after = self.evaluate() if cfg.eval_after else None
         summary: dict[str, Any] = {}

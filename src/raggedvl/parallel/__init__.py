@@ -27,7 +27,14 @@ from raggedvl.parallel.runtime import (
     set_collective_timeout,
     shutdown,
 )
-from raggedvl.parallel.sharded_state import check_metadata, read_full_state, read_sharded, write_sharded
+from raggedvl.parallel.sharded_state import (
+    BackgroundWrite,
+    check_metadata,
+    checkpoint_group,
+    read_full_state,
+    read_sharded,
+    write_sharded,
+)
 from raggedvl.parallel.wrap import (
     load_full_state_dicts,
     load_sharded_state_dicts,
@@ -39,6 +46,7 @@ from raggedvl.parallel.vision_plan import VisionPlan, plan_vision_balance
 from raggedvl.parallel.vision_rebalance import VisionRebalancer, all_to_all_rows
 
 __all__ = [
+    "BackgroundWrite",
     "DEBUG_ENV",
     "DEFAULT_TIMEOUT_S",
     "DistInfo",
@@ -59,6 +67,7 @@ __all__ = [
     "all_reduce_mean",
     "barrier",
     "check_metadata",
+    "checkpoint_group",
     "check_repeats_identifiable",
     "exchange_shapes",
     "gather_outputs",

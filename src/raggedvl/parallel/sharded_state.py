@@ -26,6 +26,7 @@ import glob
 import os
 import pickle
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from raggedvl.parallel.runtime import is_distributed
 
@@ -75,6 +77,62 @@ def _quiet_single_process():
         yield
 
 
+def checkpoint_group() -> dist.ProcessGroup | None:
+    """A gloo process group of all ranks for background checkpoint writes (their collectives run
+    in another thread and must not interleave with the training's on the default group); None
+    without a process group. Collective: every rank calls it, in the same order."""
+    return dist.new_group(backend="gloo") if is_distributed() else None
+
+
+class BackgroundWrite:
+    """DCP folders written in a background thread from a copy of the state taken now.
+
+    ``writes``: (folder, state dict) pairs, written one after the other (a ``dcp.save`` each)
+    over ``group`` (:func:`checkpoint_group`; None without a process group). The constructor
+    copies every state dict to host memory (``DefaultStager``; pinned when ``pinned``, for
+    faster copies from CUDA) before it returns, so the training may update the originals at once;
+    the copy is this rank's shards only. :meth:`result` waits for the write."""
+
+    def __init__(self, writes: list[tuple[Path, dict[str, Any]]], group: dist.ProcessGroup | None, *,
+                 pinned: bool) -> None:
+        options = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
+                                 use_non_blocking_copy=False)
+        staged = []
+        for folder, state_dict in writes:  # one stager per state dict: each keeps its own copy
+            stager = DefaultStager(options)
+            staged.append((Path(folder), stager.stage(state_dict), stager))
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raggedvl-checkpoint")
+        self._future = self._executor.submit(self._write, staged, group)
+        self._executor.shutdown(wait=False)
+
+    @staticmethod
+    def _write(staged, group) -> list[Path]:
+        files: list[Path] = []
+        try:
+            for folder, state_dict, _ in staged:
+                try:
+                    with _quiet_single_process():
+                        dcp.save(state_dict, checkpoint_id=str(folder), process_group=group)
+                except CheckpointException as exc:
+                    raise ShardedWriteError(f"{folder}: {exc}") from exc
+                files += _own_files(folder, group)
+        finally:
+            for _, _, stager in staged:
+                stager.close()
+        return files
+
+    def result(self) -> list[Path]:
+        """The files this rank wrote, once the write finished (fsynced by DCP's writer). Raises
+        :class:`ShardedWriteError` (every rank) when any rank's write failed, ``OSError`` for
+        this rank's own failure outside DCP."""
+        return self._future.result()
+
+
+def _own_files(folder: Path, group: dist.ProcessGroup | None = None) -> list[Path]:
+    rank = dist.get_rank(group) if is_distributed() else 0
+    return sorted(Path(p) for p in glob.glob(str(folder / f"__{rank}_*.distcp")))
+
+
 def write_sharded(folder: str | os.PathLike, state_dict: dict[str, Any]) -> list[Path]:
     """Write ``state_dict`` (this rank's part: plain tensors, DTensors, nested containers) into
     the DCP folder ``folder``; returns the files this rank wrote (fsynced by DCP's writer).
@@ -89,8 +147,7 @@ def write_sharded(folder: str | os.PathLike, state_dict: dict[str, Any]) -> list
             dcp.save(state_dict, checkpoint_id=str(folder))
     except CheckpointException as exc:
         raise ShardedWriteError(f"{folder}: {exc}") from exc
-    rank = dist.get_rank() if is_distributed() else 0
-    return sorted(Path(p) for p in glob.glob(str(folder / f"__{rank}_*.distcp")))
+    return _own_files(folder)
 
 
 def read_sharded(folder: str | os.PathLike, state_dict: dict[str, Any]) -> None:

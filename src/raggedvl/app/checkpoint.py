@@ -6,8 +6,8 @@ Layout of one checkpoint (``<run>/checkpoints/step-000050/``)::
                           and the head)                  torch.distributed.checkpoint (DCP) folder
     optimizer/            the optimizer state, sharded like the parameters          DCP folder
     raggedvl_retriever.json, processor files
-                          the retriever's settings and its processor: the folder loads with
-                          ``build_retriever`` / ``raggedvl export`` / ``--model``   JSON
+                          the retriever's settings and its processor: ``raggedvl export`` /
+                          ``eval`` / ``--model`` load the folder (:func:`as_retriever_folder`)  JSON
     rng.pt                per-rank torch / python RNG states            torch.save, loaded weights_only
     trainer_state.json    step, epoch, world size, sampler and scheduler state, config, run counters
     MANIFEST.json         size and SHA-256 of every file above (paths relative to the folder), written last
@@ -16,7 +16,7 @@ A DCP folder holds ``.metadata`` and one ``__R_0.distcp`` per rank R
 (``raggedvl.parallel.sharded_state``): every rank writes its own shards in parallel and no rank
 gathers the model or the optimizer state. Checkpoints of older raggedvl versions hold
 ``raggedvl_retriever.safetensors`` (or ``model.safetensors``) and ``optimizer.pt`` instead of
-the two folders; they load as before.
+the two folders, and ``build_retriever`` loads them directly; they load as before.
 
 Writing (:func:`save_checkpoint`, a collective): rank 0 makes ``step-000050.tmp-<pid>``, every
 rank writes its shards into it and hashes the files it wrote (SHA-256), rank 0 writes the

@@ -7,7 +7,7 @@ one launch trains the tiny retriever for 3 optimizer steps with DDP, FSDP2 and F
 GradCache (``Trainer.run``: cost-balanced sampler with unequal per-rank sample counts, exact
 cross-rank late-interaction loss, gradient clipping, AdamW, evaluation after training, final
 checkpoint), and the test compares the logged global losses, the retrieval metrics and the
-checkpointed (full, unsharded) weights. float32: the
+checkpointed weights (sharded on disk, consolidated in one process). float32: the
 strategies reduce gradients in a different order (all-reduce vs reduce-scatter), so equality
 is up to float32 rounding, not bitwise.
 
@@ -56,7 +56,7 @@ def write_synthetic_manifest(root: Path, n_train: int, n_dev: int, seed: int = 0
 
 
 def _train_all(rank: int, world_size: int, data: str, cache: str, out: str) -> dict:
-    from raggedvl.app.checkpoint import load_latest_checkpoint
+    from raggedvl.app.checkpoint import checkpoint_weights, load_latest_checkpoint
     from raggedvl.app.config import TrainConfig
     from raggedvl.app.loop import Trainer
     from raggedvl.parallel.runtime import init_distributed
@@ -84,7 +84,7 @@ def _train_all(rank: int, world_size: int, data: str, cache: str, out: str) -> d
             result[f"{name}/losses"] = [r["loss"] for r in records if r.get("event") == "train"]
             result[f"{name}/rank_samples"] = [r["rank_samples"] for r in records if r.get("event") == "train"]
             ckpt, problems = load_latest_checkpoint(Path(cfg.output_dir) / "checkpoints")
-            weights[name] = ckpt.model
+            weights[name] = checkpoint_weights(ckpt.path)  # consolidated from both ranks' shards
             result[f"{name}/ckpt_problems"] = problems
     if rank == 0:  # compare here: tensors do not travel back through the harness's queue
         ref = weights["ddp"]

@@ -253,3 +253,37 @@ def test_indices_map_the_plan_to_the_kept_rows_and_enter_the_fingerprint(w):
     for bad in ([0, 1], [1, 1, 2, 3, 4, 5, 6, 7, 8], [-1, 0, 1, 2, 3, 4, 5, 6, 7]):  # any order, but distinct
         with pytest.raises(ValueError, match="indices"):
             BalancedDistributedBatchSampler(costs, 3, w, 0, indices=bad)
+
+
+def test_a_state_of_another_world_size_continues_with_the_same_global_batches():
+    """Saved by 2 ranks after 3 steps, loaded by 4 (and 1): the rest of the epoch trains the
+    global batches the 2-rank run had left, each partitioned over the new ranks."""
+    costs = _costs(100, seed=3)
+    saved = BalancedDistributedBatchSampler(costs, 16, 2, 0)
+    saved.set_epoch(1)
+    state = saved.state_dict(step=3)
+    remaining = [sorted(i for part in step for i in part) for step in saved.plan()[3:]]
+    for world in (4, 1):
+        resumed = _ranks(costs, 16, world)
+        for s in resumed:
+            s.load_state_dict(state)
+        assert resumed[0].state_dict()["step"] == 3 and resumed[0].epoch == 1
+        steps = [sorted(i for part in step for i in part) for step in _epoch_tail(resumed)]
+        assert steps == remaining
+
+
+def test_a_position_inside_a_step_of_the_new_plan_is_refused():
+    """A patch cap splits a global batch into 2 steps for 2 ranks but not for 4: the 2-rank
+    position after the first half has no 4-rank equivalent."""
+    from raggedvl.sampling import SamplerPositionError
+
+    costs, patches = [1.0] * 8, [5.0] * 8
+    two = BalancedDistributedBatchSampler(costs, 8, 2, 0, max_patches_per_rank=10.0, patches=patches)
+    assert len(two.plan()) == 2  # 8 samples x 5 patches over 2 ranks x 10: two steps of 4 samples
+    four = BalancedDistributedBatchSampler(costs, 8, 4, 0, max_patches_per_rank=10.0, patches=patches)
+    assert len(four.plan()) == 1
+    with pytest.raises(SamplerPositionError, match="step 1 of epoch 0 with 2 ranks ends inside a step of the plan "
+                                                   "for 4 ranks.*resume with 2 processes"):
+        four.load_state_dict(two.state_dict(step=1))
+    four.load_state_dict(two.state_dict(step=2))  # the end of the global batch: the end of the epoch
+    assert four.state_dict()["step"] == 1

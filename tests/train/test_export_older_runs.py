@@ -4,6 +4,7 @@ rebuilt from the run's config in ``trainer_state.json`` and exported with the ch
 weights, which the exported folder gives back (same embeddings on the colpali fixture inputs)."""
 
 import dataclasses
+import hashlib
 import json
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 
 from raggedvl.app.cli import main
 from raggedvl.models import build_retriever
-from raggedvl.app.checkpoint import MANIFEST, save_checkpoint
+from raggedvl.app.checkpoint import MANIFEST
+from raggedvl.models.weights import save_tensors
 from raggedvl.app.config import TrainConfig
 from raggedvl.app.setup import build_cfg_processor, build_model
 from tests.conftest import SMALL_DEV_PAIRS, SMALL_TRAIN_PAIRS
@@ -21,13 +23,17 @@ pytestmark = pytest.mark.slow  # builds, exports and reloads the tiny retriever
 
 
 def _older_checkpoint(run, cfg: TrainConfig, model) -> None:
-    """The layout raggedvl wrote before `raggedvl export` existed (as found in such runs)."""
-    folder = save_checkpoint(run / "checkpoints", 5, model_state=model.state_dict(), optimizer_state={}, rng_states=[],
-                             trainer_state={"step": 5, "epoch": 0, "world_size": 1, "config": cfg.to_dict()})
-    (folder / "raggedvl_retriever.safetensors").rename(folder / "model.safetensors")
-    manifest = json.loads((folder / MANIFEST).read_text())
-    manifest["files"]["model.safetensors"] = manifest["files"].pop("raggedvl_retriever.safetensors")
-    (folder / MANIFEST).write_text(json.dumps(manifest))
+    """The single-file layout raggedvl wrote before `raggedvl export` existed (as found in such runs)."""
+    folder = run / "checkpoints" / "step-000005"
+    folder.mkdir(parents=True)
+    save_tensors(folder / "model.safetensors", {k: v.clone() for k, v in model.state_dict().items()})
+    torch.save({}, folder / "optimizer.pt")
+    torch.save([], folder / "rng.pt")
+    state = {"step": 5, "epoch": 0, "world_size": 1, "config": cfg.to_dict()}
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+             for p in folder.iterdir()}
+    (folder / MANIFEST).write_text(json.dumps({"step": 5, "files": files}))
     assert sorted(p.name for p in folder.iterdir()) == [MANIFEST, "model.safetensors", "optimizer.pt", "rng.pt",
                                                         "trainer_state.json"]
 

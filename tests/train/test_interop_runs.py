@@ -17,10 +17,10 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from raggedvl.app.cli import main
 from raggedvl.models import build_retriever
+from raggedvl.app.checkpoint import as_retriever_folder, checkpoint_weights
 from raggedvl.app.config import TrainConfig
 from raggedvl.app.loop import train
 from raggedvl.app.setup import build_components
@@ -42,10 +42,14 @@ def _losses(run):
 
 
 def _no_unpickling(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("torch.load reached: this path must read safetensors and JSON only")
+    """torch.load only as DCP reads tensor chunks: weights_only (tensors and plain containers)."""
+    real = torch.load
 
-    monkeypatch.setattr(torch, "load", refuse)
+    def weights_only(*args, **kwargs):
+        assert kwargs.get("weights_only") is True, "torch.load reached without weights_only=True"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", weights_only)
 
 
 def _step0_equals_source(cfg, run):
@@ -72,12 +76,13 @@ def test_continue_from_colpali_adapter_then_export(tmp_path, small_data_cache, m
     _step0_equals_source(cfg, run)
     assert (run / "train_config.json").is_file() and not (run / "config.json").exists()
     step = sorted((run / "checkpoints").iterdir())[-1]
-    weights = load_file(str(step / "raggedvl_retriever.safetensors"))
+    weights = checkpoint_weights(step)
     assert weights and all("lora_" in k or k.startswith("head.") for k in weights)  # no frozen base
     assert {"raggedvl_retriever.json", "tokenizer.json", "processor_config.json"} <= {p.name for p in step.iterdir()}
-    assert all(p.stat().st_mode & 0o044 == 0o044 for p in step.iterdir())  # group and others may read
+    assert all(p.stat().st_mode & 0o044 == 0o044 for p in step.rglob("*"))  # group and others may read
     _no_unpickling(monkeypatch)
-    trained = build_retriever(str(step))
+    with as_retriever_folder(str(step)) as folder:  # the shards consolidated in this process
+        trained = build_retriever(folder)
     assert trained.config.lora.r == 8 and trained.config.base == str(FULL.resolve())
     batch, q, d = encode(trained, step)
     for fmt in ("colpali", "transformers", "sentence-transformers"):
@@ -101,7 +106,8 @@ def test_continue_from_colpali_full_with_fresh_lora_then_export_merged(tmp_path,
     assert main(["export", str(run), "--format", "colpali", "--output", str(tmp_path / "merged"), "--merge-lora"]) == 0
     assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / "merged").iterdir()}
     step = sorted((run / "checkpoints").iterdir())[-1]
-    _, q, d = encode(build_retriever(str(step)), step)
+    with as_retriever_folder(str(step)) as folder:
+        _, q, d = encode(build_retriever(folder), step)
     _, q2, d2 = encode(build_retriever(str(tmp_path / "merged")), tmp_path / "merged")
     assert masked_max_abs(d2.embeddings, d.embeddings, d.mask) <= 1e-5
 
@@ -133,7 +139,7 @@ def test_a_run_from_the_colpali_adapter_resumes_from_its_adapter_only_checkpoint
     train(_config(LORA, tmp_path, small_data_cache, run="straight", **settings))
     resume_copy(tmp_path / "straight", tmp_path / "resumed", step=2)
     step2 = tmp_path / "resumed" / "checkpoints" / "step-000002"
-    assert all("lora_" in k or k.startswith("head.") for k in load_file(str(step2 / "raggedvl_retriever.safetensors")))
+    assert all("lora_" in k or k.startswith("head.") for k in checkpoint_weights(step2))  # no frozen base
     train(_config(LORA, tmp_path, small_data_cache, run="resumed", resume=True, **settings))
     straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
     assert sorted(straight) == sorted(resumed) == [1, 2, 3, 4]

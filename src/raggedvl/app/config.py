@@ -190,6 +190,10 @@ class TrainConfig:
     checkpoint_every: int = option(50, "checkpoint interval, in optimizer steps (a final one is always written)",
                                    at_least=1)
     keep_checkpoints: int = option(2, "newest checkpoints kept on disk", at_least=1)
+    async_checkpoint: bool = option(
+        False, "write checkpoints in the background: each rank copies its shards to host memory (pinned on CUDA) "
+               "and training continues while a thread writes them; at most one in flight, completed (hashes, "
+               "manifest, rename) before the next save and at the end; a failure stops the run naming its step")
     log_every: int = option(1, "metrics interval, in optimizer steps", at_least=1)
     progress_every: int = option(
         10, "when stderr is not a terminal (a log file, a pipe), one plain progress line every this many optimizer "

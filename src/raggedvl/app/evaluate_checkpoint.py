@@ -16,7 +16,7 @@ from raggedvl.data import RetrievalCollator
 from raggedvl.evaluation.metrics import METRICS
 from raggedvl.parallel import init_distributed, load_full_state_dicts, shutdown
 from raggedvl.app.collapse import doc_cosine_warning
-from raggedvl.app.checkpoint import MANIFEST, list_checkpoints, load_checkpoint_or_latest
+from raggedvl.app.checkpoint import MANIFEST, checkpoint_weights, list_checkpoints, load_checkpoint_or_latest
 from raggedvl.app.config import TrainConfig
 from raggedvl.app.report import format_metrics_table
 
@@ -57,7 +57,7 @@ def load_model(path: Path, device: torch.device | str) -> tuple[torch.nn.Module,
         model = build_retriever(str(path), processor=processor)
         return model.to(device), processor, None, {"path": str(path.resolve())}
     ckpt = load_checkpoint_or_latest(path)
-    model, processor, cfg = rebuild_retriever(ckpt.state["config"], ckpt.model)
+    model, processor, cfg = rebuild_retriever(ckpt.state["config"], checkpoint_weights(ckpt.path))
     return model.to(device), processor, cfg, {"path": str(ckpt.path.resolve()), "step": ckpt.state["step"], "model": cfg.model,
                                                    "head": cfg.head}
 

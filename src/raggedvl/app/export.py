@@ -9,9 +9,11 @@ export then converts between the layouts). The retriever and its processor are w
 :mod:`raggedvl.models.interop.export`; beside them a model card (``README.md``) with the
 training config, the data, the evaluation metrics of the run and the raggedvl version.
 
-Nothing is unpickled: the weights come from safetensors, the run's state from
-``trainer_state.json`` and ``metrics.jsonl``; ``optimizer.pt`` / ``rng.pt`` are hashed, never
-loaded.
+One process, no process group and no GPU: the weights of a sharded checkpoint are consolidated
+from every rank's shards (``raggedvl.app.checkpoint.as_retriever_folder``), whatever the number
+of processes that wrote them; those of a checkpoint of the single-file layout come from its
+safetensors file. The run's state comes from ``trainer_state.json`` and ``metrics.jsonl``; the
+optimizer state and ``rng.pt`` are hashed, never loaded.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
-from raggedvl.app.checkpoint import MANIFEST, find_checkpoint
+from raggedvl.app.checkpoint import MANIFEST, as_retriever_folder, find_checkpoint
 from raggedvl.app.config import TRAIN_CONFIG_NAME
 
 CARD_KEYS = ("model", "head", "dim", "lora", "lora_r", "lora_alpha", "lora_dropout", "loss", "temperature",
@@ -72,7 +74,8 @@ def export(source: str, fmt: str, output: str, *, merge_lora: bool = False) -> P
                      "with the model's default prompts, as raggedvl eval scores it (raggedvl_prompts.json holds them; "
                      "runs of raggedvl before it read colpali checkpoints put 'Query: ' before each query)")
     else:
-        model, processor = build_retriever(folder), None
+        with as_retriever_folder(folder) as loadable:  # a sharded checkpoint: consolidated in this process
+            model, processor = build_retriever(loadable), None
     check_exportable(model.config, model.family.name, fmt)
     processor = processor or build_processor(folder)
     source_lora = model.config.lora is not None

@@ -411,7 +411,9 @@ def launch_train(args, argv: Sequence[str]) -> int:
     if cfg.resume:
         check_something_to_resume(cfg, resumed)
     if resumed is not None:  # settings the checkpoint cannot continue with: one line, before any rank
-        check_resume_settings(cfg, world, *resumed)
+        note = check_resume_settings(cfg, world, *resumed)
+        if note:
+            print(note, file=sys.stderr, flush=True)
     check_model_checkpoint(cfg)  # a broken colpali / transformers checkpoint: one line, before any rank
     clock.add({"imports": clock.since_start()})
     data = prepare_run_data(cfg)

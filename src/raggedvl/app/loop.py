@@ -31,11 +31,14 @@ from raggedvl.parallel import (
     all_gather_floats,
     all_gather_objects,
     barrier,
-    full_state_dicts,
+    checkpoint_group,
     init_distributed,
     is_distributed,
     load_full_state_dicts,
+    load_sharded_state_dicts,
+    read_sharded,
     report_failure,
+    sharded_state_dicts,
     shutdown,
     unwrap_model,
     wrap_model,
@@ -46,12 +49,17 @@ from raggedvl.evaluation.metrics import mean_pairwise_cosine
 from raggedvl.losses import loss_with_negatives
 from raggedvl.app.batches import StepIndices, step_batches
 from raggedvl.app.checkpoint import (
+    SHARDED,
     CheckpointError,
+    PendingCheckpoint,
     check_free_space,
+    finish_checkpoint,
+    is_sharded,
     list_checkpoints,
     load_latest_checkpoint,
+    load_older_state,
     remove_stale_temporaries,
-    save_checkpoint,
+    start_checkpoint,
 )
 from raggedvl.app.collapse import CollapseCheck, chance_loss
 from raggedvl.app.config import TRAIN_CONFIG_NAME, TrainConfig
@@ -225,15 +233,23 @@ class Trainer:
         self.nonfinite_streak = 0  # steps in a row not applied for a non-finite gradient norm
         self.preemption = PreemptionRequest()  # train() installs the signal handlers
         self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote
+        self.pending: PendingCheckpoint | None = None  # --async-checkpoint: the save being written
+        self.resumed_world_size: int | None = None  # the processes that wrote the checkpoint resumed from
+        self.checkpoint_group = checkpoint_group() if cfg.async_checkpoint else None  # its writes' collectives
         # bf16 autocast: by default on CUDA; on CPU only when asked for explicitly (slow there).
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and info.device.type == "cuda")
         self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     # ----------------------------------------------------------------- checkpoints
     def save(self, root: Path | None = None, keep: int | None = None) -> None:
-        """A full checkpoint of this step under ``root`` (default: the run's checkpoints/).
-        Collective: every rank calls it. Raises ``CheckpointError`` on every rank, writing
-        nothing, when any weight is NaN or infinite."""
+        """A sharded checkpoint of this step under ``root`` (default: the run's checkpoints/):
+        every rank writes its own shards of the weights and the optimizer state, nothing is
+        gathered (``raggedvl.app.checkpoint``). Collective: every rank calls it. Raises
+        ``CheckpointError`` on every rank, writing nothing, when any weight is NaN or infinite
+        or the write fails on any rank. With ``--async-checkpoint`` (saves into the run's
+        checkpoints/) the previous background save is completed first, then the shards are
+        copied to host memory and written in the background (:meth:`finish_pending`)."""
+        self.finish_pending()
         problem = None
         if self.info.is_main:  # rank 0 writes: its disk decides, every rank raises alike
             try:
@@ -246,36 +262,53 @@ class Trainer:
         if not all(row[0] == 1.0 for row in all_gather_floats(_weights_finite(self.model))):
             raise CheckpointError(f"the weights of step {self.step} are not finite (NaN or inf): not saved, so the "
                                   "last checkpoint stays the newest; lower --lr or raise --temperature")
-        model_sd, optim_sd = full_state_dicts(self.model, self.optimizer)
+        model_sd, optim_sd = sharded_state_dicts(self.model, self.optimizer)
+        retriever = unwrap_model(self.model)
         if root is None:
             self.saved_step = self.step
         rng = all_gather_objects(capture_rng_state())
-        if self.info.is_main:
-            retriever = unwrap_model(self.model)
 
-            def settings_and_processor(folder: Path) -> None:  # the checkpoint loads with build_retriever
-                retriever.save_settings(folder)
-                self.c.processor.save_pretrained(folder)
+        def settings_and_processor(folder: Path) -> None:  # for export, eval and --model
+            retriever.save_settings(folder)
+            self.c.processor.save_pretrained(folder)
 
-            save_checkpoint(
-                root or self.ckpt_dir,
-                self.step,
-                model_state=retriever.weights_to_save(model_sd),  # LoRA on a named base: adapters + head
-                optimizer_state=optim_sd,
-                rng_states=rng,
-                trainer_state={
-                    "step": self.step,
-                    "epoch": self.epoch,
-                    "world_size": self.info.world_size,
-                    "sampler": {**self.c.sampler.state_dict(step=self.sampler_position[1]),
-                                "epoch": self.sampler_position[0]},
-                    "scheduler": self.scheduler.state_dict(),
-                    "config": self.cfg.to_dict(),
-                },
-                keep=keep or self.cfg.keep_checkpoints,
-                extra_files=settings_and_processor,
-            )
-        barrier()
+        background = root is None and self.cfg.async_checkpoint
+        pending = start_checkpoint(
+            root or self.ckpt_dir,
+            self.step,
+            model_state=retriever.weights_to_save(model_sd),  # LoRA on a named base: adapters + head
+            optimizer_state=optim_sd,
+            rng_states=rng,
+            trainer_state={
+                "step": self.step,
+                "epoch": self.epoch,
+                "world_size": self.info.world_size,
+                "sampler": {**self.c.sampler.state_dict(step=self.sampler_position[1]),
+                            "epoch": self.sampler_position[0]},
+                "scheduler": self.scheduler.state_dict(),
+                "config": self.cfg.to_dict(),
+            },
+            keep=keep or self.cfg.keep_checkpoints,
+            extra_files=settings_and_processor,
+            background=(self.checkpoint_group, self.info.device.type == "cuda") if background else None,
+        )
+        if background:
+            self.pending = pending
+        else:
+            finish_checkpoint(pending)
+
+    def finish_pending(self) -> None:
+        """Complete the background save in flight, if any (each rank waits for its write and
+        hashes its files; rank 0 writes the manifest and renames the folder into place).
+        Collective. Raises ``CheckpointError`` on every rank, naming the save's step, when it
+        failed on any rank."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            finish_checkpoint(pending)
+        except CheckpointError as exc:
+            raise CheckpointError(f"the background checkpoint of step {pending.step} failed: {exc}") from exc
 
     def save_best(self) -> None:
         """With ``--save-best METRIC``: evaluate the dev benchmark and, when METRIC beats every
@@ -302,7 +335,11 @@ class Trainer:
         barrier()
 
     def resume(self) -> bool:
-        ckpt, problems = load_latest_checkpoint(self.ckpt_dir)
+        """Continue from the newest checkpoint that verifies (the ranks hash it together): each
+        rank reads its own shards of the weights and the optimizer state (resharded when the
+        checkpoint was written by another number of processes), the scheduler, the sampler
+        position and its RNG state. Collective. Returns False when there is no checkpoint."""
+        ckpt, problems = load_latest_checkpoint(self.ckpt_dir, shared=True)
         for p in problems:
             self.log(f"warning: skipped checkpoint: {p}")
         if ckpt is None:
@@ -311,14 +348,24 @@ class Trainer:
             self.log(f"--resume: no checkpoint in {self.ckpt_dir}; starting from scratch")
             return False
         # the launcher's pre-flight check, again for ranks that torchrun started directly (same verdict on every rank)
-        check_resume_settings(self.cfg, self.info.world_size, ckpt.path, ckpt.state)
-        load_full_state_dicts(self.model, self.optimizer, ckpt.model, ckpt.optimizer)
+        note = check_resume_settings(self.cfg, self.info.world_size, ckpt.path, ckpt.state)
+        if is_sharded(ckpt.path):
+            model_sd, optim_sd = sharded_state_dicts(self.model, self.optimizer)  # this rank's shards: the template
+            model_sd = unwrap_model(self.model).weights_to_save(model_sd)
+            for name, state in zip(SHARDED, (model_sd, optim_sd)):
+                read_sharded(ckpt.path / name, state)
+            load_sharded_state_dicts(self.model, self.optimizer, model_sd, optim_sd)
+        else:  # the single-file layout of older versions: every rank reads the whole state
+            load_full_state_dicts(self.model, self.optimizer, *load_older_state(ckpt.path))
         load_scheduler_state(self.scheduler, ckpt.state["scheduler"])
-        self.c.sampler.load_state_dict(ckpt.state["sampler"])
-        restore_rng_state(ckpt.rng[self.info.rank])
+        self.c.sampler.load_state_dict(ckpt.state["sampler"])  # on another world size: the same global batches
+        restore_rng_state(ckpt.rng[self.info.rank % len(ckpt.rng)])  # a rank the checkpoint lacks: a saved one's
         self.step = ckpt.state["step"]
         self.epoch = ckpt.state["epoch"]
-        self.sampler_position = (ckpt.state["sampler"]["epoch"], ckpt.state["sampler"]["step"])
+        self.sampler_position = (ckpt.state["sampler"]["epoch"], self.c.sampler.state_dict()["step"])
+        self.resumed_world_size = ckpt.state.get("world_size", self.info.world_size)
+        if note:
+            self.log(note)
         self.log(f"resumed from {ckpt.path} at step {self.step}")
         return True
 
@@ -429,6 +476,7 @@ class Trainer:
         if self.saved_step != self.step and not late and cfg.checkpoint_on_signal:
             self.watchdog.enter(f"writing the checkpoint of step {self.step} (preempted)")
             self.save()
+        self.finish_pending()
         newest = list_checkpoints(self.ckpt_dir)
         where = str(newest[0]) if newest else "none"
         if late and self.saved_step != self.step:
@@ -515,7 +563,8 @@ class Trainer:
         cfg, info = self.cfg, self.info
         resumed = self.resume() if cfg.resume else False
         log = self.run_log = RunLog(cfg, self.run_dir, enabled=info.is_main, resume_step=self.step if resumed else None,
-                                    world_size=info.world_size, costs=self.c.costs)
+                                    world_size=info.world_size, costs=self.c.costs,
+                                    checkpoint_world_size=self.resumed_world_size if resumed else None)
         batches = self.batch_stream()  # the data workers collate the first batches during what follows
         before = None
         self.watchdog.enter("in evaluation before training", watch=False)
@@ -576,6 +625,8 @@ class Trainer:
                 log.close_progress()
                 return self._stop_preempted(signal_age)
         log.close_progress()
+        self.watchdog.enter(f"completing the checkpoint of step {self.step}")
+        self.finish_pending()
         self.watchdog.enter("in evaluation after training", watch=False)
         after = self.evaluate() if cfg.eval_after else None
         records = log.finish(self.step, after)

@@ -10,12 +10,15 @@ learning rate. Continuing it is exact only with the settings that produced them:
 - the sampler's plan: the training data (``dataset`` and ``dataset_weights``, ``batch_sampling``,
   ``source_column``, ``negatives_column``, ``positive_sampling``, ``train_split``, ``eval_fraction``,
   ``max_train_samples``, the columns, ``on_empty_query``, the image size limits), the global
-  batch, ``seed``, ``sampler``, ``max_patches_per_rank`` and the number of processes;
+  batch, ``seed``, ``sampler`` and ``max_patches_per_rank``;
 - the learning rates: ``lr`` and ``head_lr`` (the scheduler's saved base rates would win over
   new values silently).
 
 ``max_steps`` / ``epochs`` may change (train longer or shorter: the schedule is recomputed for
-the new total at the resumed step), as may evaluation, logging and checkpoint settings.
+the new total at the resumed step), as may evaluation, logging and checkpoint settings, and the
+number of processes: the sampler draws each global batch independently of the world size and
+then partitions it over the ranks, so the run continues with the same global batches, and the
+sharded state is resharded as it loads (``raggedvl.app.checkpoint``).
 A saved config without a key (a run of an older raggedvl) counts as that key's default. A
 local model or dataset path is compared resolved (a relative and an absolute spelling of one
 file are the same data).
@@ -109,21 +112,24 @@ def _shown(value: Any) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def check_resume_settings(cfg: TrainConfig, world_size: int, checkpoint: Path, state: dict[str, Any]) -> None:
-    """Raise ``ValueError`` (one line) naming every resume key (module docstring) and the process
-    count whose value differs from the checkpoint's run, old and new value, and the two fixes."""
+def check_resume_settings(cfg: TrainConfig, world_size: int, checkpoint: Path, state: dict[str, Any]) -> str | None:
+    """Raise ``ValueError`` (one line) naming every resume key (module docstring) whose value
+    differs from the checkpoint's run, old and new value, and the two fixes. Returns the one line
+    to print when the number of processes differs (allowed), else None."""
     then, now = _effective(state.get("config", {})), _effective(cfg.to_dict())
     specs = field_specs(TrainConfig)
     diffs = [f"{specs[k].flag} {_shown(then[k])} then, {_shown(now[k])} now" for k in RESUME_KEYS
              if _local_spelling(then[k]) != _local_spelling(now[k])]
-    saved_world = state.get("world_size")
-    if saved_world is not None and saved_world != world_size:
-        diffs.append(f"{saved_world} processes then, {world_size} now (--nproc-per-node x --nnodes)")
     if diffs:
         raise ValueError(
             f"--resume: {checkpoint} cannot continue with these settings: {'; '.join(diffs)}. "
             "Pass the original values to continue it exactly, or start a fresh run in a new --output-dir"
         )
+    saved_world = state.get("world_size")
+    if saved_world is None or saved_world == world_size:
+        return None
+    return (f"--resume: {checkpoint} was written by {saved_world} processes and continues on {world_size}: the same "
+            "global batches, partitioned over the new ranks; the sharded state is resharded as it loads")
 
 
 def check_resume_data(cfg: TrainConfig, data, world_size: int, checkpoint: Path, state: dict[str, Any]) -> None:
@@ -134,12 +140,15 @@ def check_resume_data(cfg: TrainConfig, data, world_size: int, checkpoint: Path,
     import torch
 
     from raggedvl.parallel import DistInfo
+    from raggedvl.sampling import SamplerPositionError
     from raggedvl.app.setup import make_sampler, row_sources
 
     info = DistInfo(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"), backend="none")
     try:
         make_sampler(cfg, data.costs, info, data.train_set.part_sizes,
                      row_sources(cfg, data.train_set)).load_state_dict(state["sampler"])
+    except SamplerPositionError as exc:
+        raise ValueError(f"--resume: {checkpoint}: {exc}") from exc
     except (KeyError, ValueError) as exc:
         detail = str(exc).removeprefix("sampler state does not match this sampler: ")
         raise ValueError(

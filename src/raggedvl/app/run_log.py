@@ -20,10 +20,11 @@ from raggedvl.app.tracking import Trackers, eval_scalars, parse_report_to
 
 class RunLog:
     """Rank 0's outputs of one run (module docstring). ``resume_step``: the step a resumed run
-    continues from (``metrics.jsonl`` drops records past it), None for a new run."""
+    continues from (``metrics.jsonl`` drops records past it), None for a new run;
+    ``checkpoint_world_size``: the process count that wrote the checkpoint it resumed from."""
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, *, enabled: bool, resume_step: int | None,
-                 world_size: int, costs: Any) -> None:
+                 world_size: int, costs: Any, checkpoint_world_size: int | None = None) -> None:
         self.cfg, self.enabled = cfg, enabled
         self.metrics: MetricsLog | None = None
         self.trackers: Trackers | None = None
@@ -35,7 +36,8 @@ class RunLog:
             return
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=resume_step)
         if resume_step is not None:
-            self.metrics.write({"event": "resume", "step": resume_step})
+            self.metrics.write({"event": "resume", "step": resume_step, "world_size": world_size,
+                                "checkpoint_world_size": checkpoint_world_size})
         else:
             self.metrics.write({"event": "config", **cfg.to_dict(), "world_size": world_size})
             self.metrics.write({"event": "size_estimate", "pairs": len(costs.costs), "patches": int(costs.patches.sum()),

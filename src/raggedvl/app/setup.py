@@ -133,9 +133,15 @@ def check_model_checkpoint(cfg: TrainConfig) -> None:
     """Check ``cfg.model`` when it is a local colpali-engine / transformers checkpoint or adapter,
     from its JSON files and safetensors headers only (``raggedvl.models.interop.check_checkpoint``):
     a missing or misshapen projection or an adapter that does not fit its base is a
-    ``ValueError`` naming the file and the tensor, in seconds, before torchrun starts any rank."""
+    ``ValueError`` naming the file and the tensor, in seconds, before torchrun starts any rank.
+    A sharded raggedvl training checkpoint is verified against its manifest instead
+    (``raggedvl.app.checkpoint.CheckpointError``)."""
     from raggedvl.models.interop import check_checkpoint
+    from raggedvl.app.checkpoint import is_sharded, verify_checkpoint
 
+    if is_sharded(cfg.model):
+        verify_checkpoint(cfg.model)
+        return
     check_checkpoint(cfg.model)
 
 
@@ -280,12 +286,16 @@ def load_scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR, state: di
 def build_model(cfg: TrainConfig, processor: Any) -> torch.nn.Module:
     """The retriever of ``cfg`` (fresh weights, seeded by ``cfg.seed``), its prompts with
     ``cfg.query_prefix`` / ``cfg.padding_side`` applied (they travel with the saved model)."""
+    from raggedvl.app.checkpoint import as_retriever_folder
+
     lora = LoraSettings(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout) if cfg.use_lora else None
-    model = build_retriever(
-        cfg.model, processor=processor, head=cfg.head, dim=cfg.dim, pooling=cfg.pooling, lora=lora,
-        attn_implementation=cfg.attn_implementation, gradient_checkpointing=cfg.gradient_checkpointing,
-        packing=cfg.packing, seed=cfg.seed, merge_lora=not cfg.use_lora,
-    )
+    with as_retriever_folder(cfg.model) as model_source:  # a sharded training checkpoint: consolidated here
+        model = build_retriever(
+            model_source, processor=processor, head=cfg.head,
+            dim=cfg.dim, pooling=cfg.pooling, lora=lora, attn_implementation=cfg.attn_implementation,
+            gradient_checkpointing=cfg.gradient_checkpointing, packing=cfg.packing, seed=cfg.seed,
+            merge_lora=not cfg.use_lora,
+        )
     model.config.prompts = model.config.prompts.with_overrides(cfg.query_prefix, cfg.padding_side)
     return model
 

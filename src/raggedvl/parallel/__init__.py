@@ -4,7 +4,7 @@ Callers outside the package import from here: process-group lifecycle (``init_di
 ``is_distributed``, ``get_rank``, ``get_world_size``, ``shutdown``), small collectives on Python
 values (``barrier``, ``all_reduce_max``, ``all_reduce_mean``, ``all_gather_floats``, ``all_gather_objects``),
 autograd-aware ragged all-gathers for cross-rank losses, the cross-rank shape check,
-DDP / FSDP2 wrapping and full state dicts, the single-process DataParallel and accelerate
+DDP / FSDP2 wrapping, full and sharded state dicts and their DCP files, the single-process DataParallel and accelerate
 transports of ragged batches, and which samples of an accelerate batch are repeats
 (``real_sample_count``), rank-failure reporting (``report_failure``, ``StallWatchdog``), and encoder
 rebalancing of the vision tower (``VisionRebalancer``).
@@ -33,11 +33,26 @@ from raggedvl.parallel.runtime import (
     set_collective_timeout,
     shutdown,
 )
-from raggedvl.parallel.wrap import full_state_dicts, load_full_state_dicts, unwrap_model, wrap_model
+from raggedvl.parallel.sharded_state import (
+    BackgroundWrite,
+    check_metadata,
+    checkpoint_group,
+    read_full_state,
+    read_sharded,
+    write_sharded,
+)
+from raggedvl.parallel.wrap import (
+    load_full_state_dicts,
+    load_sharded_state_dicts,
+    sharded_state_dicts,
+    unwrap_model,
+    wrap_model,
+)
 from raggedvl.parallel.vision_plan import VisionPlan, plan_vision_balance
 from raggedvl.parallel.vision_rebalance import VisionRebalancer, all_to_all_rows
 
 __all__ = [
+    "BackgroundWrite",
     "DEBUG_ENV",
     "DEFAULT_TIMEOUT_S",
     "DistInfo",
@@ -58,9 +73,10 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_mean",
     "barrier",
+    "check_metadata",
+    "checkpoint_group",
     "check_repeats_identifiable",
     "exchange_shapes",
-    "full_state_dicts",
     "gather_outputs",
     "get_rank",
     "get_world_size",
@@ -68,14 +84,19 @@ __all__ = [
     "install_ragged_dispatch",
     "is_distributed",
     "load_full_state_dicts",
+    "load_sharded_state_dicts",
     "plan_vision_balance",
     "prepare_ragged_data_loader",
     "real_sample_count",
+    "read_full_state",
+    "read_sharded",
     "real_sample_mask",
     "report_failure",
     "scatter_batch",
     "set_collective_timeout",
+    "sharded_state_dicts",
     "shutdown",
     "unwrap_model",
     "wrap_model",
+    "write_sharded",
 ]

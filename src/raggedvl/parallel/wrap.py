@@ -6,9 +6,10 @@ and optimizer state across ranks; HSDP shards within groups of ranks (e.g. a nod
 replicates across the groups, keeping the sharded all-gathers inside a group. All give the same
 optimizer step; sharding trades extra communication for memory.
 
-State dicts go through ``torch.distributed.checkpoint.state_dict`` with full (unsharded) CPU
-tensors, so a checkpoint written under DDP loads under FSDP2 and on one process. With FSDP2
-these helpers are collectives: every rank must call them.
+State dicts go through ``torch.distributed.checkpoint.state_dict``: sharded (each rank's own
+FSDP2 shards, whole tensors under DDP; what ``raggedvl.parallel.sharded_state`` writes and
+reads) or full (unsharded CPU tensors, for single-file weights). With FSDP2 these helpers are
+collectives: every rank must call them.
 """
 
 from __future__ import annotations
@@ -91,26 +92,44 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Full, unsharded CPU state dicts of the model and optimizer (a collective under FSDP2)."""
+def sharded_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's model and optimizer state dicts without gathering: under FSDP2 the values
+    are DTensors holding this rank's shards, under DDP and on one process the parameters and
+    optimizer tensors themselves (no copy). An optimizer that has not stepped gets its state
+    created first (a step at learning rate 0 with zero gradients,
+    ``torch.distributed.checkpoint.state_dict``), so the result is also the template a load
+    fills. Collective under FSDP2."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_state_dict(unwrap_model(model), optimizer, options=opts)
+    return get_state_dict(unwrap_model(model), optimizer, options=StateDictOptions(full_state_dict=False))
+
+
+def load_sharded_state_dicts(
+    model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict[str, Any], optim_sd: dict[str, Any]
+) -> None:
+    """Load state dicts shaped like :func:`sharded_state_dicts`'s (filled by
+    ``raggedvl.parallel.sharded_state.read_sharded``) into a (wrapped) model and its optimizer.
+    ``model_sd`` may leave out frozen parameters, as in :func:`load_full_state_dicts`, whose
+    ``ValueError`` it raises alike. Collective under FSDP2."""
+    _load_state_dicts(model, optimizer, model_sd, optim_sd, full=False)
 
 
 def load_full_state_dicts(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None
 ) -> None:
-    """Load full state dicts produced by :func:`full_state_dicts` into a (wrapped) model.
+    """Load full (unsharded) state dicts, such as those of a single-file checkpoint, into a (wrapped) model.
 
     ``model_sd`` may leave out frozen parameters (a LoRA checkpoint holds only the adapters and
     the head; the frozen base is already in the model, loaded from its own checkpoint). Raises
     ``ValueError`` naming the keys when a trainable parameter is missing or a key is unknown."""
+    _load_state_dicts(model, optimizer, model_sd, optim_sd, full=True)
+
+
+def _load_state_dicts(model, optimizer, model_sd, optim_sd, *, full: bool) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
     module = unwrap_model(model)
-    opts = StateDictOptions(full_state_dict=True, strict=False)
+    opts = StateDictOptions(full_state_dict=full, strict=False)
     if optimizer is None or optim_sd is None:
         result = set_model_state_dict(module, model_sd, options=opts)
     else:

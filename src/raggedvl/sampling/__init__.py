@@ -5,7 +5,7 @@ from raggedvl.sampling.calibrate import CalibrationResult, calibrate, fit_cost_m
 from raggedvl.sampling.mixture import Mixture
 from raggedvl.sampling.partition import PartitionInfeasible, partition_costs
 from raggedvl.sampling.plan import epoch_permutation, global_batches, plan_epoch
-from raggedvl.sampling.sampler import BalancedDistributedBatchSampler
+from raggedvl.sampling.sampler import BalancedDistributedBatchSampler, SamplerPositionError
 from raggedvl.sampling.sizes import SampleCosts, estimate_costs
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "Mixture",
     "PartitionInfeasible",
     "SampleCosts",
+    "SamplerPositionError",
     "calibrate",
     "epoch_permutation",
     "estimate_costs",

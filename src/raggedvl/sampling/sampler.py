@@ -25,6 +25,10 @@ from raggedvl.sampling.plan import plan_epoch
 _STATE_VERSION = 1
 
 
+class SamplerPositionError(ValueError):
+    """A saved sampler position has no equivalent in this sampler's plan for another world size."""
+
+
 def _as_array(name: str, values: Sequence[float], n: int | None = None) -> np.ndarray:
     arr = np.asarray(values, dtype=np.float64)
     if arr.ndim != 1:
@@ -172,15 +176,19 @@ class BalancedDistributedBatchSampler:
             self._start_step = 0
         self.epoch = int(epoch)
 
+    def _plan_for(self, world_size: int) -> list[list[list[int]]]:
+        """The current epoch's plan for ``world_size`` ranks: [S][W] lists of positions."""
+        return plan_epoch(
+            self.costs, self.global_batch_size, world_size, seed=self.seed, epoch=self.epoch,
+            drop_last=self.drop_last, patches=self.patches, max_patches_per_rank=self.max_patches_per_rank,
+            homogeneous=self.homogeneous, bucket_steps=self.bucket_steps, mixture=self.mixture,
+        )
+
     def plan(self) -> list[list[list[int]]]:
         """The current epoch's steps for all ranks: [S][W] ascending lists of dataset indices
         (through ``indices`` when given) (cached)."""
         if self._plan_epoch != self.epoch:
-            plan = plan_epoch(
-                self.costs, self.global_batch_size, self.world_size, seed=self.seed, epoch=self.epoch,
-                drop_last=self.drop_last, patches=self.patches, max_patches_per_rank=self.max_patches_per_rank,
-                homogeneous=self.homogeneous, bucket_steps=self.bucket_steps, mixture=self.mixture,
-            )
+            plan = self._plan_for(self.world_size)
             if self.mixture is not None and self.mixture.one_source:  # every sample of a step has its source
                 self._sources = [self.mixture.source_of(step[0][0]) for step in plan]
             if self.indices is not None:  # positions -> dataset rows, ascending within each rank's list
@@ -238,19 +246,44 @@ class BalancedDistributedBatchSampler:
         return {"version": _STATE_VERSION, "epoch": self.epoch, "step": done, **self._fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next iteration yields exactly the steps after ``state['step']``.
+        """Resume: the next iteration yields exactly the samples after those of ``state['step']``
+        steps. A state saved with another world size W' continues at the step of this plan that
+        has consumed the same samples: the global batches do not depend on W (``plan_epoch``),
+        so the rest of the epoch trains the same global batches, partitioned over this W.
 
-        Raises ``ValueError`` listing every field that differs from this sampler's settings
-        (a different dataset, G, W, seed or option would silently change the plan)."""
+        Raises ``ValueError`` listing every field other than W that differs from this sampler's
+        settings (a different dataset, G, seed or option would silently change the plan), and
+        :class:`SamplerPositionError` when the W' plan's first steps end inside one of this
+        plan's steps (a global batch the patch cap splits differently for the two W)."""
         mine = self._fingerprint()
-        diff = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in mine.items() if state.get(k) != v]
+        diff = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in mine.items()
+                if state.get(k) != v and k != "world_size"]
         if state.get("version") != _STATE_VERSION:
             diff.append(f"version: saved {state.get('version')!r}, now {_STATE_VERSION}")
         if diff:
             raise ValueError("sampler state does not match this sampler: " + "; ".join(diff))
         self.epoch = int(state["epoch"])
-        steps = len(self.plan())
+        saved_world = int(state.get("world_size", self.world_size))
+        steps = len(self._plan_for(saved_world)) if saved_world != self.world_size else len(self.plan())
         if not 0 <= int(state["step"]) <= steps:
             raise ValueError(f"saved step {state['step']} is outside epoch {self.epoch}'s 0..{steps} steps")
         self._start_step = int(state["step"])
+        if saved_world != self.world_size:
+            self._start_step = self._same_samples_step(saved_world, self._start_step)
         self._next_step = self._start_step
+
+    def _same_samples_step(self, saved_world: int, saved_step: int) -> int:
+        """The step of this plan after which exactly the samples of the first ``saved_step`` steps
+        of the ``saved_world``-rank plan are consumed."""
+        done = {i for step in self._plan_for(saved_world)[:saved_step] for part in step for i in part}
+        seen: set[int] = set()
+        for k, step in enumerate(self._plan_for(self.world_size)):
+            if seen == done:
+                return k
+            seen.update(i for part in step for i in part)
+        if seen == done:
+            return len(self._plan_for(self.world_size))
+        raise SamplerPositionError(
+            f"step {saved_step} of epoch {self.epoch} with {saved_world} ranks ends inside a step of the plan for "
+            f"{self.world_size} ranks (the patch cap splits a global batch differently for the two); resume with "
+            f"{saved_world} processes, or with a --max-patches-per-rank that splits no global batch")

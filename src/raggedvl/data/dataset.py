@@ -824,6 +824,8 @@ def load_retrieval_dataset(
     if source.kind == "manifest":
         return RetrievalDataset.from_manifest(source.path, split, limit=limit, source_column=columns.source, **common)
 
+    if source.kind == "beir":
+        return _by_reference(source.path, split, cache_dir=cache_dir, limit=limit, **common)
     found = source.parquet(split)  # local parquet: its files and columns, once
     rows, base = _load_split(source, split, found, cache_dir, **load_kwargs)
     schema = rows.features.arrow_schema if hasattr(rows, "features") else _arrow(rows).schema
@@ -835,6 +837,39 @@ def load_retrieval_dataset(
                         else _cached_sizes(found, columns.negatives, _num_rows(rows), "hard negative")),
         **common,
     )
+
+
+def _by_reference(root: Path, split: str, *, cache_dir, limit: int | None, on_bad_image: BadImagePolicy,
+                  on_empty_query: str) -> RetrievalDataset:
+    """A BEIR folder as training rows referring to its corpus (:mod:`raggedvl.data.by_reference`)."""
+    from raggedvl.data.by_reference import Referenced, referenced_rows
+    from raggedvl.data.scan import image_sizes
+
+    held = referenced_rows(root, split)
+    corpus = held["corpus"]
+    table = mapped_split(corpus.files, cache_dir)
+    if table is None:
+        raise ValueError(f"{corpus.where}: the corpus files' schemas differ; re-write them with one schema")
+    pages = _ImageColumn(table, held["image_column"], list(range(corpus.num_rows)), corpus.base_dir)
+    scanned = image_sizes(corpus, held["image_column"])  # each page's header once, cached beside the data
+    sizes = [None if w < 0 else (w, h) for w, h in scanned.sizes.tolist()]
+    keep, skipped = kept_rows(held["queries"], held["query_ids"], str(root), on_empty_query, limit)
+    positives = Referenced(pages, [held["positives"][i] for i in keep])
+    records = [{"query": held["queries"][i], "id": held["query_ids"][i], "row": i} for i in keep]
+    kwargs: dict[str, Any] = {
+        "positive_sources": positives, "positive_counts": [len(held["positives"][i]) for i in keep],
+        "positive_inputs": _KnownOrSources([[sizes[p] for p in held["positives"][i]] for i in keep], positives),
+    }
+    if held["has_negatives"]:
+        negatives = Referenced(pages, [held["negatives"][i] for i in keep])
+        kwargs.update(negative_sources=negatives, negative_counts=[len(held["negatives"][i]) for i in keep],
+                      negative_inputs=_KnownOrSources([[sizes[p] for p in held["negatives"][i]] for i in keep],
+                                                      negatives))
+    dataset = RetrievalDataset(records, _Firsts(positives), split, sizes=[sizes[held["positives"][i][0]] for i in keep],
+                               on_bad_image=on_bad_image, where=f"{root} (corpus by reference)",
+                               on_empty_query=on_empty_query, **kwargs)
+    dataset.skipped_rows = skipped
+    return dataset
 
 
 def _num_rows(rows) -> int:

@@ -1,10 +1,18 @@
-"""Start-up of ``raggedvl train`` on a 100,000-row parquet dataset of page images:
+"""Start-up of ``raggedvl train`` on a 100,000-row parquet dataset of page images, or on 100,000
+queries referring to a corpus of pages (``--layout beir``):
 the launcher's data check (columns, queries, every image header: ``raggedvl.data.scan``), the
 dataset open (``datasets.load_dataset`` of the parquet file), the size estimate and the
 sampler's plan of the first epoch, cold (no size cache, no ``datasets`` cache) and warm.
 
     python benchmarks/startup_scale.py                       # build (once) and measure, 100,000 rows
     python benchmarks/startup_scale.py --rows 25000 --dir /tmp/x
+    python benchmarks/startup_scale.py --layout beir         # 100,000 queries over a 20,000-page corpus
+
+``--layout beir`` writes the same kind of pages as a BEIR folder (``corpus.parquet``: ``--pages``
+distinct renderings, rdocs pairs at as many reduced resolutions as needed; ``queries.parquet``
+and ``qrels.parquet``: query i's relevant page is page i mod pages) and runs the same phases on
+``--dataset FOLDER``: every page is stored, scanned and decoded once however many queries refer
+to it.
 
 The dataset is built from the vendored R manuals: every rdocs pair (``raggedvl.data.rdocs``:
 full pages, section crops, two-page spreads) is rendered at 4 reduced resolutions (30-45 % of
@@ -41,25 +49,63 @@ ROW_GROUP = 1000
 SCALES = (0.30, 0.35, 0.40, 0.45)  # of each rdocs pair's dpi
 
 
+def render(count: int) -> list[tuple[str, bytes]]:
+    """``count`` distinct (query, PNG bytes) page renderings: every rdocs pair at 0.30, 0.35,
+    0.40, 0.45 of its dpi, then 0.32, 0.37, ... as more are needed."""
+    from dataclasses import replace
+
+    from raggedvl.data.rdocs import all_pairs, open_manuals, png_bytes, render_pair
+
+    manuals = open_manuals()
+    plans = list(all_pairs())
+    scales = list(SCALES) + [x + 0.02 for x in SCALES] + [x + 0.04 for x in SCALES] + [x - 0.02 for x in SCALES]
+    variants = []
+    t0 = time.perf_counter()
+    for scale in scales:
+        for plan in plans:
+            if len(variants) == count:
+                break
+            low = replace(plan, dpi=max(18, round(plan.dpi * scale)))
+            variants.append((plan.query, png_bytes(render_pair(manuals[plan.pdf], low))))
+    print(f"rendered {len(variants)} page variants in {time.perf_counter() - t0:.1f} s, "
+          f"{sum(len(b) for _, b in variants) / len(variants) / 1024:.1f} KiB each on average", flush=True)
+    return variants
+
+
+def build_beir(root: Path, rows: int, pages: int) -> None:
+    """Write the BEIR folder of ``--layout beir`` (module docstring)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    variants = render(pages)
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    tmp = root.with_suffix(".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    with pq.ParquetWriter(str(tmp / "corpus.parquet"), pa.schema([("corpus-id", pa.string()), ("image", image)])) as w:
+        for start in range(0, len(variants), ROW_GROUP):
+            part = range(start, min(len(variants), start + ROW_GROUP))
+            w.write_table(pa.table({"corpus-id": [f"page-{p}" for p in part],
+                                    "image": pa.array([{"bytes": variants[p][1], "path": None} for p in part],
+                                                      type=image)}))
+    pages = len(variants)
+    pq.write_table(pa.table({"query-id": [f"q-{i}" for i in range(rows)],
+                             "query": [f"{variants[i % pages][0]} (copy {i // pages})" for i in range(rows)]}),
+                   tmp / "queries.parquet")
+    pq.write_table(pa.table({"query-id": [f"q-{i}" for i in range(rows)],
+                             "corpus-id": [f"page-{i % pages}" for i in range(rows)], "score": [1] * rows}),
+                   tmp / "qrels.parquet")
+    tmp.replace(root)
+
+
 def build(path: Path, rows: int) -> None:
     """Write the ``rows``-row parquet file (module docstring)."""
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raggedvl.data.rdocs import all_pairs, open_manuals, png_bytes, render_pair
-    from dataclasses import replace
+    from raggedvl.data.rdocs import all_pairs
 
-    manuals = open_manuals()
-    plans = list(all_pairs())
-    variants = []  # (query, png bytes)
-    t0 = time.perf_counter()
-    for scale in SCALES:
-        for plan in plans:
-            low = replace(plan, dpi=max(18, round(plan.dpi * scale)))
-            variants.append((plan.query, png_bytes(render_pair(manuals[plan.pdf], low))))
-    print(f"rendered {len(variants)} page variants in {time.perf_counter() - t0:.1f} s, "
-          f"{sum(len(b) for _, b in variants) / len(variants) / 1024:.1f} KiB each on average", flush=True)
+    variants = render(len(SCALES) * len(list(all_pairs())))
     features = datasets.Features({"query": datasets.Value("string"), "image": datasets.Image(),
                                   "id": datasets.Value("string")})
     schema = features.arrow_schema
@@ -148,29 +194,36 @@ def measure(data: Path, workers: int | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--layout", choices=("parquet", "beir"), default="parquet")
+    parser.add_argument("--pages", type=int, default=20_000, help="--layout beir: distinct corpus pages")
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--workers", type=int, default=None, help="header-reading processes (default: one per CPU)")
     parser.add_argument("--phase", choices=("cold", "warm"), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    root = args.dir or Path(tempfile.gettempdir()) / f"raggedvl-startup-{args.rows}"
-    data = root / "data" / "pages.parquet"
+    name = f"raggedvl-startup-{args.rows}" + (f"-beir-{args.pages}" if args.layout == "beir" else "")
+    root = args.dir or Path(tempfile.gettempdir()) / name
+    data = root / "data" / ("pages.parquet" if args.layout == "parquet" else "beir")
     os.environ["HF_DATASETS_CACHE"] = str(root / "hf-datasets")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ["RAGGEDVL_CACHE"] = str(root / "raggedvl-cache")  # the Arrow cache of the corpus
     if args.phase is not None:
         print(json.dumps(measure(data, args.workers)))
         return
     if not data.exists():
         data.parent.mkdir(parents=True, exist_ok=True)
-        build(data, args.rows)
-    size_mib = data.stat().st_size / 2**20
+        build(data, args.rows) if args.layout == "parquet" else build_beir(data, args.rows, args.pages)
+    size_mib = sum(f.stat().st_size for f in ([data] if data.is_file() else data.iterdir())) / 2**20
     print(f"{data}: {args.rows} rows, {size_mib:.0f} MiB", flush=True)
     results = {}
     for phase in ("cold", "warm"):
         if phase == "cold":
             shutil.rmtree(data.parent / ".raggedvl", ignore_errors=True)
+            shutil.rmtree(data / ".raggedvl", ignore_errors=True)
             shutil.rmtree(root / "hf-datasets", ignore_errors=True)
+            shutil.rmtree(root / "raggedvl-cache", ignore_errors=True)
         load = os.getloadavg()
-        cmd = [sys.executable, __file__, "--rows", str(args.rows), "--dir", str(root), "--phase", phase]
+        cmd = [sys.executable, __file__, "--rows", str(args.rows), "--dir", str(root), "--phase", phase,
+               "--layout", args.layout, "--pages", str(args.pages)]
         if args.workers is not None:
             cmd += ["--workers", str(args.workers)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=False,

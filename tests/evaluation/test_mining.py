@@ -122,3 +122,29 @@ def test_mining_arguments_are_checked(setup):
     with pytest.raises(ValueError, match="k must be >= 1"):
         mine_negatives(model, collate, bench, k=0)
     assert torch.is_grad_enabled()
+
+
+def test_mined_pairs_train_with_their_negatives_column(setup, tmp_path, small_data_cache):
+    """mine, then train on what it wrote: each step's hard negatives are the mined ones."""
+    import json
+
+    import datasets
+
+    from raggedvl.app.config import TrainConfig
+    from raggedvl.app.loop import train
+
+    root, _, _, _ = setup
+    rows = [(f"question {i}", noise_png(20 + i, SIZES[i % len(SIZES)])) for i in range(8)]
+    pairs = tmp_path / "pairs.parquet"
+    datasets.Dataset.from_dict({"query": [q for q, _ in rows], "image": [{"bytes": b, "path": None} for _, b in rows]},
+                               features=datasets.Features({"query": datasets.Value("string"), "image": datasets.Image()})
+                               ).to_parquet(str(pairs))
+    assert main(["mine", str(root / "model"), "--dataset", str(pairs), "--output", str(tmp_path / "mined"), "-k", "2",
+                 "--batch-size", "4"]) == 0
+    mined = pq.read_table(tmp_path / "mined" / "train.parquet").column("negatives").to_pylist()
+    train(TrainConfig(dataset=str(tmp_path / "mined" / "train.parquet"), negatives_column="negatives", max_steps=2,
+                      global_batch_size=8, warmup_steps=1, eval_before=False, eval_after=False,
+                      output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache)))
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if r.get("event") == "train"]
+    assert [r["hard_negatives"] for r in steps] == [sum(map(len, mined))] * 2  # every row's mined pages, each step

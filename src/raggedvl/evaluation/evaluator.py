@@ -50,19 +50,8 @@ def evaluate_benchmark(
     collapse). ``collator``: a :class:`raggedvl.data.RetrievalCollator`. Returns the same dict
     on every rank."""
     texts, docs = benchmark.queries, benchmark.documents
-    q_collate = lambda pos: (collator.collate_queries([texts[p] for p in pos]), pos)  # noqa: E731
-    _, q_rows = encode_shard(model, len(texts), q_collate, [float(len(t)) for t in texts], batch_size=batch_size,
-                             device=device, autocast=autocast, desc="queries", progress=progress)
-    _, d_rows = encode_shard(model, len(docs), document_collate(collator, docs), document_sizes(docs),
-                                batch_size=batch_size, device=device, autocast=autocast, desc="documents", progress=progress)
-    queries: dict[int, torch.Tensor] = {}
-    for part in all_gather_objects(q_rows):
-        queries.update(part)
-    q_list = [queries[i] for i in range(len(texts))]
-    if q_list[0].ndim == 1:
-        q_emb, q_mask = torch.stack(q_list), None
-    else:
-        q_emb, q_mask = pad_rows(q_list)
+    q_emb, q_mask, d_rows = encode_benchmark(model, collator, benchmark, batch_size=batch_size, device=device,
+                                             autocast=autocast, progress=progress)
     keys = tie_keys(benchmark.doc_ids)
     positions = sorted(d_rows)
     chunks = lambda: chunks_of([d_rows[p] for p in positions], chunk_size, positions) if positions else iter(())  # noqa: E731
@@ -85,6 +74,28 @@ def evaluate_benchmark(
         "doc_mean_cosine": mean_pairwise_cosine(vectors),
     })
     return metrics
+
+
+def encode_benchmark(model: torch.nn.Module, collator: Any, benchmark: RetrievalBenchmark, *, batch_size: int,
+                     device: torch.device | str, autocast: Any = None, progress: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[int, torch.Tensor]]:
+    """Every query's embeddings on every rank (``[Q, Lq, D]`` padded with its mask ``[Q, Lq]``,
+    or ``[Q, D]`` and None for a bi-encoder) and this rank's contiguous shard of the document
+    embeddings (corpus position -> ``[L_i, D]`` or ``[D]``). One ``all_gather_object``."""
+    texts, docs = benchmark.queries, benchmark.documents
+    q_collate = lambda pos: (collator.collate_queries([texts[p] for p in pos]), pos)  # noqa: E731
+    _, q_rows = encode_shard(model, len(texts), q_collate, [float(len(t)) for t in texts], batch_size=batch_size,
+                             device=device, autocast=autocast, desc="queries", progress=progress)
+    _, d_rows = encode_shard(model, len(docs), document_collate(collator, docs), document_sizes(docs),
+                             batch_size=batch_size, device=device, autocast=autocast, desc="documents", progress=progress)
+    queries: dict[int, torch.Tensor] = {}
+    for part in all_gather_objects(q_rows):
+        queries.update(part)
+    q_list = [queries[i] for i in range(len(texts))]
+    if q_list[0].ndim == 1:
+        return torch.stack(q_list), None, d_rows
+    q_emb, q_mask = pad_rows(q_list)
+    return q_emb, q_mask, d_rows
 
 
 def _scan(q_emb, q_mask, chunks, keys, qrels) -> tuple[TopK | None, torch.Tensor, torch.Tensor]:

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from raggedvl.evaluation.benchmark import RetrievalBenchmark
-from raggedvl.evaluation.encode import document_collate, document_sizes, encode_shard
+from raggedvl.evaluation.evaluator import encode_benchmark
 from raggedvl.evaluation.ranking import merge_top_k, tie_keys, top_k
-from raggedvl.evaluation.search import chunks_of, pad_rows, score_chunk
+from raggedvl.evaluation.search import chunks_of, score_chunk
 from raggedvl.parallel import all_gather_objects
 
 FILTERS = ("positives", "duplicates", "skip_top", "above_ratio")
@@ -65,16 +65,8 @@ def mine_negatives(model: torch.nn.Module, collator: Any, benchmark: RetrievalBe
         raise ValueError(f"k must be >= 1, skip_top >= 0 and max_positive_ratio in (0, 1]; got k={k}, "
                          f"skip_top={skip_top}, max_positive_ratio={max_positive_ratio}")
     texts, docs = benchmark.queries, benchmark.documents
-    q_collate = lambda pos: (collator.collate_queries([texts[p] for p in pos]), pos)  # noqa: E731
-    _, q_rows = encode_shard(model, len(texts), q_collate, [float(len(t)) for t in texts], batch_size=batch_size,
-                             device=device, autocast=autocast, desc="queries", progress=progress)
-    _, d_rows = encode_shard(model, len(docs), document_collate(collator, docs), document_sizes(docs),
-                             batch_size=batch_size, device=device, autocast=autocast, desc="documents", progress=progress)
-    queries: dict[int, torch.Tensor] = {}
-    for part in all_gather_objects(q_rows):
-        queries.update(part)
-    q_list = [queries[i] for i in range(len(texts))]
-    q_emb, q_mask = (torch.stack(q_list), None) if q_list[0].ndim == 1 else pad_rows(q_list)
+    q_emb, q_mask, d_rows = encode_benchmark(model, collator, benchmark, batch_size=batch_size, device=device,
+                                             autocast=autocast, progress=progress)
     positions = sorted(d_rows)
     keys = tie_keys(benchmark.doc_ids)
     positives = [{d for d, g in rels.items() if g >= 1} for rels in benchmark.qrels]

@@ -99,6 +99,14 @@ def _join_backward(x: torch.Tensor, shapes: list[RankShape]) -> torch.Tensor:
     return x
 
 
+def _check_multi_vector(name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
+    """``ValueError`` / ``TypeError`` unless ``x`` is ``[n, L, ...]`` with a bool ``mask [n, L]``."""
+    if x.dim() < 3 or tuple(mask.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"{name} needs x [n, L, ...] and mask [n, L]; got x {list(x.shape)} and mask {list(mask.shape)}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be bool (True = real vector), got {mask.dtype}")
+
+
 def all_gather_variable(
     x: torch.Tensor,
     *,
@@ -148,13 +156,7 @@ def all_gather_padded(
     Raises ``ValueError`` before any collective when ``mask`` is not ``[n_r, L_r]``, and on
     every rank when ranks disagree on dtype or trailing shape (listing each rank's shape).
     """
-    if x.dim() < 3 or tuple(mask.shape) != tuple(x.shape[:2]):
-        raise ValueError(
-            f"all_gather_padded needs x [n, L, ...] and mask [n, L]; got x {list(x.shape)} and "
-            f"mask {list(mask.shape)}"
-        )
-    if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be bool (True = real vector), got {mask.dtype}")
+    _check_multi_vector("all_gather_padded", x, mask)
     if _world(group) == 1:
         return PaddedGather(x, mask, [x.shape[0]], [0])
     shapes = exchange_shapes(x, varying_dims=(0, 1), group=group, tag=tag, debug=debug)
@@ -189,13 +191,7 @@ def all_gather_packed(
     Raises ``ValueError`` / ``TypeError`` before any collective for a ``mask`` that is not bool
     ``[n_r, L_r]``, and on every rank when ranks disagree on dtype or trailing shape.
     """
-    if x.dim() < 3 or tuple(mask.shape) != tuple(x.shape[:2]):
-        raise ValueError(
-            f"all_gather_packed needs x [n, L, ...] and mask [n, L]; got x {list(x.shape)} and "
-            f"mask {list(mask.shape)}"
-        )
-    if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be bool (True = real vector), got {mask.dtype}")
+    _check_multi_vector("all_gather_packed", x, mask)
     if _world(group) == 1:
         return PaddedGather(x, mask, [x.shape[0]], [0])
     vectors = all_gather_variable(x[mask], group=group, tag=f"{tag} vectors", debug=debug).values

@@ -121,7 +121,8 @@ def test_continue_from_a_sentence_transformers_folder(tmp_path, small_data_cache
     train(cfg)
     run = tmp_path / "run"
     _step0_equals_source(cfg, run)  # the folder's weights and prompts, as raggedvl evaluates the source
-    trained = build_retriever(str(sorted((run / "checkpoints").iterdir())[-1]))
+    with as_retriever_folder(str(sorted((run / "checkpoints").iterdir())[-1])) as folder:  # sharded: consolidated
+        trained = build_retriever(folder)
     assert (trained.config.lora is not None) == ("lora_r" in lora)
     assert trained.config.prompts == build_retriever(str(FULL)).config.prompts
 

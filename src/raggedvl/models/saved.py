@@ -96,6 +96,10 @@ def read_retriever_meta(directory: str | os.PathLike) -> tuple[dict, Path]:
     is not one this version reads."""
     directory = Path(directory)
     cfg = retriever_config_file(directory)
+    if cfg is not None and weights_file(directory) is None and (directory / "model" / ".metadata").is_file():
+        raise ValueError(f"{directory} is a sharded training checkpoint: write it as one folder with `raggedvl export` "
+                         "(or in Python: with raggedvl.app.checkpoint.as_retriever_folder(path) as folder: "
+                         "build_retriever(folder))")
     if cfg is None or weights_file(directory) is None:
         raise ValueError(f"{directory} is not a saved raggedvl retriever (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
     meta = json.loads(cfg.read_text())

@@ -151,7 +151,9 @@ def load_average() -> str:
 
 
 # ----------------------------------------------------------------------------- one run
-def run_one(side: str, s: RunSettings, data_dir: Path, run_dir: Path, args) -> dict:
+def run_one(side: str, s: RunSettings, data_dir: Path, run_dir: Path, args, incumbent=colpali_side) -> dict:
+    """One monitored run of ``side`` ("raggedvl" or the other library, whose ``spec``, ``command``
+    and ``read_run`` are ``incumbent``'s: ``colpali_side`` or ``st_bench.st_side``) and its figures."""
     from colpali_bench.procmon import run_monitored
 
     run_dir.mkdir(parents=True, exist_ok=False)
@@ -159,10 +161,10 @@ def run_one(side: str, s: RunSettings, data_dir: Path, run_dir: Path, args) -> d
     if held:  # a page shared with this process would lower the job's PSS (colpali_bench/isolated.py)
         raise RuntimeError(f"the benchmark process has imported {held}: memory figures would be understated")
     train = str(data_dir / "train.parquet")
-    if side == "colpali":
+    if side != "raggedvl":
         spec_path = run_dir / "spec.json"
-        spec_path.write_text(json.dumps(colpali_side.spec(s, train_parquet=train, out_dir=str(run_dir), save_final=True)))
-        cmd = colpali_side.command(s, str(spec_path))
+        spec_path.write_text(json.dumps(incumbent.spec(s, train_parquet=train, out_dir=str(run_dir), save_final=True)))
+        cmd = incumbent.command(s, str(spec_path))
     else:
         s = dataclasses.replace(s, model=args.raggedvl_model)
         cmd = raggedvl_side.command(s, dataset=train, output_dir=str(run_dir / "run"), extra=raggedvl_extra(args, s))
@@ -173,7 +175,7 @@ def run_one(side: str, s: RunSettings, data_dir: Path, run_dir: Path, args) -> d
         tail = (run_dir / "log.txt").read_text()[-3000:]
         print(f"  {side} FAILED (exit {outcome.returncode}); log tail:\n{tail}", flush=True)
         return rec
-    parsed = colpali_side.read_run(run_dir, s.global_batch) if side == "colpali" else raggedvl_side.read_run(run_dir / "run")
+    parsed = incumbent.read_run(run_dir, s.global_batch) if side != "raggedvl" else raggedvl_side.read_run(run_dir / "run")
     steps = parsed["steps"]
     mem = outcome.memory
     rec.update({
@@ -186,7 +188,7 @@ def run_one(side: str, s: RunSettings, data_dir: Path, run_dir: Path, args) -> d
         "phases": parsed.get("phases"), "optimizer": parsed.get("optimizer"),
     })
     rec["loss"] = summary.loss_summary([st["loss"] for st in steps], s.global_batch)
-    rec.update({f"loss_{k}": float(v) for k, v in rec["loss"].items() if k in ("first5", "last10", "min", "at_chance")})
+    rec.update({f"loss_{k}": float(v) for k, v in rec["loss"].items() if k in ("first", "first5", "last10", "min", "last", "at_chance")})
     rec["s_per_step"] = s.global_batch / rec["samples_per_s"] if rec["samples_per_s"] else float("nan")
     rec["outside_s"] = rec["wall_s"] - rec["loop_s"]
     padding = parsed.get("padding") or isolated.call("colpali_bench.raggedvl_side.token_padding", s, train,

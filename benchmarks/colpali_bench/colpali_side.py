@@ -23,36 +23,40 @@ def spec(s: RunSettings, *, train_parquet: str, out_dir: str, save_final: bool) 
     }
 
 
-def training_arguments(spec: dict[str, Any]):
+def training_arguments(spec: dict[str, Any], args_class: type | None = None, **extra: Any):
     """The HF ``TrainingArguments`` of the colpali run: colpali-engine's ``ColModelTraining`` takes
     them from its YAML config; here every comparison setting is spelled out (linear schedule with
-    warm-up, AdamW defaults, gloo on CPU, no checkpoints, no data-loader workers, as raggedvl)."""
+    warm-up, AdamW defaults, gloo on CPU, no checkpoints, no data-loader workers, as raggedvl).
+    ``args_class`` (a ``TrainingArguments`` subclass, e.g. sentence-transformers') and ``extra``
+    fields give another HF-Trainer-based side the same settings."""
     from transformers import TrainingArguments
 
-    return TrainingArguments(
+    return (args_class or TrainingArguments)(
         output_dir=str(Path(spec["out_dir"]) / "hf"), per_device_train_batch_size=spec["per_device_batch"],
         max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="linear", warmup_steps=spec["warmup_steps"],
         weight_decay=spec["weight_decay"], max_grad_norm=spec["max_grad_norm"], logging_steps=spec.get("logging_steps", 10),
         save_strategy="no", report_to="none", use_cpu=True, dataloader_num_workers=0,
         ddp_backend="gloo" if spec["nproc"] > 1 else None,  # one process: no process group (plain python)
-        seed=spec["seed"], remove_unused_columns=False, disable_tqdm=True,
+        seed=spec["seed"], remove_unused_columns=False, disable_tqdm=True, **extra,
     )
 
 
-def command(s: RunSettings, spec_path: str) -> list[str]:
+def command(s: RunSettings, spec_path: str, worker: Path = WORKER) -> list[str]:
+    """``worker --spec spec_path``: plain ``python`` for one process, torchrun for several."""
     if s.nproc == 1:
-        return [sys.executable, str(WORKER), "--spec", spec_path]
+        return [sys.executable, str(worker), "--spec", spec_path]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(s.nproc),
-            str(WORKER), "--spec", spec_path]
+            str(worker), "--spec", spec_path]
 
 
-def read_run(out_dir: str | Path, global_batch: int) -> dict[str, Any]:
+def read_run(out_dir: str | Path, global_batch: int, prefix: str = "colpali") -> dict[str, Any]:
     """Steps (end times in seconds since the loop began; ``global_batch`` samples each, as the
     HF Trainer's per-device batches on equal-count shards give), padding totals summed over
-    ranks, start-up phases of rank 0."""
-    ranks = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("colpali_rank*.json"))]
+    ranks, start-up phases of rank 0, from the ``{prefix}_rank*.json`` files of an HF Trainer
+    worker (``colpali_worker.py``; sentence-transformers' ``st_worker.py`` writes ``st_rank*``)."""
+    ranks = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob(f"{prefix}_rank*.json"))]
     if not ranks:
-        raise ValueError(f"{out_dir}: the colpali run wrote no colpali_rank*.json (see its log)")
+        raise ValueError(f"{out_dir}: the run wrote no {prefix}_rank*.json (see its log)")
     main = next(r for r in ranks if r["rank"] == 0)
     steps = [{"step": st["step"], "loss": st["loss"], "t": st["t"] - main["loop_begin"], "samples": global_batch}
              for st in main["steps"]]

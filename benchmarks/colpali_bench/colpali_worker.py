@@ -45,10 +45,10 @@ from colpali_engine.loss import ColbertLoss  # noqa: E402
 from colpali_engine.models import ColQwen2, ColQwen2Processor  # noqa: E402
 from colpali_engine.trainer import ContrastiveTrainer  # noqa: E402
 from datasets import load_dataset  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from colpali_bench.colpali_side import training_arguments  # noqa: E402
+from colpali_bench.step_clock import StepClock  # noqa: E402
 
 T_IMPORTS = time.time()
 
@@ -94,27 +94,6 @@ class RecordingLoss(torch.nn.Module):
             sim = pooled @ pooled.T
             self.doc_cosine = float((sim.sum() - sim.diagonal().sum()) / (n * (n - 1))) if n > 1 else float("nan")
         return loss
-
-
-class StepClock(TrainerCallback):
-    def __init__(self, loss: RecordingLoss, stop_after: int | None = None) -> None:
-        self.loss = loss
-        self.stop_after = stop_after
-        self.loop_begin = None
-        self.steps: list[dict] = []
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.loop_begin = time.time()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        value = self.loss.last.to(torch.float64).reshape(1).clone()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(value)
-            value /= torch.distributed.get_world_size()
-        self.steps.append({"step": state.global_step, "t": time.time(), "loss": float(value),
-                           "doc_cosine": self.loss.doc_cosine})
-        if self.stop_after and state.global_step >= self.stop_after:
-            control.should_training_stop = True  # the schedule still spans the spec's steps
 
 
 def main() -> None:

@@ -34,6 +34,8 @@ def samples_per_s(steps: list[dict], first: int = 3) -> float:
 def loss_summary(losses: list[float], global_batch: int) -> dict[str, float]:
     chance = math.log(global_batch)
     return {
+        "first": losses[0] if losses else float("nan"),
+        "last": losses[-1] if losses else float("nan"),
         "first5": statistics.fmean(losses[:5]) if losses else float("nan"),
         "last10": statistics.fmean(losses[-10:]) if losses else float("nan"),
         "min": min(losses) if losses else float("nan"),
@@ -79,32 +81,35 @@ METRICS = (  # key, label, digits
     ("pixel_pad_pct", "pixel_values rows that are padding (%)", 1),
     ("doc_pad_pct", "document tokens that are padding (%)", 1),
     ("query_pad_pct", "query tokens that are padding (%)", 1),
+    ("loss_first", "loss, step 1", 4),
     ("loss_first5", "loss, mean of steps 1-5", 4),
     ("loss_last10", "loss, mean of the last 10 steps", 4),
     ("loss_min", "loss, minimum", 4),
+    ("loss_last", "loss, last step", 4),
     ("loss_at_chance", "steps with loss = ln(global batch) at 4 decimals", 0),
 )
 
 
-def comparison_table(colpali: list[dict], raggedvl: list[dict]) -> str:
-    """One configuration: medians over repeats, per metric, and raggedvl / colpali-engine."""
-    lines = ["| metric (median of repeats) | colpali-engine | raggedvl | raggedvl / colpali-engine |", "|---|---:|---:|---:|"]
+def comparison_table(colpali: list[dict], raggedvl: list[dict], incumbent: str = "colpali-engine") -> str:
+    """One configuration: medians over repeats, per metric, and raggedvl / ``incumbent`` (the
+    other library, whose runs are ``colpali``)."""
+    lines = [f"| metric (median of repeats) | {incumbent} | raggedvl | raggedvl / {incumbent} |", "|---|---:|---:|---:|"]
     for key, label, digits in METRICS:
         c, r = _median(colpali, key), _median(raggedvl, key)
         if math.isnan(c) and math.isnan(r):
             continue
         ratio = "" if key.startswith("loss") else _ratio(r, c)
         lines.append(f"| {label} | {_fmt(c, digits)} | {_fmt(r, digits)} | {ratio} |")
-    for side, runs in (("colpali-engine", colpali), ("raggedvl", raggedvl)):
+    for side, runs in ((incumbent, colpali), ("raggedvl", raggedvl)):
         if runs:
             rates = ", ".join(_fmt(r["samples_per_s"]) for r in runs)
             lines.append(f"| samples/s per repeat, {side} | {rates} | | |")
     return "\n".join(lines)
 
 
-def loss_curve(colpali: list[dict], raggedvl: list[dict], points: int = 8) -> str:
+def loss_curve(colpali: list[dict], raggedvl: list[dict], points: int = 8, incumbent: str = "colpali-engine") -> str:
     """The first repeat's per-step loss of each side at about ``points`` evenly spaced steps."""
-    runs = [(side, r[0]["steps"]) for side, r in (("colpali-engine", colpali), ("raggedvl", raggedvl)) if r and r[0].get("steps")]
+    runs = [(side, r[0]["steps"]) for side, r in ((incumbent, colpali), ("raggedvl", raggedvl)) if r and r[0].get("steps")]
     if not runs:
         return ""
     n = max(len(steps) for _, steps in runs)

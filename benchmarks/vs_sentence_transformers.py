@@ -1,0 +1,182 @@
+"""raggedvl vs sentence-transformers 6, side by side: the same training work through both, interleaved.
+
+    python benchmarks/vs_sentence_transformers.py                                  # (a) 1 and 2 processes, (b) 2 processes
+    python benchmarks/vs_sentence_transformers.py --workload a --nproc-a 1 --steps 3 --per-device-batch 2 \\
+        --train-pairs 8 --dev-pairs 2                                             # a smoke run (a few minutes)
+
+Both sides start from the same saved weights: ``raggedvl export MODEL --format
+sentence-transformers`` of the checkpoint (default: the tiny ColQwen2 of ``colpali_bench``), a
+``MultiVectorEncoder`` folder that sentence-transformers loads and ``raggedvl train --model``
+loads back with the same tensors and prompts (docs/interop.md). They read the same pairs
+(``colpali_bench/workloads.py``: (a) uniform pages, (b) the heavy-tailed mix) and get the same
+settings: per-process and global batch, steps, AdamW learning rate, warm-up, weight decay,
+gradient clipping, max_pixels, gloo, one thread per process, fp32, and the same objective:
+sentence-transformers' ``MultiVectorMultipleNegativesRankingLoss(scale=1/temperature)`` with
+MeanMaxSim is raggedvl's default late-interaction loss at ``temperature`` (query-length
+normalisation on), with documents gathered across processes on both sides.
+
+- sentence-transformers: its own training path (``MultiVectorEncoder``,
+  ``MultiVectorEncoderTrainer``, its data collator with the folder's prompts, the multi-vector
+  MNRL with ``gather_across_devices=True`` on 2 processes; ``st_bench/st_worker.py``), plain
+  ``python`` for 1 process, torchrun for more. Where torchvision is missing the worker hands
+  sentence-transformers raggedvl's torchvision-free processor of the same folder (the worker's
+  docstring).
+- raggedvl: ``python -m raggedvl.app.cli train`` with every setting as a flag (it starts torchrun);
+  (b) with ``--packing true`` by default (``--raggedvl-args-b``).
+
+Runs are interleaved (repeat r runs every configuration, the side order alternating); the tables
+show medians over repeats and raggedvl / sentence-transformers ratios. The runs, the memory
+monitor (peak RSS per process, whole-job summed PSS), the figures' definitions and the tables are
+``vs_colpali.py``'s (``colpali_bench/procmon.py``, ``colpali_bench/summary.py``); the measuring
+process imports no torch, transformers or datasets (``colpali_bench/isolated.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import vs_colpali  # noqa: E402
+from colpali_bench import isolated, summary  # noqa: E402
+from colpali_bench.settings import RunSettings, default_model  # noqa: E402
+from st_bench import st_side  # noqa: E402
+
+REPO = HERE.parent
+ST = "sentence-transformers"
+SIDES = (ST, "raggedvl")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", nargs="+", choices=["a", "b"], default=["a", "b"],
+                   help="a: uniform pages on --nproc-a processes; b: heavy-tailed mix on 2 processes (default: both)")
+    p.add_argument("--model", default=None, help="checkpoint both sides start from, exported to the sentence-transformers "
+                   "format first (default: the tiny ColQwen2 of colpali_bench.settings.default_model)")
+    p.add_argument("--nproc-a", type=int, nargs="+", default=[1, 2], help="process counts of workload (a) (default 1 2)")
+    p.add_argument("--per-device-batch", type=int, default=8, help="samples per process per step (default 8)")
+    p.add_argument("--global-batch-b", type=int, default=16, help="global batch of workload (b), on 2 processes")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps per run (default 10: a short run; >= 3)")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved repeats of every configuration (default 1)")
+    p.add_argument("--lr", type=float, default=5e-4, help="AdamW peak lr (backbone and head)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps (default 3)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.02,
+                   help="raggedvl's temperature; sentence-transformers gets scale = 1 / temperature with MeanMaxSim")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raggedvl-args", default="", help="extra `raggedvl train` flags, one shell-quoted string")
+    p.add_argument("--raggedvl-args-b", default="--packing true",
+                   help="extra `raggedvl train` flags for workload (b) only (default: %(default)s; '' runs the padded path)")
+    p.add_argument("--train-pairs", type=int, default=None, help="override the workloads' training pairs (smoke runs)")
+    p.add_argument("--dev-pairs", type=int, default=8, help="dev pairs rendered with the workloads (unused here)")
+    p.add_argument("--work-dir", default=str(Path.home() / ".cache" / "raggedvl" / "vs_sentence_transformers"),
+                   help="the exported start folder, workloads, run directories and logs (outside the repository)")
+    p.add_argument("--report", default=None, help="also write the printed report (markdown) here")
+    p.add_argument("--json", default=None, help="all figures as JSON (default WORK_DIR/results-<time>.json)")
+    p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds before a run is killed")
+    args = p.parse_args(argv)
+    args.model = args.model or default_model()
+    args.head_lr = None
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    return args
+
+
+def export_start(model: str, work: Path) -> Path:
+    """``raggedvl export model --format sentence-transformers`` into ``work`` (reused when the
+    folder for this checkpoint path is already there): the weights both sides start from."""
+    out = work / f"start-{Path(model).name}-{hashlib.sha256(str(Path(model).resolve()).encode()).hexdigest()[:8]}-st"
+    if not (out / "modules.json").is_file():
+        cmd = [sys.executable, "-m", "raggedvl.app.cli", "export", model, "--format", "sentence-transformers", "--output", str(out)]
+        subprocess.run(cmd, env=vs_colpali.child_env(), check=True, capture_output=True, text=True)
+    return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` ("unknown CPU" where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def header(args) -> list[str]:
+    import importlib.metadata as md
+
+    versions = []
+    for name in ("torch", "torchvision", "transformers", "sentence-transformers", "accelerate", "datasets"):
+        try:
+            versions.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            versions.append(f"{name} missing")
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return [
+        f"vs_sentence_transformers {datetime.datetime.now().isoformat(timespec='seconds')}, raggedvl {commit or '?'} ({REPO})",
+        f"machine: {platform.machine()}, {cpu_model()}, {os.cpu_count()} cores, {vs_colpali.load_average()} at start",
+        "packages: " + ", ".join(versions),
+        f"command: {' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}",
+        f"objective: raggedvl temperature {args.temperature} with query-length normalisation = sentence-transformers "
+        f"scale {1 / args.temperature:g} with MeanMaxSim; documents gathered across processes on both sides",
+        f"raggedvl's extra flags: (a) {args.raggedvl_args!r}, (b) {(args.raggedvl_args + ' ' + args.raggedvl_args_b).strip()!r}",
+    ]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    lines = header(args)
+    print("\n".join(lines), flush=True)
+    start = export_start(args.model, work)
+    args.raggedvl_model = str(start)  # raggedvl trains from the same exported folder
+    configs = [RunSettings(**{**s.to_dict(), "model": str(start)}) for s in vs_colpali.configurations(args)]
+    lines.append(f"start weights: `raggedvl export {args.model} --format sentence-transformers` -> {start} (both sides)")
+    print(lines[-1], flush=True)
+    data = {name: Path(isolated.call("colpali_bench.workloads.build_workload", name, work / "workloads",
+                                      train_pairs=args.train_pairs, dev_pairs=args.dev_pairs, env=vs_colpali.child_env()))
+            for name in sorted({s.workload for s in configs})}
+    for name in sorted(data):
+        lines += ["", isolated.call("colpali_bench.workloads.describe", data[name], env=vs_colpali.child_env())]
+    results: dict[str, dict[str, list]] = {s.label: {side: [] for side in SIDES} for s in configs}
+    for rep in range(args.repeats):
+        for i, s in enumerate(configs):
+            for side in SIDES if (rep + i) % 2 == 0 else reversed(SIDES):
+                print(f"[repeat {rep + 1}/{args.repeats}] {s.label}: {side} ({vs_colpali.load_average()})", flush=True)
+                run_dir = work / "runs" / stamp / f"{s.workload}-{s.nproc}x{s.per_device_batch}-{side}-r{rep}"
+                rec = vs_colpali.run_one(side, s, data[s.workload], run_dir, args, incumbent=st_side)
+                results[s.label][side].append(rec | {"repeat": rep})
+    lines += ["", f"load at the end of the training runs: {vs_colpali.load_average()}", ""]
+    summary_lines = [summary.SUMMARY_HEADER.replace("| configuration |", f"| raggedvl / {ST} |")]
+    for s in configs:
+        ok = {side: [r for r in results[s.label][side] if r["returncode"] == 0] for side in SIDES}
+        lines += [f"### {s.label} (global batch {s.global_batch}, {s.steps} steps, max_pixels {s.max_pixels:,})", "",
+                  summary.comparison_table(ok[ST], ok["raggedvl"], incumbent=ST), "",
+                  summary.loss_curve(ok[ST], ok["raggedvl"], incumbent=ST), ""]
+        summary_lines.append(summary.summary_row(s.label, ok[ST], ok["raggedvl"]))
+    lines += [f"### raggedvl / {ST} (medians of repeats)", "", *summary_lines, ""]
+    report = "\n".join(lines)
+    print("\n" + report, flush=True)
+    if args.report:
+        Path(args.report).write_text(report + "\n")
+    all_runs = [r for sides in results.values() for runs in sides.values() for r in runs]
+    Path(args.json or work / f"results-{stamp}.json").write_text(json.dumps({"header": lines[:6], "runs": all_runs}, default=str) + "\n")
+    return 1 if any(r["returncode"] != 0 for r in all_runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -276,24 +276,42 @@ def check(args) -> int:
 
 
 # ----------------------------------------------------------------------------- main
-def header(args) -> list[str]:
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` ("unknown CPU" where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def run_header(title: str, packages: tuple[str, ...], details: list[str], args) -> list[str]:
+    """The report's first lines: the run, the machine (CPU model: the kernels differ by
+    family), the ``packages``' versions, ``details``, the command and raggedvl's extra flags."""
     import importlib.metadata as md
 
     versions = []
-    for name in ("torch", "torchvision", "transformers", "colpali-engine", "peft", "accelerate"):
+    for name in packages:
         try:
             versions.append(f"{name} {md.version(name)}")
         except md.PackageNotFoundError:
             versions.append(f"{name} missing")
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     return [
-        f"vs_colpali {datetime.datetime.now().isoformat(timespec='seconds')}, raggedvl {commit or '?'} ({REPO})",
-        f"machine: {platform.machine()}, {os.cpu_count()} cores, {load_average()} at start",
+        f"{title} {datetime.datetime.now().isoformat(timespec='seconds')}, raggedvl {commit or '?'} ({REPO})",
+        f"machine: {platform.machine()}, {cpu_model()}, {os.cpu_count()} cores, {load_average()} at start",
         "packages: " + ", ".join(versions),
-        f"checkpoint: {args.model}",
-        f"command: {' '.join(shlex.quote(a) for a in sys.argv)}",
+        *details,
+        f"command: {' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}",
         f"raggedvl's extra flags: (a) {args.raggedvl_args!r}, (b) {(args.raggedvl_args + ' ' + args.raggedvl_args_b).strip()!r}",
     ]
+
+
+def header(args) -> list[str]:
+    return run_header("vs_colpali", ("torch", "torchvision", "transformers", "colpali-engine", "peft", "accelerate"),
+                      [f"checkpoint: {args.model}"], args)
 
 
 def main(argv=None) -> int:

@@ -37,9 +37,6 @@ import argparse
 import datetime
 import hashlib
 import json
-import os
-import platform
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -103,36 +100,12 @@ def export_start(model: str, work: Path) -> Path:
     return out
 
 
-def cpu_model() -> str:
-    """The CPU's model name from ``/proc/cpuinfo`` ("unknown CPU" where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def header(args) -> list[str]:
-    import importlib.metadata as md
-
-    versions = []
-    for name in ("torch", "torchvision", "transformers", "sentence-transformers", "accelerate", "datasets"):
-        try:
-            versions.append(f"{name} {md.version(name)}")
-        except md.PackageNotFoundError:
-            versions.append(f"{name} missing")
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return [
-        f"vs_sentence_transformers {datetime.datetime.now().isoformat(timespec='seconds')}, raggedvl {commit or '?'} ({REPO})",
-        f"machine: {platform.machine()}, {cpu_model()}, {os.cpu_count()} cores, {vs_colpali.load_average()} at start",
-        "packages: " + ", ".join(versions),
-        f"command: {' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}",
-        f"objective: raggedvl temperature {args.temperature} with query-length normalisation = sentence-transformers "
-        f"scale {1 / args.temperature:g} with MeanMaxSim; documents gathered across processes on both sides",
-        f"raggedvl's extra flags: (a) {args.raggedvl_args!r}, (b) {(args.raggedvl_args + ' ' + args.raggedvl_args_b).strip()!r}",
-    ]
+    return vs_colpali.run_header(
+        "vs_sentence_transformers",
+        ("torch", "torchvision", "transformers", "sentence-transformers", "accelerate", "datasets"),
+        [f"objective: raggedvl temperature {args.temperature} with query-length normalisation = sentence-transformers "
+         f"scale {1 / args.temperature:g} with MeanMaxSim; documents gathered across processes on both sides"], args)
 
 
 def main(argv=None) -> int:

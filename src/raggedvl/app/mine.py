@@ -88,13 +88,14 @@ def _write_pairs(source: DataSource, split: str, out: Path, bench: RetrievalBenc
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.concat_tables([pq.read_table(f) for f in source.parquet(split).files])
+    rows = source.parquet(split)
+    table = pa.concat_tables([pq.read_table(f) for f in rows.files])
     if NEGATIVES_COLUMN in table.column_names:
         table = table.drop_columns([NEGATIVES_COLUMN])
     by_text = {text: q for q, text in enumerate(bench.queries)}
     pages = {}  # position -> bytes, each page read once
     negatives = []
-    for text in read_column(source.parquet(split), query_column):
+    for text in read_column(rows, query_column):
         q = by_text.get(text)
         row = [] if q is None else mined.negatives[q]
         for p in row:

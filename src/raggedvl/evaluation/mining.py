@@ -71,7 +71,10 @@ def mine_negatives(model: torch.nn.Module, collator: Any, benchmark: RetrievalBe
     keys = tie_keys(benchmark.doc_ids)
     positives = [{d for d, g in rels.items() if g >= 1} for rels in benchmark.qrels]
     digests = docs.image_digests()
-    same_page = [{d for d in range(len(docs)) if digests[d] in {digests[p] for p in pos}} - pos for pos in positives]
+    pages_of: dict[str, set[int]] = {}  # stored bytes -> the corpus positions holding them
+    for d, digest in enumerate(digests):
+        pages_of.setdefault(digest, set()).add(d)
+    same_page = [set().union(*(pages_of[digests[p]] for p in pos)) - pos for pos in positives]
 
     # each query's lowest positive score (over every rank's shard)
     lowest = torch.full((len(texts),), float("inf"), dtype=torch.float64)

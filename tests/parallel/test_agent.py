@@ -109,3 +109,44 @@ def test_a_frozen_rank_that_torchrun_then_killed_is_named_as_frozen(tmp_path, mo
     line, code = first_failure({0: waited, 1: killed})
     assert line.startswith(f"{cause}; then rank 0 failed in step 4: RuntimeError: Timed out (traceback: "), line
     assert code == 1
+
+
+def _attempt_dirs(tmp_path, recorded: dict[int, dict]) -> str:
+    """torchrun's error-file layout for attempts 0 and 1 of 2 local ranks; ``recorded``: local rank
+    -> the raggedvl record it left in attempt 0 (the others left none). Returns attempt 1's path."""
+    import json
+
+    for rank in (0, 1):
+        folder = tmp_path / "attempt_0" / str(rank)
+        folder.mkdir(parents=True)
+        if rank in recorded:
+            (folder / "error.json").write_text(json.dumps({"message": {"raggedvl": recorded[rank]}}))
+    return str(tmp_path / "attempt_1" / "0" / "error.json")
+
+
+def test_a_restart_names_the_rank_torchrun_found_failed_not_the_ranks_it_stopped(tmp_path):
+    """Rank 1 SIGKILLed; torchrun then stopped rank 0 with SIGTERM before it could report: only
+    rank 1 is named. Without the agent's file both silent ranks are suspects."""
+    import json
+
+    from raggedvl.app.restarts import previous_attempt_failures
+
+    error_file = _attempt_dirs(tmp_path, {})
+    failed = tmp_path / "failed.json"
+    failed.write_text(json.dumps({"failed": [{"local_rank": 1, "exitcode": -9}]}))
+    assert previous_attempt_failures(error_file, str(failed)) == ["local rank 1 was killed by SIGKILL (it left no report)"]
+    assert previous_attempt_failures(error_file, str(tmp_path / "absent.json")) == [
+        "local ranks 0, 1 left no report (killed by a signal?)"]
+
+
+def test_a_restart_puts_the_silent_failed_rank_before_the_peer_that_followed_it(tmp_path):
+    import json
+
+    from raggedvl.app.restarts import previous_attempt_failures
+
+    note = {"line": "rank 0 failed in step 5: gloo: connection closed by peer", "after_peer": True}
+    error_file = _attempt_dirs(tmp_path, {0: note})
+    failed = tmp_path / "failed.json"
+    failed.write_text(json.dumps({"failed": [{"local_rank": 0, "exitcode": 1}, {"local_rank": 1, "exitcode": -9}]}))
+    assert previous_attempt_failures(error_file, str(failed)) == [
+        "local rank 1 was killed by SIGKILL (it left no report)", note["line"]]

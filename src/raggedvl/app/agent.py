@@ -29,6 +29,10 @@ process that holds nothing of the launcher's. What it changes is what a failure 
 - SIGTERM and SIGUSR1 (a cluster's preemption) are passed on to the ranks, which finish their
   step, save a checkpoint and end normally; rank 0 leaves its line in the file named by
   ``RAGGEDVL_PREEMPTED_FILE`` and this agent exits with ``PREEMPTED_EXIT_CODE`` (3);
+- when torchrun restarts the ranks (``--max-restarts``), the ranks it found failed (local rank,
+  exit code or signal) are written to the file named by ``RAGGEDVL_FAILED_RANKS_FILE`` before
+  it stops the others, so the restarted rank 0 can say which rank failed and which were only
+  stopped (``raggedvl.app.restarts``);
 - when the job is stopped by Ctrl-C, this agent passes SIGINT on to the ranks (torchrun's
   teardown; a second Ctrl-C is ignored rather than cut that short), prints nothing (rank 0 says
   where training stopped: ``raggedvl.app.interrupts``) and exits 130.
@@ -58,6 +62,8 @@ PREEMPTED_EXIT_CODE = 3  # the job saved a checkpoint and stopped on SIGTERM / S
 PREEMPTED_FILE_ENV = "RAGGEDVL_PREEMPTED_FILE"  # where rank 0 leaves its preemption line for this agent
 # exists while torchrun stops the ranks (a failure, Ctrl-C, a restart): their SIGTERM is then not a preemption
 TEARDOWN_FILE_ENV = "RAGGEDVL_TEARDOWN_FILE"
+# the ranks torchrun's monitor found failed in the last attempt: {"failed": [{"local_rank", "exitcode"}]}
+FAILED_RANKS_FILE_ENV = "RAGGEDVL_FAILED_RANKS_FILE"
 
 
 def in_teardown() -> bool:
@@ -89,6 +95,30 @@ def _mark_teardowns(marker: str) -> None:
 
 
 
+def _record_failed_ranks(path: str) -> None:
+    """Wrap torchrun's ``LocalElasticAgent._monitor_workers`` so that a failed attempt's failed
+    ranks (those torchrun saw end before it stopped the others) are written to ``path``."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers
+    if getattr(monitor, "raggedvl_records", False):
+        return
+
+    def recorded(self, *args, **kwargs):
+        result = monitor(self, *args, **kwargs)
+        if result.is_failed():
+            failed = [{"local_rank": f.local_rank, "exitcode": f.exitcode} for f in result.failures.values()]
+            try:
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump({"failed": failed}, f)
+            except OSError:
+                pass
+        return result
+
+    recorded.raggedvl_records = True
+    LocalElasticAgent._monitor_workers = recorded
+
+
 def record_failure(exc: BaseException, *, exit_code: int) -> bool:
     """Write this rank's failure to torchrun's error file (``TORCHELASTIC_ERROR_FILE``); False
     when there is none (not under torchrun). The one-line report, its time and whether a peer's
@@ -115,7 +145,8 @@ def record_failure(exc: BaseException, *, exit_code: int) -> bool:
         return False
 
 
-def _signal_name(exitcode: int) -> str:
+def signal_name(exitcode: int) -> str:
+    """``SIGKILL`` for a process's exit code -9 (torchrun's negative code for "ended by a signal")."""
     try:
         return signal.Signals(-exitcode).name
     except ValueError:
@@ -139,7 +170,7 @@ def first_failure(failures: dict[int, Any]) -> tuple[str, int]:
     hard = [r for r in hard if not any(str(records[f]["cause"]).startswith(f"rank {r} ") for f in frozen)]
     if hard or (killed and not by_time):
         rank = (hard or killed)[0]
-        line = f"rank {rank} was killed by {_signal_name(failures[rank].exitcode)} (it left no report"
+        line = f"rank {rank} was killed by {signal_name(failures[rank].exitcode)} (it left no report"
         line += f"; then {records[by_time[0]]['line']})" if by_time else ")"
         return line, 1
     if by_time:
@@ -258,6 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ[PREEMPTED_FILE_ENV] = preempted
     os.environ[TEARDOWN_FILE_ENV] = preempted + ".teardown"
     _mark_teardowns(os.environ[TEARDOWN_FILE_ENV])
+    os.environ[FAILED_RANKS_FILE_ENV] = preempted + ".failed"
+    _record_failed_ranks(os.environ[FAILED_RANKS_FILE_ENV])
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if not args.standalone and parse_min_max_nnodes(args.nnodes)[1] > 1:
         show_waits(args)
@@ -277,7 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"raggedvl: stopped by {signal.Signals(exc.sigval).name}", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     finally:
-        os.unlink(preempted)
+        for path in (preempted, os.environ[FAILED_RANKS_FILE_ENV]):
+            if os.path.exists(path):
+                os.unlink(path)
     return 0
 
 

@@ -5,8 +5,11 @@ torchrun (``--max-restarts M``) starts the whole worker group again after a rank
 refusing its folder: :func:`resume_after_restart` turns ``--resume`` on when the output
 directory holds a checkpoint, and rank 0 prints one line saying which restart this is and what
 the previous attempt's ranks reported (their records in torchrun's error files,
-``<log dir>/attempt_<K-1>/<local rank>/error.json``; a rank that left none was most likely
-killed by a signal).
+``<log dir>/attempt_<K-1>/<local rank>/error.json``). Under raggedvl's agent the ranks that
+torchrun found failed are known (``raggedvl.app.agent``, ``RAGGEDVL_FAILED_RANKS_FILE``): a
+failed rank without a record is named with its signal or exit code, and the ranks torchrun
+only stopped afterwards are not blamed. Under a plain torchrun a rank that left no record was
+most likely killed by a signal.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import re
 import sys
 from pathlib import Path
 
+from raggedvl.app.agent import FAILED_RANKS_FILE_ENV, signal_name
 from raggedvl.app.checkpoint import list_checkpoints
 
 
@@ -29,9 +33,20 @@ def restart_count() -> int:
         return 0
 
 
-def previous_attempt_failures(error_file: str | None = None) -> list[str]:
-    """What the previous attempt's ranks on this node reported: each record's one line, then a
-    note for each rank that left none. Empty when the error files cannot be found."""
+def _failed_ranks(path: str | None) -> dict[str, int] | None:
+    """local rank -> exit code of the ranks torchrun found failed, from the agent's file; None
+    when there is no such file (a plain torchrun)."""
+    try:
+        with open(path or "", encoding="utf-8") as f:
+            return {str(x["local_rank"]): int(x["exitcode"]) for x in json.load(f)["failed"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def previous_attempt_failures(error_file: str | None = None, failed_file: str | None = None) -> list[str]:
+    """What the previous attempt's ranks on this node reported, the cause first: a failed rank
+    that left no record (with its signal or exit code), then each record's one line (a rank's
+    own failure before notes about a peer). Empty when the error files cannot be found."""
     error_file = error_file or os.environ.get("TORCHELASTIC_ERROR_FILE", "")
     match = re.search(r"attempt_(\d+)", error_file)
     if not match or int(match.group(1)) == 0:
@@ -46,9 +61,13 @@ def previous_attempt_failures(error_file: str | None = None) -> list[str]:
             lines.append((record.get("after_peer", False), record["line"]))
         except (OSError, ValueError, KeyError, TypeError):
             silent.append(rank_dir.name)
-    # a rank that left no report was most likely killed, and its peers' reports are its consequence
-    ordered = [f"local rank{'s' if len(silent) > 1 else ''} {', '.join(silent)} left no report (killed by a signal?)"]
-    ordered = ordered if silent else []
+    failed = _failed_ranks(failed_file or os.environ.get(FAILED_RANKS_FILE_ENV))
+    if failed is None:  # a rank that left no report was most likely killed, its peers' reports its consequence
+        ordered = [f"local rank{'s' if len(silent) > 1 else ''} {', '.join(silent)} left no report (killed by a signal?)"]
+        ordered = ordered if silent else []
+    else:  # the silent ranks torchrun did not find failed were stopped by it afterwards: not a cause
+        ordered = [f"local rank {r} was killed by {signal_name(failed[r])} (it left no report)" if failed[r] < 0
+                   else f"local rank {r} exited with code {failed[r]} without a report" for r in silent if r in failed]
     return ordered + [line for _, line in sorted(lines, key=lambda x: x[0])]  # own failures before peers' notes
 
 

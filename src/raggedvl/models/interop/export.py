@@ -73,6 +73,20 @@ def check_exportable(config: Any, family: str, fmt: str) -> None:
         raise ValueError(f"transformers' ColQwen2ForRetrieval is for Qwen2-VL backbones; this one is {family}")
 
 
+def start_export(retriever: Retriever, output: str | os.PathLike, fmt: str, merged_because: str) -> tuple[Path, list[str]]:
+    """The checks and first steps every full-weights export shares: ``check_exportable``, the
+    output folder created, LoRA merged into the weights in place (``merged_because``: why the
+    format needs it, for the model card's note). Returns the folder and the notes so far."""
+    check_exportable(retriever.config, retriever.family.name, fmt)
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    notes = []
+    if retriever.config.lora is not None:
+        retriever.merge_lora()
+        notes.append(f"LoRA adapters were merged into the weights ({merged_because})")
+    return out, notes
+
+
 def export_colpali(retriever: Retriever, processor: Any, output: str | os.PathLike, *, merge_lora: bool = False) -> list[str]:
     """Write ``retriever`` (and ``processor``) as a colpali-engine checkpoint (module docstring).
 
@@ -166,13 +180,7 @@ def export_transformers(retriever: Retriever, processor: Any, output: str | os.P
     the model card. Raises ``ValueError`` for a head or backbone the class cannot hold."""
     from transformers import ColQwen2Config, ColQwen2Processor
 
-    check_exportable(retriever.config, retriever.family.name, "transformers")
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    notes = []
-    if retriever.config.lora is not None:
-        retriever.merge_lora()
-        notes.append("LoRA adapters were merged into the weights (ColQwen2ForRetrieval has no adapter layout)")
+    out, notes = start_export(retriever, output, "transformers", "ColQwen2ForRetrieval has no adapter layout")
     config = ColQwen2Config(vlm_config=retriever.base_model.config.to_dict(), embedding_dim=retriever.config.dim)
     config.architectures = ["ColQwen2ForRetrieval"]
     config.save_pretrained(out)

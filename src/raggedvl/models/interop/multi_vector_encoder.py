@@ -53,7 +53,7 @@ from ..backbone import load_backbone
 from ..lora import LoraSettings
 from ..retriever import Retriever, RetrieverConfig
 from ..weights import TensorFiles, save_tensors, write_json
-from .export import check_exportable, write_processor
+from .export import start_export, write_processor
 from .detect import PROMPTS_FILE, ST_CONFIG, ST_MODEL_TYPE, ST_MODULES, exported_prompts
 
 _ST = "sentence_transformers."
@@ -98,13 +98,8 @@ def export_multi_vector_encoder(retriever: Retriever, processor: Any, output: st
     """Write ``retriever`` (and ``processor``) as a sentence-transformers ``MultiVectorEncoder``
     folder (module docstring); LoRA is merged into the weights in place. Returns notes for the
     model card. Raises ``ValueError`` (before writing) for a head or backbone the layout cannot hold."""
-    check_exportable(retriever.config, retriever.family.name, "sentence-transformers")
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    notes = []
-    if retriever.config.lora is not None:
-        retriever.merge_lora()
-        notes.append("LoRA adapters were merged into the weights (the Transformer module holds the full base model)")
+    out, notes = start_export(retriever, output, "sentence-transformers",
+                              "the Transformer module holds the full base model")
     prompts = retriever.config.prompts
     config = retriever.base_model.config.__class__.from_dict(retriever.base_model.config.to_dict())
     config.architectures = [retriever.base_model.__class__.__name__]

@@ -1,11 +1,12 @@
 """The checkpoints of a ``raggedvl train`` run: the periodic save (synchronous, or one at a time
 in the background with ``--async-checkpoint``), the ``--save-best`` copy and ``--resume``.
 
-The training loop hands it a :class:`TrainingState` (what a checkpoint saves and a resume fills)
-and decides when; the on-disk format is ``raggedvl.app.checkpoint``'s. Collectives: every method
-but the constructor's stale-folder cleanup is called by every rank (DCP's and
-``all_gather_objects``); rank 0 prints the lines. Errors: ``CheckpointError`` on every rank
-alike (a full disk, non-finite weights, a failed write, no valid checkpoint to resume)."""
+The training loop decides when and hands over a :class:`TrainingState` (what a checkpoint saves
+and a resume fills); the on-disk format is ``raggedvl.app.checkpoint``'s. Collectives: save,
+finish_pending, save_best and resume are called by every rank (DCP's and ``all_gather_objects``),
+and so is the constructor with ``--async-checkpoint`` (it creates the writes' process group);
+rank 0 prints the lines. Errors: ``CheckpointError`` on every rank alike (no room on the disk,
+non-finite weights, a failed write, no checkpoint that verifies for a resume)."""
 
 from __future__ import annotations
 

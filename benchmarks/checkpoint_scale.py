@@ -84,7 +84,7 @@ def worker(rank: int, world: int, store: str, out: str, args, queue) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from raggedvl.app.checkpoint import save_checkpoint
+    from raggedvl.app.checkpoint import CheckpointContents, save_checkpoint
     from raggedvl.parallel import sharded_state_dicts, unwrap_model, wrap_model
     from raggedvl.parallel.sharded_state import read_sharded
     from raggedvl.parallel.wrap import load_sharded_state_dicts
@@ -116,8 +116,8 @@ def worker(rank: int, world: int, store: str, out: str, args, queue) -> None:
             else:
                 model_sd, optim_sd = sharded_state_dicts(model, optimizer)
                 model_sd = unwrap_model(model).weights_to_save(model_sd)  # LoRA: adapters and head only
-                save_checkpoint(folder, 1, model_state=model_sd, optimizer_state=optim_sd, rng_states=[{}] * world,
-                                trainer_state={"step": 1})
+                save_checkpoint(folder, 1, CheckpointContents(model_state=model_sd, optimizer_state=optim_sd,
+                                                              rng_states=[{}] * world, trainer_state={"step": 1}))
                 del model_sd, optim_sd
             save_s = time.perf_counter() - t0
             peak.stop.set()

@@ -43,7 +43,7 @@ def _runs(rank: int, world_size: int, data: str, cache: str, out: str) -> dict:
 
     from torch.distributed.checkpoint import filesystem
 
-    import raggedvl.app.loop as loop
+    import raggedvl.app.checkpointer as checkpointer
     from raggedvl.app.checkpoint import CheckpointError, checkpoint_weights
     from raggedvl.app.loop import Trainer
     from raggedvl.parallel import barrier
@@ -52,18 +52,18 @@ def _runs(rank: int, world_size: int, data: str, cache: str, out: str) -> dict:
     info = init_distributed()  # reuses the harness's gloo group
     result: dict = {}
     started = []  # at each save's start: the checkpoints complete so far
-    real_start = loop.start_checkpoint
+    real_start = checkpointer.start_checkpoint
 
-    def recording_start(root, step, **kwargs):
+    def recording_start(root, step, contents, **kwargs):
         started.append((step, sorted(p.name for p in Path(root).glob("step-*") if ".tmp-" not in p.name)))
-        return real_start(root, step, **kwargs)
+        return real_start(root, step, contents, **kwargs)
 
-    loop.start_checkpoint = recording_start
+    checkpointer.start_checkpoint = recording_start
     Trainer(_config(out, "sync", data, cache), info).run()
     started.clear()
     Trainer(_config(out, "async", data, cache, async_checkpoint=True), info).run()
     result["started"] = list(started)
-    loop.start_checkpoint = real_start
+    checkpointer.start_checkpoint = real_start
     if rank == 0:
         shutil.copytree(Path(out, "async"), Path(out, "resumed"))
         shutil.rmtree(Path(out, "resumed", "checkpoints", "step-000004"))

@@ -111,7 +111,7 @@ def _same_world(rank: int, world_size: int, data: str, cache: str, out: str) -> 
         own += [_local_bytes(t) for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         probe = _CreatedTensors()
         with probe.mode:
-            trainer.save(Path(out, "probed"))
+            trainer.checkpoints.save(trainer.training_state(), Path(out, "probed"))
         gather = _CreatedTensors()
         with gather.mode:  # the same probe around a full (gathered) state dict
             get_state_dict(unwrap_model(model), optimizer, options=StateDictOptions(full_state_dict=True))

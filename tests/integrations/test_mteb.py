@@ -173,7 +173,7 @@ def test_mteb_names_a_benchmark_for_its_tasks(monkeypatch):
 
 @pytest.mark.slow  # builds the run's tiny processor (session data cache) and evaluates twice
 def test_a_run_directory_scores_the_same_through_mteb_and_raggedvl_eval(setup, small_data_cache, monkeypatch, capsys, tmp_path):
-    from raggedvl.app.checkpoint import save_checkpoint
+    from raggedvl.app.checkpoint import CheckpointContents, save_checkpoint
     from raggedvl.app.cli import main
     from raggedvl.app.config import TrainConfig
     from raggedvl.app.setup import build_cfg_processor, build_model
@@ -185,8 +185,9 @@ def test_a_run_directory_scores_the_same_through_mteb_and_raggedvl_eval(setup, s
     cfg = TrainConfig(output_dir=str(run), data_cache=str(small_data_cache), max_train_samples=SMALL_TRAIN_PAIRS,
                       max_eval_samples=SMALL_DEV_PAIRS, max_length=512)
     trained = build_model(dataclasses.replace(cfg, seed=7), build_cfg_processor(cfg))  # weights the run's seed does not build
-    save_checkpoint(run / "checkpoints", 5, model_state=trained.state_dict(), optimizer_state={}, rng_states=[],
-                    trainer_state={"step": 5, "epoch": 0, "world_size": 1, "config": cfg.to_dict()})
+    save_checkpoint(run / "checkpoints", 5, CheckpointContents(
+        model_state=trained.state_dict(), optimizer_state={}, rng_states=[],
+        trainer_state={"step": 5, "epoch": 0, "world_size": 1, "config": cfg.to_dict()}))
     task = local_vidore_task(folder)
     monkeypatch.setitem(importlib.import_module("mteb.get_tasks")._TASKS_REGISTRY, task.metadata.name, task)
     assert main(["eval", str(run), "--mteb", task.metadata.name, "--batch-size", "3", "--output", str(tmp_path / "m.json")]) == 0

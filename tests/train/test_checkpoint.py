@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from raggedvl.app.checkpoint import (
+    CheckpointContents,
     CheckpointError,
     checkpoint_weights,
     list_checkpoints,
@@ -22,11 +23,11 @@ from raggedvl.rng import capture_rng_state, restore_rng_state
 def _save(root, step, value=1.0, keep=2):
     model = {"w": torch.full((3, 2), value), "tied": torch.arange(4.0)}
     model["tied_alias"] = model["tied"]  # shared storage, as with tied embeddings
-    return save_checkpoint(
-        root, step, model_state=model, optimizer_state={"state": {0: {"exp_avg": torch.ones(2)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+    contents = CheckpointContents(
+        model_state=model, optimizer_state={"state": {0: {"exp_avg": torch.ones(2)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
         rng_states=[capture_rng_state(), capture_rng_state()], trainer_state={"step": step, "sampler": {"epoch": 0, "position": step}},
-        keep=keep,
     )
+    return save_checkpoint(root, step, contents, keep=keep)
 
 
 def test_round_trip_and_pruning(tmp_path):

@@ -65,7 +65,7 @@ def test_a_stream_started_at_a_claimed_position_continues_exactly():
         claimed.append(indices.positions.popleft())
     for k in range(1, 8):
         epoch, step = claimed[k - 1]
-        state = {**_sampler().state_dict(step=step), "epoch": epoch}  # as Trainer.save writes it
+        state = {**_sampler().state_dict(step=step), "epoch": epoch}  # as Checkpointer.save writes it
         _, _, resumed = _stream(workers=2, start=state)
         assert [next(resumed) for _ in range(2)] == seen[k:k + 2], k
 

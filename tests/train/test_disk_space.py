@@ -12,6 +12,7 @@ import torch
 
 from raggedvl.app import checkpoint as ckpt
 from raggedvl.app.checkpoint import (
+    CheckpointContents,
     CheckpointError,
     check_free_space,
     list_checkpoints,
@@ -23,8 +24,9 @@ Usage = namedtuple("Usage", "total used free")
 
 
 def _save(root, step, **extra):
-    return save_checkpoint(root, step, model_state={"w": torch.ones(1000)}, optimizer_state={"state": {}},
-                           rng_states=[{}], trainer_state={"step": step}, **extra)
+    contents = CheckpointContents(model_state={"w": torch.ones(1000)}, optimizer_state={"state": {}},
+                                  rng_states=[{}], trainer_state={"step": step})
+    return save_checkpoint(root, step, contents, **extra)
 
 
 def _free(monkeypatch, free):

@@ -107,7 +107,7 @@ def test_data_rewritten_under_the_same_name_is_refused(capsys, tmp_path, small_d
 
 
 def test_a_rank_started_by_torchrun_itself_gives_the_same_message(tmp_path, small_data_cache):
-    """`torchrun -m raggedvl.app.cli train --resume` skips the launcher: Trainer.resume applies the
+    """`torchrun -m raggedvl.app.cli train --resume` skips the launcher: Checkpointer.resume applies the
     same check to a real checkpoint, before loading it."""
     from raggedvl.app.loop import train
     from tests.conftest import SMALL_DEV_PAIRS, SMALL_TRAIN_PAIRS

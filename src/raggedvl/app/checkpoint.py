@@ -84,7 +84,7 @@ class CheckpointError(RuntimeError):
 @dataclass
 class Checkpoint:
     """The small files of a checkpoint; the weights are read by :func:`checkpoint_weights`, the
-    sharded state by the ranks (``raggedvl.app.loop.Trainer.resume``)."""
+    sharded state by the ranks (``raggedvl.app.checkpointer.Checkpointer.resume``)."""
 
     path: Path
     rng: list[dict[str, Any]]
@@ -120,31 +120,27 @@ def is_sharded(path: str | Path) -> bool:
     return (Path(path) / SHARDED[0] / ".metadata").is_file()
 
 
-def save_checkpoint(
-    root: str | Path,
-    step: int,
-    *,
-    model_state: dict[str, Any],
-    optimizer_state: dict[str, Any],
-    rng_states: list[dict[str, Any]],
-    trainer_state: dict[str, Any],
-    keep: int = 2,
-    extra_files: Callable[[Path], None] | None = None,
-) -> Path:
+@dataclass
+class CheckpointContents:
+    """What one checkpoint holds (the layout above), as each rank passes it to :func:`save_checkpoint`."""
+
+    model_state: dict[str, Any]  # this rank's (``raggedvl.parallel.sharded_state_dicts``: DTensor shards
+    optimizer_state: dict[str, Any]  # under FSDP2, the tensors themselves under DDP)
+    rng_states: list[dict[str, Any]]  # every rank's, indexed by rank (used on rank 0)
+    trainer_state: dict[str, Any]  # trainer_state.json (used on rank 0)
+    extra_files: Callable[[Path], None] | None = None  # rank 0: more files for the folder, before the manifest
+
+
+def save_checkpoint(root: str | Path, step: int, contents: CheckpointContents, *, keep: int = 2) -> Path:
     """Write one checkpoint atomically under ``root``; returns its path on every rank.
 
-    Collective under a process group: every rank calls it with its own ``model_state`` /
-    ``optimizer_state`` (``raggedvl.parallel.sharded_state_dicts``: DTensor shards under FSDP2,
-    the tensors themselves under DDP, where DCP writes each replicated tensor once); the
-    collectives are DCP's and three ``all_gather_objects`` (the folder, the hashes, the outcome).
-    ``rng_states`` (every rank's, indexed by rank), ``trainer_state`` and ``extra_files(folder)``
-    (more files for the checkpoint, before the manifest: the retriever's settings and processor)
-    are used on rank 0. Raises ``ValueError`` if ``keep < 1``, :class:`CheckpointError` on every
-    rank when any rank's write fails (nothing of the checkpoint is kept).
+    Collective under a process group: every rank calls it with its own ``contents`` (DCP writes
+    each tensor replicated under DDP once); the collectives are DCP's and three
+    ``all_gather_objects`` (the folder, the hashes, the outcome). Raises ``ValueError`` if
+    ``keep < 1``, :class:`CheckpointError` on every rank when any rank's write fails (nothing of
+    the checkpoint is kept).
     """
-    return finish_checkpoint(start_checkpoint(
-        root, step, model_state=model_state, optimizer_state=optimizer_state, rng_states=rng_states,
-        trainer_state=trainer_state, keep=keep, extra_files=extra_files))
+    return finish_checkpoint(start_checkpoint(root, step, contents, keep=keep))
 
 
 @dataclass
@@ -155,24 +151,12 @@ class PendingCheckpoint:
     step: int
     tmp: Path
     written: Callable[[], list[Path]]  # this rank's files once written; raises what the write raised
-    rng_states: list[dict[str, Any]]
-    trainer_state: dict[str, Any]
+    contents: CheckpointContents
     keep: int
-    extra_files: Callable[[Path], None] | None
 
 
-def start_checkpoint(
-    root: str | Path,
-    step: int,
-    *,
-    model_state: dict[str, Any],
-    optimizer_state: dict[str, Any],
-    rng_states: list[dict[str, Any]],
-    trainer_state: dict[str, Any],
-    keep: int = 2,
-    extra_files: Callable[[Path], None] | None = None,
-    background: tuple[Any, bool] | None = None,
-) -> PendingCheckpoint:
+def start_checkpoint(root: str | Path, step: int, contents: CheckpointContents, *, keep: int = 2,
+                     background: tuple[Any, bool] | None = None) -> PendingCheckpoint:
     """The first half of :func:`save_checkpoint` (same arguments): the temporary folder and the
     shards. ``background = (group, pinned)``: the shards are copied to host memory now and
     written in a background thread over ``group`` (``raggedvl.parallel.checkpoint_group``;
@@ -195,7 +179,7 @@ def start_checkpoint(
     if problem is not None:
         raise CheckpointError(problem)
     tmp = Path(tmp_name)
-    writes = [(tmp / name, state) for name, state in zip(SHARDED, (model_state, optimizer_state))]
+    writes = [(tmp / name, state) for name, state in zip(SHARDED, (contents.model_state, contents.optimizer_state))]
     if background is not None:
         written = BackgroundWrite(writes, background[0], pinned=background[1]).result
     else:
@@ -204,7 +188,7 @@ def start_checkpoint(
         except (OSError, RuntimeError) as exc:  # DCP's save raises on every rank when one rank's write fails
             outcome = exc
         written = functools.partial(_returned, outcome)
-    return PendingCheckpoint(root, step, tmp, written, rng_states, trainer_state, keep, extra_files)
+    return PendingCheckpoint(root, step, tmp, written, contents, keep)
 
 
 def _returned(outcome: list[Path] | BaseException) -> list[Path]:
@@ -230,23 +214,23 @@ def finish_checkpoint(pending: PendingCheckpoint) -> Path:
     final = pending.root / step_dir_name(pending.step)
     problem = None
     if get_rank() == 0:
-        problem = _finish(pending.root, pending.tmp, final, pending.step, reports, pending.rng_states,
-                          pending.trainer_state, pending.keep, pending.extra_files)
+        problem = _finish(pending, final, reports)
     problem = all_gather_objects(problem)[0]
     if problem is not None:
         raise CheckpointError(problem)
     return final
 
 
-def _finish(root, tmp, final, step, reports, rng_states, trainer_state, keep, extra_files) -> str | None:
+def _finish(pending: PendingCheckpoint, final: Path, reports: list[Any]) -> str | None:
     """Rank 0's part of :func:`save_checkpoint` once every rank wrote its shards: the small files,
     the manifest, the rename and the rotation; the problem to raise on every rank, or None."""
+    root, tmp = pending.root, pending.tmp
     failures = [(f"rank {rank}: {f[0]}", f[1]) for rank, (_, f) in enumerate(reports) if f is not None]
     try:
         if failures:
             raise _ShardsFailed(failures)
         shard_hashes = {name: entry for hashes, _ in reports for name, entry in hashes.items()}
-        _write_files(tmp, step, shard_hashes, rng_states, trainer_state, extra_files)
+        _write_files(tmp, pending.step, shard_hashes, pending.contents)
         if final.exists():  # a re-run of the same step replaces its older copy atomically
             old = root / f"{final.name}.old-{os.getpid()}"
             os.rename(final, old)
@@ -257,8 +241,8 @@ def _finish(root, tmp, final, step, reports, rng_states, trainer_state, keep, ex
         _fsync_dir(root)
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
-        return _write_failed(root, step, exc)
-    for stale in list_checkpoints(root)[keep:]:
+        return _write_failed(root, pending.step, exc)
+    for stale in list_checkpoints(root)[pending.keep:]:
         shutil.rmtree(stale, ignore_errors=True)
     return None
 
@@ -280,13 +264,14 @@ def _write_failed(root: Path, step: int, exc: BaseException) -> str:
             "was kept and older checkpoints are untouched; free space or choose another --output-dir, then --resume")
 
 
-def _write_files(tmp: Path, step: int, shard_hashes, rng_states, trainer_state, extra_files) -> None:
+def _write_files(tmp: Path, step: int, shard_hashes: dict[str, Any], contents: CheckpointContents) -> None:
     """Rank 0's files, then the manifest: the ranks' ``shard_hashes`` and a hash of every other
     file (the DCP metadata, the RNG states, the trainer state, the settings and processor)."""
-    torch.save(rng_states, tmp / "rng.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, sort_keys=True), encoding="utf-8")
-    if extra_files is not None:
-        extra_files(tmp)
+    torch.save(contents.rng_states, tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(contents.trainer_state, indent=2, sort_keys=True),
+                                            encoding="utf-8")
+    if contents.extra_files is not None:
+        contents.extra_files(tmp)
     manifest = dict(shard_hashes)
     for p in sorted(p for p in tmp.rglob("*") if p.is_file()):
         name = p.relative_to(tmp).as_posix()

@@ -4,15 +4,16 @@ Per optimizer step every rank: takes its cost-balanced share of the global batch
 sampler (per-rank sample counts may differ), encodes its queries and documents, computes the
 exact cross-rank contrastive loss (documents, and queries where needed, are all-gathered with
 gradient; DESIGN.md section 4) and steps. After DDP's gradient average every parameter holds
-the single-process gradient of the global batch. Rank 0 logs, evaluates and writes
-checkpoints; all ranks run the same number of steps (the sampler guarantees it).
+the single-process gradient of the global batch. All ranks run the same number of steps (the
+sampler guarantees it). ``Trainer.run`` sequences the run's components: its record
+(``raggedvl.app.run_log``), its evaluations (``raggedvl.app.dev_evaluation``) and its checkpoints
+(``raggedvl.app.checkpointer``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
 import os
 import sys
@@ -29,16 +30,10 @@ from raggedvl.parallel import (
     StallWatchdog,
     VisionRebalancer,
     all_gather_floats,
-    all_gather_objects,
     barrier,
-    checkpoint_group,
     init_distributed,
     is_distributed,
-    load_full_state_dicts,
-    load_sharded_state_dicts,
-    read_sharded,
     report_failure,
-    sharded_state_dicts,
     shutdown,
     unwrap_model,
     wrap_model,
@@ -48,35 +43,21 @@ from raggedvl.data.positives import EpochPositives
 from raggedvl.evaluation.metrics import mean_pairwise_cosine
 from raggedvl.losses import loss_with_negatives
 from raggedvl.app.batches import StepIndices, step_batches
-from raggedvl.app.checkpoint import (
-    SHARDED,
-    CheckpointError,
-    PendingCheckpoint,
-    check_free_space,
-    finish_checkpoint,
-    is_sharded,
-    list_checkpoints,
-    load_latest_checkpoint,
-    load_older_state,
-    remove_stale_temporaries,
-    start_checkpoint,
-)
+from raggedvl.app.checkpoint import list_checkpoints
+from raggedvl.app.checkpointer import Checkpointer, TrainingState
 from raggedvl.app.collapse import CollapseCheck, chance_loss
 from raggedvl.app.config import TRAIN_CONFIG_NAME, TrainConfig
-from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
+from raggedvl.app.dev_evaluation import DevEvaluation
 from raggedvl.app.fault_injection import FAULT_ENV, inject_fault
 from raggedvl.app.interrupts import ignore_sigint, peer_interrupted, restore_sigint, stop_interrupted
 from raggedvl.gradcache import grad_cache_step
 from raggedvl.app.preemption import PreemptionRequest, report_preempted
 from raggedvl.app.report import write_summary
-from raggedvl.app.resume import check_resume_settings
-from raggedvl.rng import capture_rng_state, restore_rng_state
 from raggedvl.app.progress import PADDING_KEYS, batch_padding, peak_memory_mib
 from raggedvl.app.rundir import check_output_dir
 from raggedvl.app.setup import (
     RunData,
     build_components,
-    load_scheduler_state,
     make_scheduler,
     row_sources,
     sources_text,
@@ -160,19 +141,6 @@ class StepResult:
 _NAN = float("nan")
 
 
-def _checkpoint_estimate(model: torch.nn.Module) -> int:
-    """Bytes a checkpoint of ``model`` writes at most: every weight in float32 plus AdamW's two
-    float32 moments of each trainable one."""
-    return sum(p.numel() * 4 * (3 if p.requires_grad else 1) for p in model.parameters())
-
-
-def _weights_finite(model: torch.nn.Module) -> torch.Tensor:
-    """``[1.0]`` when every weight this rank holds (its shards under FSDP2) is finite, else ``[0.0]``
-    (float64, on the weights' device; no host sync)."""
-    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters()]
-    return torch.stack([torch.isfinite(t).all() for t in local]).all().to(torch.float64).reshape(1)
-
-
 class NonFiniteTraining(RuntimeError):
     """``max_nonfinite_steps`` steps in a row had a NaN or infinite gradient norm."""
 
@@ -192,12 +160,9 @@ class Trainer:
         self.step_hooks = tuple(step_hooks)
         self.watchdog = StallWatchdog(info.rank, cfg.collective_timeout_s, enabled=info.world_size > 1)
         self.run_dir = Path(cfg.output_dir)
-        self.ckpt_dir = self.run_dir / "checkpoints"
         check_output_dir(cfg)  # every rank sees the same directory: all raise, before any collective
         if info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            for stale in remove_stale_temporaries(self.ckpt_dir):  # a killed writer's half checkpoint
-                print(f"removed {stale}: an unfinished checkpoint of an earlier process", file=sys.stderr, flush=True)
             cfg.save(self.run_dir / TRAIN_CONFIG_NAME)  # not config.json: transformers would read it as a model
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.c = build_components(cfg, info, data)
@@ -232,142 +197,17 @@ class Trainer:
         self.false_negatives = 0  # (query, page) pairs the loss masked, all ranks, in this process's run
         self.nonfinite_streak = 0  # steps in a row not applied for a non-finite gradient norm
         self.preemption = PreemptionRequest()  # train() installs the signal handlers
-        self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote
-        self.pending: PendingCheckpoint | None = None  # --async-checkpoint: the save being written
-        self.resumed_world_size: int | None = None  # the processes that wrote the checkpoint resumed from
-        self.checkpoint_group = checkpoint_group() if cfg.async_checkpoint else None  # its writes' collectives
+        self.checkpoints = Checkpointer(cfg, info, self.run_dir)  # removes a killed writer's half checkpoint
         # bf16 autocast: by default on CUDA; on CPU only when asked for explicitly (slow there).
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and info.device.type == "cuda")
         self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        self.evaluation = DevEvaluation(cfg, info, self.c.collate,
+                                        {"train": self.c.train_eval_set, "dev": self.c.eval_set}, self.autocast)
 
-    # ----------------------------------------------------------------- checkpoints
-    def save(self, root: Path | None = None, keep: int | None = None) -> None:
-        """A sharded checkpoint of this step under ``root`` (default: the run's checkpoints/):
-        every rank writes its own shards of the weights and the optimizer state, nothing is
-        gathered (``raggedvl.app.checkpoint``). Collective: every rank calls it. Raises
-        ``CheckpointError`` on every rank, writing nothing, when any weight is NaN or infinite
-        or the write fails on any rank. With ``--async-checkpoint`` (saves into the run's
-        checkpoints/) the previous background save is completed first, then the shards are
-        copied to host memory and written in the background (:meth:`finish_pending`)."""
-        self.finish_pending()
-        problem = None
-        if self.info.is_main:  # rank 0 writes: its disk decides, every rank raises alike
-            try:
-                check_free_space(root or self.ckpt_dir, self.step, _checkpoint_estimate(self.model))
-            except CheckpointError as exc:
-                problem = str(exc)
-        problem = all_gather_objects(problem)[0]
-        if problem is not None:
-            raise CheckpointError(problem)
-        if not all(row[0] == 1.0 for row in all_gather_floats(_weights_finite(self.model))):
-            raise CheckpointError(f"the weights of step {self.step} are not finite (NaN or inf): not saved, so the "
-                                  "last checkpoint stays the newest; lower --lr or raise --temperature")
-        model_sd, optim_sd = sharded_state_dicts(self.model, self.optimizer)
-        retriever = unwrap_model(self.model)
-        if root is None:
-            self.saved_step = self.step
-        rng = all_gather_objects(capture_rng_state())
-
-        def settings_and_processor(folder: Path) -> None:  # for export, eval and --model
-            retriever.save_settings(folder)
-            self.c.processor.save_pretrained(folder)
-
-        background = root is None and self.cfg.async_checkpoint
-        pending = start_checkpoint(
-            root or self.ckpt_dir,
-            self.step,
-            model_state=retriever.weights_to_save(model_sd),  # LoRA on a named base: adapters + head
-            optimizer_state=optim_sd,
-            rng_states=rng,
-            trainer_state={
-                "step": self.step,
-                "epoch": self.epoch,
-                "world_size": self.info.world_size,
-                "sampler": {**self.c.sampler.state_dict(step=self.sampler_position[1]),
-                            "epoch": self.sampler_position[0]},
-                "scheduler": self.scheduler.state_dict(),
-                "config": self.cfg.to_dict(),
-            },
-            keep=keep or self.cfg.keep_checkpoints,
-            extra_files=settings_and_processor,
-            background=(self.checkpoint_group, self.info.device.type == "cuda") if background else None,
-        )
-        if background:
-            self.pending = pending
-        else:
-            finish_checkpoint(pending)
-
-    def finish_pending(self) -> None:
-        """Complete the background save in flight, if any (each rank waits for its write and
-        hashes its files; rank 0 writes the manifest and renames the folder into place).
-        Collective. Raises ``CheckpointError`` on every rank, naming the save's step, when it
-        failed on any rank."""
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return
-        try:
-            finish_checkpoint(pending)
-        except CheckpointError as exc:
-            raise CheckpointError(f"the background checkpoint of step {pending.step} failed: {exc}") from exc
-
-    def save_best(self) -> None:
-        """With ``--save-best METRIC``: evaluate the dev benchmark and, when METRIC beats every
-        earlier evaluation of this run (ties keep the earlier one), replace ``<output_dir>/best``
-        with a checkpoint of this step; ``best/best.json`` holds the step and the dev metrics.
-        Collective: every rank calls it (the evaluation is sharded)."""
-        metric = self.cfg.save_best
-        dev = self.evaluate()["dev"]
-        best_file = self.run_dir / "best" / "best.json"
-        previous = json.loads(best_file.read_text())["value"] if best_file.is_file() else None
-        value = dev[metric]
-        if self.info.is_main:
-            self.run_log.write({"event": "eval_best", "step": self.step, f"dev/{metric}": value},
-                               {f"dev/{metric}": value})
-        if previous is not None and not value > previous:
-            self.log(f"step {self.step}: dev {metric} {value:.4f} (best {previous:.4f})")
-            return
-        self.save(self.run_dir / "best", keep=1)
-        if self.info.is_main:
-            record = {"metric": metric, "value": value, "step": self.step,
-                      "dev": dev}
-            best_file.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-            self.log(f"step {self.step}: dev {metric} {value:.4f}: new best, saved to {best_file.parent}")
-        barrier()
-
-    def resume(self) -> bool:
-        """Continue from the newest checkpoint that verifies (the ranks hash it together): each
-        rank reads its own shards of the weights and the optimizer state (resharded when the
-        checkpoint was written by another number of processes), the scheduler, the sampler
-        position and its RNG state. Collective. Returns False when there is no checkpoint."""
-        ckpt, problems = load_latest_checkpoint(self.ckpt_dir, shared=True)
-        for p in problems:
-            self.log(f"warning: skipped checkpoint: {p}")
-        if ckpt is None:
-            if problems:
-                raise CheckpointError(f"--resume: no valid checkpoint in {self.ckpt_dir}: " + "; ".join(problems))
-            self.log(f"--resume: no checkpoint in {self.ckpt_dir}; starting from scratch")
-            return False
-        # the launcher's pre-flight check, again for ranks that torchrun started directly (same verdict on every rank)
-        note = check_resume_settings(self.cfg, self.info.world_size, ckpt.path, ckpt.state)
-        if is_sharded(ckpt.path):
-            model_sd, optim_sd = sharded_state_dicts(self.model, self.optimizer)  # this rank's shards: the template
-            model_sd = unwrap_model(self.model).weights_to_save(model_sd)
-            for name, state in zip(SHARDED, (model_sd, optim_sd)):
-                read_sharded(ckpt.path / name, state)
-            load_sharded_state_dicts(self.model, self.optimizer, model_sd, optim_sd)
-        else:  # the single-file layout of older versions: every rank reads the whole state
-            load_full_state_dicts(self.model, self.optimizer, *load_older_state(ckpt.path))
-        load_scheduler_state(self.scheduler, ckpt.state["scheduler"])
-        self.c.sampler.load_state_dict(ckpt.state["sampler"])  # on another world size: the same global batches
-        restore_rng_state(ckpt.rng[self.info.rank % len(ckpt.rng)])  # a rank the checkpoint lacks: a saved one's
-        self.step = ckpt.state["step"]
-        self.epoch = ckpt.state["epoch"]
-        self.sampler_position = (ckpt.state["sampler"]["epoch"], self.c.sampler.state_dict()["step"])
-        self.resumed_world_size = ckpt.state.get("world_size", self.info.world_size)
-        if note:
-            self.log(note)
-        self.log(f"resumed from {ckpt.path} at step {self.step}")
-        return True
+    def training_state(self) -> TrainingState:
+        """What a checkpoint of this step saves (``raggedvl.app.checkpointer``)."""
+        return TrainingState(self.model, self.optimizer, self.scheduler, self.c.sampler, self.c.processor,
+                             self.step, self.epoch, self.sampler_position)
 
     # ----------------------------------------------------------------- steps
     def log(self, msg: str) -> None:
@@ -473,16 +313,18 @@ class Trainer:
         rank 0's one line, and the summary ``{"preempted": True, ...}``. Collective."""
         cfg = self.cfg
         late = signal_age_s > cfg.preemption_grace_s
-        if self.saved_step != self.step and not late and cfg.checkpoint_on_signal:
+        saved = self.checkpoints.saved_step == self.step
+        if not saved and not late and cfg.checkpoint_on_signal:
             self.watchdog.enter(f"writing the checkpoint of step {self.step} (preempted)")
-            self.save()
-        self.finish_pending()
-        newest = list_checkpoints(self.ckpt_dir)
-        where = str(newest[0]) if newest else "none"
-        if late and self.saved_step != self.step:
+            self.checkpoints.save(self.training_state())
+            saved = True
+        self.checkpoints.finish_pending()
+        newest = self.checkpoints.newest()
+        where = str(newest) if newest else "none"
+        if late and not saved:
             what = (f"not saved: {signal_age_s:.0f} s after the signal, past --preemption-grace-s "
                     f"{cfg.preemption_grace_s:g}; last checkpoint: {where}")
-        elif self.saved_step != self.step:
+        elif not saved:
             what = f"not saved (--checkpoint-on-signal false); last checkpoint: {where}"
         else:
             what = f"checkpoint: {where}"
@@ -492,7 +334,7 @@ class Trainer:
             print(line, file=sys.stderr, flush=True)
             report_preempted(line)
         self.run_log.write({"event": "preempted", "step": self.step, "signal_age_s": signal_age_s,
-                            "checkpoint": where if self.saved_step == self.step else None})
+                            "checkpoint": where if saved else None})
         self.run_log.close()
         barrier()
         return {"preempted": True, "step": self.step, "checkpoint": where if newest else None}
@@ -537,42 +379,18 @@ class Trainer:
         return {"vision_max_over_mean": [plan.max_over_mean_before, plan.max_over_mean_after],
                 "vision_images_moved": plan.moved}
 
-    def evaluate(self) -> dict[str, dict[str, float]]:
-        """Metrics on the training pairs (memorisation) and the dev benchmark, sharded over ranks
-        (``raggedvl.evaluation.evaluator``); ``n`` is the number of documents ranked."""
-        model = unwrap_model(self.model) if self.cfg.strategy == "ddp" else self.model
-        retriever = unwrap_model(self.model)
-        rebalancer = getattr(retriever, "vision_rebalancer", None)  # off: evaluation shards may give ranks
-        if rebalancer is not None:                                   # different batch counts
-            retriever.set_vision_rebalancer(None)
-        out = {}
-        try:
-            for name, bench in (("train", self.c.train_eval_set), ("dev", self.c.eval_set)):
-                if bench is None:
-                    continue
-                metrics = evaluate_benchmark(model, self.c.collate, bench, batch_size=self.cfg.eval_batch_size,
-                                             device=self.info.device, autocast=self.autocast)
-                out[name] = {**metrics, "n": metrics["documents"]}
-        finally:
-            if rebalancer is not None:
-                retriever.set_vision_rebalancer(rebalancer)
-        return out
-
     # ----------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
         cfg, info = self.cfg, self.info
-        resumed = self.resume() if cfg.resume else False
-        log = self.run_log = RunLog(cfg, self.run_dir, enabled=info.is_main, resume_step=self.step if resumed else None,
-                                    world_size=info.world_size, costs=self.c.costs,
-                                    checkpoint_world_size=self.resumed_world_size if resumed else None)
+        resumed = self.checkpoints.resume(self.training_state()) if cfg.resume else None
+        if resumed is not None:
+            self.step, self.epoch, self.sampler_position = resumed.step, resumed.epoch, resumed.sampler_position
+        log = self.run_log = RunLog(cfg, self.run_dir, enabled=info.is_main,
+                                    resume_step=self.step if resumed else None, world_size=info.world_size,
+                                    costs=self.c.costs, checkpoint_world_size=resumed.world_size if resumed else None)
         batches = self.batch_stream()  # the data workers collate the first batches during what follows
-        before = None
         self.watchdog.enter("in evaluation before training", watch=False)
-        if cfg.eval_before and not resumed:
-            t0 = time.perf_counter()
-            before = self.evaluate()
-            self.clock.add({"eval_before": time.perf_counter() - t0})
-            log.evaluation("eval_before", 0, before)
+        before = None if resumed else self.evaluation.before_training(self.model, log, self.clock)
         if info.is_main:
             pairs = training_pairs_text(cfg, self.c.costs, getattr(self.c.train_set, "part_sizes", None),
                                         self._duplicates(), row_sources(cfg, self.c.train_set))
@@ -614,10 +432,10 @@ class Trainer:
                 self.stopped_by_collapse = cfg.stop_on_collapse
             if self.step % cfg.checkpoint_every == 0 or self.step == self.total_steps or self.stopped_by_collapse:
                 self.watchdog.enter(f"writing the checkpoint of step {self.step}")
-                self.save()
+                self.checkpoints.save(self.training_state())
                 if cfg.save_best is not None:
                     self.watchdog.enter(f"evaluating step {self.step} for --save-best", watch=False)
-                    self.save_best()
+                    self.checkpoints.save_best(self.training_state(), self.evaluation, log)
             if self.stopped_by_collapse:
                 break
             signal_age = max(p.signal_age_s for p in r.ranks)  # the same on every rank
@@ -626,17 +444,16 @@ class Trainer:
                 return self._stop_preempted(signal_age)
         log.close_progress()
         self.watchdog.enter(f"completing the checkpoint of step {self.step}")
-        self.finish_pending()
+        self.checkpoints.finish_pending()
         self.watchdog.enter("in evaluation after training", watch=False)
-        after = self.evaluate() if cfg.eval_after else None
+        after = self.evaluation.after_training(self.model)
         records = log.finish(self.step, after)
         summary: dict[str, Any] = {}
         if info.is_main:
-            benches = {"train": self.c.train_eval_set, "dev": self.c.eval_set}
-            random = {split: random_baseline(bench) for split, bench in benches.items() if bench is not None}
             summary = write_summary(
-                self.run_dir, records, before, after, random, steps=self.step, global_batch_size=cfg.global_batch_size,
-                world_size=info.world_size, place=run_place(info.world_size, info.backend, info.device.type),
+                self.run_dir, records, before, after, self.evaluation.random_baselines(), steps=self.step,
+                global_batch_size=cfg.global_batch_size, world_size=info.world_size,
+                place=run_place(info.world_size, info.backend, info.device.type),
                 loss=cfg.loss, on_bad_image=cfg.on_bad_image, skipped_examples=self.skipped,
                 rejected_pairs=len(self.c.costs.skipped), estimated_pairs=len(self.c.costs.costs),
                 notes=self._collapse_notes() + self._false_negative_notes() + self._source_notes()

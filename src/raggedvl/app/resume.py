@@ -1,7 +1,7 @@
 """What ``raggedvl train --resume`` needs to keep from the run it continues, checked in the
 launching process before any rank starts (a mismatch used to surface inside a rank, as the
 sampler's or ``load_state_dict``'s error, after the model was built), and again by
-``Trainer.resume`` for ranks that torchrun started directly.
+``raggedvl.app.checkpointer.Checkpointer.resume`` for ranks that torchrun started directly.
 
 A checkpoint holds weights of one shape, a sampler position in one plan and an optimizer at one
 learning rate. Continuing it is exact only with the settings that produced them:

@@ -46,7 +46,7 @@ def check_installed(names: tuple[str, ...]) -> None:
 
 
 EVAL_TAGS = {"train": "memorisation", "dev": "dev"}
-"""Tracker tag prefix of each evaluated split (``Trainer.evaluate``'s keys): the training pairs
+"""Tracker tag prefix of each evaluated split (``DevEvaluation.evaluate``'s keys): the training pairs
 scored show memorisation, kept apart from the ``train/`` numbers of the steps (the loss)."""
 EVAL_EXTRA = ("mean_rank", "random_mean_rank")
 """Tracked besides ``raggedvl.evaluation.METRICS``: the first relevant document's mean rank and
@@ -54,7 +54,7 @@ its value for a random ranking (the chance baseline)."""
 
 
 def eval_scalars(results: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """The tracker scalars of one evaluation (``{split: metrics}``, as ``Trainer.evaluate``
+    """The tracker scalars of one evaluation (``{split: metrics}``, as ``DevEvaluation.evaluate``
     returns): per split, ``<EVAL_TAGS[split]>/<metric>`` for the retrieval metrics
     (``ndcg@k``, ``recall@k``, ``mrr@k``, ``map@k``) and ``EVAL_EXTRA``; counts (queries,
     documents), standard errors and diagnostics stay in ``metrics.jsonl``. Imports torch (the

@@ -41,14 +41,14 @@ def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
          "has no column 'pgae' (columns: ['question', 'page', 'doc_id']); did you mean 'page'? pass --image-column"),
         (["eval", "runs/a", "--dataset", renamed, "--query-column", "question", "--image-column", "page",
           "--id-column", "doc-id"], "has no id column 'doc-id'"),
-        # encode names the columns' flags it has (it used to print --query-column, which it lacked)
+        # encode reads documents only: no query column, and its own column flags in the fix
         (["encode", "runs/a", "--dataset", renamed, "--output", "index"],
-         f"{renamed} split 'test' has no column 'query' (columns: ['question', 'page', 'doc_id']); "
-         "pass --query-column naming the right one"),
-        (["encode", "runs/a", "--dataset", renamed, "--output", "index", "--query-column", "question",
-          "--image-column", "pgae"], "did you mean 'page'? pass --image-column"),
-        (["encode", "runs/a", "--dataset", renamed, "--output", "index", "--query-column", "question",
-          "--image-column", "page", "--id-column", "docid"], "did you mean 'doc_id'? pass --id-column"),
+         f"{renamed} split 'test' has no column 'image' (columns: ['question', 'page', 'doc_id']); "
+         "did you mean 'page'? pass --image-column naming the right one"),
+        (["encode", "runs/a", "--dataset", renamed, "--output", "index", "--image-column", "pgae"],
+         "did you mean 'page'? pass --image-column"),
+        (["encode", "runs/a", "--dataset", renamed, "--output", "index", "--image-column", "page",
+          "--id-column", "docid"], "did you mean 'doc_id'? pass --id-column"),
     ]
     code = ("import sys, time; from raggedvl.app.cli import main\n"
             f"for argv in {[argv for argv, _ in cases]!r}:\n"

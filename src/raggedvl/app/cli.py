@@ -66,7 +66,8 @@ def _check_inputs(args, *, model: str, what: str, columns: Columns | None = None
         from raggedvl.data.scan import check_columns
         from raggedvl.data.source import DataSource
 
-        table = DataSource.of(dataset).parquet(args.split or "test")  # None for a BEIR layout, a hub id...
+        source = DataSource.of(dataset)
+        table = source.parquet(args.split or source.default_split("test"))  # None for a BEIR layout, a hub id...
         if table is not None:
             with flags_for_columns(keys=False):
                 check_columns(table.columns, table.where, columns)
@@ -96,7 +97,7 @@ def _encode(args, argv: Sequence[str]) -> int:
     _start_ranks(args, argv, "encode")
     from raggedvl.app.index_commands import encode_corpus
 
-    kwargs = command_arguments(opts, drop=("nproc_per_node", "query_column", "image_column", "id_column"))
+    kwargs = command_arguments(opts, drop=("nproc_per_node", "image_column", "id_column"))
     encode_corpus(args.checkpoint, columns=opts.columns(), **kwargs)
     return 0
 

@@ -501,7 +501,7 @@ class RetrievalDataset(Sequence):
             if column is not None and is_text_type(table.schema.field(column).type):  # paths, or text?
                 check_not_text(table.column(column).slice(0, TEXT_SAMPLE_ROWS).to_pylist(), role=role,
                                columns=columns, where=where, available=available, base_dir=base_dir)
-        queries = table.column(columns.query).to_pylist()
+        queries = table.column(columns.query).to_pylist() if columns.query else [None] * table.num_rows
         ids = ([str(v) for v in table.column(columns.id).to_pylist()] if columns.id
                else [f"{split}-{i}" for i in range(len(queries))])
         keep, skipped = kept_rows(queries, ids, where, on_empty_query, limit)

@@ -145,3 +145,45 @@ def test_a_warmup_longer_than_the_run_is_one_warning_line_with_the_fix(tmp_path,
         trainer.optimizer.step()
         trainer.scheduler.step()
     assert used == pytest.approx([0.0, 2e-4 / 3, 4e-4 / 3, 2e-4])
+
+
+def test_one_line_says_what_a_start_loads_before_its_silent_part(tmp_path, capsys, monkeypatch):
+    """The launcher, once its checks pass, prints one line naming the model, the data and the
+    processes, before it starts them; a rank prints it only under a torchrun that raggedvl's
+    launcher did not start (no ``RAGGEDVL_STARTUP``), and only rank 0."""
+    from raggedvl.app import loop
+    from raggedvl.app.startup import ENV
+
+    from .test_preflight import _parquet
+
+    for name in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        monkeypatch.setenv(name, "1")  # restored after the test; plain_output sets them
+    data = _parquet(tmp_path / "train.parquet")
+
+    class Started(Exception):
+        pass
+
+    def started(cmd, env_updates=None):
+        raise Started
+
+    monkeypatch.setattr(launch, "exec_agent", started)
+    capsys.readouterr()  # what writing the data printed
+    argv = ["train", "--model", "tiny", "--dataset", data, "--global-batch-size", "4", "--eval-before", "false",
+            "--eval-after", "false", "--output-dir", str(tmp_path / "run")]
+    with pytest.raises(Started):
+        main([*argv, "--nproc-per-node", "2"])
+    assert capsys.readouterr().out == f"raggedvl: loading model tiny and data {data} on 2 processes...\n"
+
+    trained = []
+    monkeypatch.setattr(loop, "train", lambda cfg, clock: trained.append(cfg.model))
+    monkeypatch.setenv("LOCAL_RANK", "0")  # a rank: it trains (the stub) in this process
+    monkeypatch.delenv(ENV, raising=False)
+    for rank, launcher, line in (("0", None, f"raggedvl: loading model tiny and data {data} on 1 process...\n"),
+                                 ("1", None, ""), ("0", '{"command_start": 0, "phases_s": {}}', "")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "1" if rank == "0" else "2")
+        if launcher is not None:
+            monkeypatch.setenv(ENV, launcher)
+        assert main(argv) == 0
+        assert capsys.readouterr().out == line, (rank, launcher)
+    assert trained == ["tiny"] * 3

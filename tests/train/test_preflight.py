@@ -269,7 +269,7 @@ def _run_launcher(tmp_path, cases, *, before=""):
             "    print(rc, 'torch' in sys.modules, 'transformers' in sys.modules, flush=True)\n"
             "    print('---', file=sys.stderr, flush=True)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    results = [line.split() for line in out.stdout.splitlines() if line and not line.startswith("+")]
+    results = [line.split() for line in out.stdout.splitlines() if line and not line.startswith(("+", "raggedvl: loading"))]
     errors = out.stderr.split("---\n")[:-1]
     assert len(results) == len(errors) == len(cases), out.stdout + out.stderr
     return [(rc, torch == "True", transformers == "True", err) for (rc, torch, transformers), err in zip(results, errors)]

@@ -372,7 +372,7 @@ def launch_train(args, argv: Sequence[str]) -> int:
     import time
 
     from raggedvl.app.config import config_from_args
-    from raggedvl.app.startup import ENV, StartupClock, process_start_time
+    from raggedvl.app.startup import ENV, StartupClock, process_start_time, start_line
 
     rank = under_torchrun()
     clock = StartupClock.from_env() if rank else StartupClock()
@@ -384,6 +384,8 @@ def launch_train(args, argv: Sequence[str]) -> int:
         if quiet_ranks():  # started by raggedvl's agent: end with it
             end_with_agent()
         plain_output()
+        if ENV not in os.environ and os.environ.get("RANK", "0") == "0":  # a torchrun of its own: no launcher's line
+            print(start_line(cfg, int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
         from raggedvl.app.loop import train
 
         from raggedvl.app.restarts import resume_after_restart
@@ -401,6 +403,7 @@ def launch_train(args, argv: Sequence[str]) -> int:
     cmd = torchrun_command(args, strip_torchrun_arguments(argv))
     world, multi = check_world_fits(cfg, cmd)
     plain_output()
+    print(start_line(cfg, world), flush=True)
     if (world > 1 or multi) and not needs_torch(cfg, unchecked):  # all checked: the ranks prepare the data
         clock.add({"checks": clock.since_start()})
         exec_agent(cmd, {ENV: clock.to_env()})

@@ -19,6 +19,7 @@ from raggedvl.app.collapse import doc_cosine_warning
 from raggedvl.app.checkpoint import MANIFEST, checkpoint_weights, list_checkpoints, load_checkpoint_or_latest
 from raggedvl.app.config import TrainConfig
 from raggedvl.app.report import format_metrics_table
+from raggedvl.app.wording import counted
 
 
 def file_slug(text: str) -> str:
@@ -151,7 +152,8 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             output = Path(output) if output is not None else results_folder(described, cfg) / f"{file_slug(name)}-{split}.json"
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-            print(f"{described['path']}: {name} split {split!r}, {len(bench.queries)} queries, {len(bench.documents)} documents")
+            print(f"{described['path']}: {name} split {split!r}, {counted(len(bench.queries), 'query', 'queries')}, "
+                  f"{counted(len(bench.documents), 'document')}")
             print(format_metrics_table({"random ranker": results["random_ranker"], "checkpoint": metrics}))
             print(f"first relevant document's mean rank {metrics['mean_rank']:.1f} (random ranker {metrics['random_mean_rank']:.1f}); "
                   f"documents' mean pairwise cosine {metrics['doc_mean_cosine']:.4f}; results written to {output}")

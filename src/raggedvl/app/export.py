@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from raggedvl.app.checkpoint import MANIFEST, as_retriever_folder, find_checkpoint
 from raggedvl.app.config import TRAIN_CONFIG_NAME
+from raggedvl.app.wording import counted
 
 CARD_KEYS = ("model", "head", "dim", "lora", "lora_r", "lora_alpha", "lora_dropout", "loss", "temperature",
              "global_batch_size", "max_steps", "epochs", "lr", "head_lr", "weight_decay", "warmup_steps",
@@ -104,7 +105,7 @@ def _metrics_rows(run_dir: Path | None) -> dict[str, dict[str, float]]:
         record = json.loads(line) if line.strip() else {}
         label = {"eval_before": "before training", "eval_after": "after training"}.get(record.get("event"))
         for split, metrics in (record.get("raw") or {}).items() if label else ():
-            rows[f"{split}: {label} ({int(metrics.get('n', 0))} pairs)"] = metrics
+            rows[f"{split}: {label} ({counted(int(metrics.get('n', 0)), 'pair')})"] = metrics
     return rows
 
 

@@ -20,6 +20,7 @@ from raggedvl.app.column_flags import flags_for_columns
 from raggedvl.app.evaluate_checkpoint import load_model
 from raggedvl.data.columns import Columns
 from raggedvl.data.source import DataSource
+from raggedvl.app.wording import counted
 
 
 def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str | None = None, output: str | Path,
@@ -64,7 +65,8 @@ def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str | None = N
             skipped = len(docs) - sum(s["documents"] for s in shards)
             write_index(out, shards, kind=kind, dim=dims[0][1], dtype=dtype, model=described, dataset=str(dataset), split=split,
                         skipped_documents=skipped, raggedvl_version=__version__)
-            print(f"{sum(s['documents'] for s in shards)} documents ({skipped} skipped) in {len(shards)} shard(s): {out}")
+            print(f"{counted(sum(s['documents'] for s in shards), 'document')} ({skipped} skipped) in "
+                  f"{counted(len(shards), 'shard')}: {out}")
         barrier()
         return out
     finally:

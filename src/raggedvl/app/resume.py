@@ -36,6 +36,7 @@ from typing import Any
 from raggedvl.app.options import field_specs
 from raggedvl.app.checkpoint import MANIFEST, list_checkpoints
 from raggedvl.app.config import TrainConfig
+from raggedvl.app.wording import counted
 
 RESUME_KEYS = (
     "model", "head", "dim", "pooling", "lora", "lora_r", "lora_alpha",
@@ -128,7 +129,7 @@ def check_resume_settings(cfg: TrainConfig, world_size: int, checkpoint: Path, s
     saved_world = state.get("world_size")
     if saved_world is None or saved_world == world_size:
         return None
-    return (f"--resume: {checkpoint} was written by {saved_world} processes and continues on {world_size}: the same "
+    return (f"--resume: {checkpoint} was written by {counted(saved_world, 'process', 'processes')} and continues on {world_size}: the same "
             "global batches, partitioned over the new ranks; the sharded state is resharded as it loads")
 
 

@@ -34,9 +34,9 @@ def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
         (["search", "runs/a", "--index", "index", "--query", "q", "-k", "0"], "-k: k must be >= 1, got 0"),
         (["eval", "org/model"], "checkpoint 'org/model': the hub is off (HF_HUB_OFFLINE)"),
         (["eval", "runs/a", "--dataset", "org/bench"], "--dataset 'org/bench': the hub is off (HF_HUB_OFFLINE)"),
-        (["eval", "runs/a", "--dataset", renamed],
+        (["eval", "runs/a", "--dataset", renamed],  # another dataset's name for the query column
          f"{renamed} split 'test' has no column 'query' (columns: ['question', 'page', 'doc_id']); "
-         "pass --query-column naming the right one"),
+         "did you mean 'question'? pass --query-column naming the right one"),
         (["eval", "runs/a", "--dataset", renamed, "--query-column", "question", "--image-column", "pgae"],
          "has no column 'pgae' (columns: ['question', 'page', 'doc_id']); did you mean 'page'? pass --image-column"),
         (["eval", "runs/a", "--dataset", renamed, "--query-column", "question", "--image-column", "page",

@@ -190,7 +190,8 @@ Every command has its own help: raggedvl train --help lists each config key with
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports errors in one line and suggests the closest flag for an unknown one,
+    """argparse that reports errors in one line and suggests the closest flag for an unknown one
+    (and the closest choice for an invalid value),
     and takes no abbreviations (``--max-train`` is not ``--max-train-samples``: a shortened flag
     would silently change meaning when a longer flag is added). Subparsers are of this class too."""
 
@@ -200,6 +201,18 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def _check_value(self, action, value):  # type: ignore[override]
+        """argparse's "invalid choice" with the choice a mistyped value most likely meant."""
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as exc:
+            from raggedvl.app.options import choice_hint
+
+            hint = choice_hint(value, action.choices or ())
+            if not hint:
+                raise
+            raise argparse.ArgumentError(action, exc.message + hint) from None
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         namespace, extras = self.parse_known_args(args, namespace)

@@ -27,7 +27,6 @@ file are the same data).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 from pathlib import Path
@@ -37,6 +36,7 @@ from raggedvl.app.options import field_specs
 from raggedvl.app.checkpoint import MANIFEST, list_checkpoints
 from raggedvl.app.config import TrainConfig
 from raggedvl.app.wording import counted
+from raggedvl.suggest import closest
 
 RESUME_KEYS = (
     "model", "head", "dim", "pooling", "lora", "lora_r", "lora_alpha",
@@ -72,8 +72,8 @@ def check_something_to_resume(cfg: TrainConfig, resumed: tuple[Path, dict[str, A
     if resumed is None:
         parent = out.parent if str(out.parent) else Path(".")
         runs = sorted(p.name for p in parent.iterdir() if list_checkpoints(p / "checkpoints")) if parent.is_dir() else []
-        close = difflib.get_close_matches(out.name, runs, n=1, cutoff=0.6)
-        hint = f"; did you mean {str(parent / close[0])!r}?" if close else ""
+        close = closest(out.name, runs)
+        hint = f"; did you mean {str(parent / close)!r}?" if close else ""
         raise ValueError(f"--resume: {cfg.output_dir} holds no checkpoint to resume{hint} (to start a new run there, "
                          "leave out --resume)")
     checkpoint, state = resumed

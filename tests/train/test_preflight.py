@@ -235,6 +235,28 @@ def test_an_image_file_is_named_with_its_path(tmp_path):
         train.image_sizes()
 
 
+def test_a_missing_image_file_names_the_row_the_file_and_on_bad_image_skip(tmp_path, capsys):
+    """A training row whose image file is gone, found where the held-out split reads the images'
+    bytes (--eval-fraction: past the launcher's scan): one line naming the row, the file and
+    ``--on-bad-image skip``; with it, the run leaves the row out and trains."""
+    (tmp_path / "pages").mkdir()
+    for i in range(8):
+        if i != 3:
+            (tmp_path / "pages" / f"p{i}.png").write_bytes(_png(i))
+    data = {"query": [f"q {i}" for i in range(8)], "image": [f"pages/p{i}.png" for i in range(8)]}
+    datasets.Dataset.from_dict(data).to_parquet(str(tmp_path / "pairs.parquet"))
+    argv = ["--dataset", str(tmp_path / "pairs.parquet"), "--eval-fraction", "0.25", "--nproc-per-node", "1",
+            "--global-batch-size", "2", "--max-steps", "1", "--eval-before", "false", "--eval-after", "false"]
+    err = one_line_error(capsys, argv, tmp_path)
+    assert f"pairs.parquet split 'train' row 3 (id 'train-3'), file {tmp_path / 'pages' / 'p3.png'}: cannot read the " \
+           "image (FileNotFoundError: [Errno 2] No such file or directory" in err, err
+    assert err.rstrip().endswith("fix or remove it, or skip such images: on_bad_image='skip' (raggedvl: --on-bad-image "
+                                 "skip)"), err
+    assert main(["train", "--output-dir", str(tmp_path / "skipped"), *argv, "--on-bad-image", "skip"]) == 0
+    out = capsys.readouterr().out
+    assert "training 1 step," in out and "(1 more left out: image unreadable)" in out, out  # row 3, and only it
+
+
 def _negatives_parquet(path, n=8, *, corrupt=None, counts=None, single=False):
     """(query, image, doc_id, negs) rows, two hard negatives each (one when ``single``);
     ``corrupt``: (row, index) of a cut PNG; ``counts``: row -> how many negatives it holds."""

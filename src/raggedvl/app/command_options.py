@@ -116,7 +116,8 @@ class ExportOptions:
               "the prompts raggedvl trained with (any dim)", required=True)
     output: str = option(None, "a new (or empty) folder to write", required=True)
     merge_lora: bool = option(False, "colpali: fold LoRA into the weights and write a full checkpoint instead of an "
-                                     "adapter (transformers and sentence-transformers always merge); a model without LoRA is refused")
+                                     "adapter (transformers and sentence-transformers always merge); a model "
+                                     "without LoRA is refused")
 
 
 @dataclass

@@ -104,7 +104,8 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
     model directory ``build_retriever`` loads. ``dataset``: a benchmark (pairs or BEIR layout,
     local or hub; see ``raggedvl.evaluation.benchmark.load_benchmark``); default: the run's own
     evaluation split (with the run's overlap check). ``split`` default: the run's eval split, else
-    the dataset's one split, else "test". Runs on one process or under torchrun (queries and documents sharded over ranks).
+    the dataset's one split, else "test". Runs on one process or under torchrun (queries and
+    documents sharded over ranks).
     Rank 0 prints a table and writes ``output`` (default ``<run>/eval/<dataset>-<split>.json``
     for a run, else ``<model folder>/eval/<dataset>-<split>.json``). ``query_column`` / ``image_column`` /
     ``id_column``: the pairs' columns (None: with ``dataset``, ``query`` / ``image`` / row ids;

@@ -333,7 +333,8 @@ def _check_parquet_data(cfg, source) -> bool:
            else [f"{cfg.train_split}-{i}" for i in range(len(queries))])
     used, skipped = kept_rows(queries, ids, table.where, cfg.on_empty_query, cfg.max_train_samples)
     if not used:
-        raise ValueError(f"{table.where}: {'its one row was' if len(skipped) == 1 else f'all {len(skipped)} rows were'} left out for an empty or non-string query "
+        which = "its one row was" if len(skipped) == 1 else f"all {len(skipped)} rows were"
+        raise ValueError(f"{table.where}: {which} left out for an empty or non-string query "
                          "(--on-empty-query skip); nothing is left to train on")
     if cfg.source_column is not None:  # a row without a source value
         values = source_values(read_column(table, cfg.source_column), used, [ids[r] for r in used],

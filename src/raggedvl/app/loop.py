@@ -512,7 +512,8 @@ class Trainer:
                      f"({self.nonfinite_streak} of --max-nonfinite-steps {cfg.max_nonfinite_steps} in a row)")
             return
         raise NonFiniteTraining(
-            f"{counted(self.nonfinite_streak, 'step')} in a row had a non-finite gradient (last: {what}); none was applied and "
+            f"{counted(self.nonfinite_streak, 'step')} in a row had a non-finite gradient (last: {what}); none was "
+            "applied and "
             f"no checkpoint holds them. Likely causes: a learning rate too high (--lr {cfg.lr:g}), a temperature too "
             f"low (--temperature {cfg.temperature:g}) or bf16 overflow (--precision fp32); resume from the last "
             "checkpoint with a lower --lr")
@@ -658,7 +659,8 @@ class Trainer:
         if self.cfg.false_negatives == "keep":
             return ["false negatives kept as negatives (--false-negatives keep)"]
         return [f"false negatives removed from the loss (a query's own page among its candidates; "
-                f"--false-negatives mask): {counted(self.false_negatives, '(query, page) pair')} in the steps this invocation "
+                f"--false-negatives mask): {counted(self.false_negatives, '(query, page) pair')} in the steps this "
+                "invocation "
                 "trained"]
 
     def _source_notes(self) -> list[str]:
@@ -672,7 +674,8 @@ class Trainer:
         if self.stopped_by_collapse:
             return [f"STOPPED at step {self.step} of {self.total_steps}: {chance} (collapse; --stop-on-collapse)"]
         if self.collapse.fired:
-            return [f"WARNING: {chance} for {counted(self.collapse.patience, 'step')} in a row (collapse); see metrics.jsonl "
+            return [f"WARNING: {chance} for {counted(self.collapse.patience, 'step')} in a row (collapse); see "
+                    "metrics.jsonl "
                     "event 'collapse'"]
         return []
 
@@ -709,7 +712,8 @@ def warmup_warning(warmup_steps: int, total_steps: int, lr: float) -> str | None
                 f"learning rate (--lr {lr:g}), with no warmup; for a warmup, pass more --max-steps")
     suggest = min(cut - 1, math.ceil(0.1 * total_steps))  # below the cut: a warmup of cut steps never decays
     return (f"warning: --warmup-steps {warmup_steps} does not fit in this run's {total_steps} steps (at most "
-            f"{cut}): the warmup is cut to {counted(cut, 'step')}, so the learning rate rises for the whole run, reaches its "
+            f"{cut}): the warmup is cut to {counted(cut, 'step')}, so the learning rate rises for the whole run, "
+            "reaches its "
             f"peak (--lr {lr:g}) only at the last step and never decays; for a warmup then a decay, pass "
             f"--warmup-steps {suggest} (about 10 % of the steps) or more --max-steps")
 

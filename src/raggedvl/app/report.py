@@ -227,7 +227,8 @@ def write_summary(
     for split in ("train", "dev"):
         ref = (after or before or {}).get(split)
         if ref:
-            rows[f"{split}: random ranker ({counted(ref['queries'], 'query', 'queries')}, {counted(ref['n'], 'doc')})"] = random[split]
+            sizes = f"{counted(ref['queries'], 'query', 'queries')}, {counted(ref['n'], 'doc')}"
+            rows[f"{split}: random ranker ({sizes})"] = random[split]
         if before and split in before:
             rows[f"{split}: before training"] = before[split]
         if after and split in after:
@@ -266,7 +267,8 @@ def write_summary(
             lines.append(f"{split} ({'after' if after else 'before'} training): {chance_verdict(result)}")
         skipped = result.get("skipped_documents")
         if skipped:
-            which = "1 document with an unreadable image is" if skipped == 1 else f"{skipped} documents with unreadable images are"
+            which = ("1 document with an unreadable image is" if skipped == 1
+                     else f"{skipped} documents with unreadable images are")
             lines.append(f"{split}: {which} never retrieved")
     if rows:  # the note explains the table's metrics: no table, no note
         lines += ["", "Metrics are trec_eval's (pytrec_eval, as BEIR / mteb / ViDoRe report them): distinct images "

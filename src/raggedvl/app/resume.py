@@ -129,7 +129,8 @@ def check_resume_settings(cfg: TrainConfig, world_size: int, checkpoint: Path, s
     saved_world = state.get("world_size")
     if saved_world is None or saved_world == world_size:
         return None
-    return (f"--resume: {checkpoint} was written by {counted(saved_world, 'process', 'processes')} and continues on {world_size}: the same "
+    return (f"--resume: {checkpoint} was written by {counted(saved_world, 'process', 'processes')} and continues on "
+            f"{world_size}: the same "
             "global batches, partitioned over the new ranks; the sharded state is resharded as it loads")
 
 

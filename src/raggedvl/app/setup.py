@@ -257,7 +257,8 @@ def sources_text(cfg: TrainConfig, mixture: Mixture | None) -> str | None:
     (5 pairs, p=0.455)"``; None otherwise."""
     if mixture is None or not (mixture.one_source or cfg.source_column is not None):
         return None
-    parts = [f"{mixture.name(d)} ({counted(size, 'pair')}, p={w:.3g})" for d, (size, w) in enumerate(zip(mixture.sizes, mixture.weights))]
+    parts = [f"{mixture.name(d)} ({counted(size, 'pair')}, p={w:.3g})"
+             for d, (size, w) in enumerate(zip(mixture.sizes, mixture.weights))]
     return f"{'one-source' if mixture.one_source else 'mixed'} global batches from: " + ", ".join(parts)
 
 

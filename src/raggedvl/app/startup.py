@@ -68,4 +68,5 @@ def start_line(cfg: Any, processes: int) -> str:
     """The one line the launcher (or rank 0 under a torchrun it did not start) prints before the
     silent part of a start: the model and data ``cfg`` (a ``TrainConfig``) loads, on how many
     ``processes``."""
-    return f"raggedvl: loading model {cfg.model} and data {', '.join(cfg.datasets)} on {counted(processes, 'process', 'processes')}..."
+    on = counted(processes, "process", "processes")
+    return f"raggedvl: loading model {cfg.model} and data {', '.join(cfg.datasets)} on {on}..."

@@ -34,7 +34,7 @@ from tests import slowdown
 STARTUP_TIMEOUT_S = 600.0
 # Printed by rank 0 of `raggedvl train` after every rank joined the process group and built its
 # data and model (train/loop.py), i.e. when start-up is over.
-TRAIN_READY = r"training \d+ steps, world size \d+"
+TRAIN_READY = r"training \d+ steps?, world size \d+"
 
 
 @dataclass

@@ -135,6 +135,35 @@ def test_unknown_flags_and_keys_suggest_the_closest(tmp_path, capsys):
     assert "max_eval_samples" not in err  # not a list of all keys
 
 
+@pytest.mark.parametrize("argv, hint", [
+    (["--lr-rate", "1e-4"], "unrecognized arguments: --lr-rate 1e-4; did you mean '--lr'?"),  # not --lora-r
+    (["--batchsize", "4"], "unrecognized arguments: --batchsize 4; did you mean '--global-batch-size'?"),  # not eval's
+    (["--los", "infonce"], "unrecognized arguments: --los infonce; did you mean '--loss'?"),
+    (["--temp", "0.02"], "unrecognized arguments: --temp 0.02; did you mean '--temperature'?"),  # not --help
+    (["--strategy", "fsdp"], "argument --strategy: invalid choice: 'fsdp' (choose from 'ddp', 'fsdp2', 'hsdp'); "
+                             "did you mean 'fsdp2'?"),
+    (["--head", "bi"], "did you mean 'bi_encoder'?"),
+    (["--learnig-rate", "1e-4"], "did you mean '--lr'? (--learning-rate is transformers' name)"),
+    # nothing close: the message alone, no unrelated flag or value
+    (["--wandb"], "unrecognized arguments: --wandb (see"),  # not --head
+    (["--eval-every", "5"], "unrecognized arguments: --eval-every 5 (see"),  # not --log-every
+    (["--strategy", "zero3"], "(choose from 'ddp', 'fsdp2', 'hsdp') (see"),
+])
+def test_mistyped_flags_and_values_suggest_only_what_is_close(capsys, argv, hint):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert hint in err and err.count("\n") == 1, err
+
+
+def test_a_config_value_off_its_choices_suggests_the_closest(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("strategy: FSDP\n")
+    assert main(["train", "--config", str(path)]) == 2
+    assert "strategy='FSDP' is not one of ('ddp', 'fsdp2', 'hsdp'); did you mean 'fsdp2'?" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value", ["gpu", "auto", "cpu"])
 def test_nproc_per_node_words_reach_torchrun(value):
     argv = ["--nproc-per-node", value, "--lr", "0.1"]

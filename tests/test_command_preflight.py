@@ -34,21 +34,21 @@ def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
         (["search", "runs/a", "--index", "index", "--query", "q", "-k", "0"], "-k: k must be >= 1, got 0"),
         (["eval", "org/model"], "checkpoint 'org/model': the hub is off (HF_HUB_OFFLINE)"),
         (["eval", "runs/a", "--dataset", "org/bench"], "--dataset 'org/bench': the hub is off (HF_HUB_OFFLINE)"),
-        (["eval", "runs/a", "--dataset", renamed],
+        (["eval", "runs/a", "--dataset", renamed],  # another dataset's name for the query column
          f"{renamed} split 'test' has no column 'query' (columns: ['question', 'page', 'doc_id']); "
-         "pass --query-column naming the right one"),
+         "did you mean 'question'? pass --query-column naming the right one"),
         (["eval", "runs/a", "--dataset", renamed, "--query-column", "question", "--image-column", "pgae"],
          "has no column 'pgae' (columns: ['question', 'page', 'doc_id']); did you mean 'page'? pass --image-column"),
         (["eval", "runs/a", "--dataset", renamed, "--query-column", "question", "--image-column", "page",
           "--id-column", "doc-id"], "has no id column 'doc-id'"),
-        # encode names the columns' flags it has (it used to print --query-column, which it lacked)
+        # encode reads documents only: no query column, and its own column flags in the fix
         (["encode", "runs/a", "--dataset", renamed, "--output", "index"],
-         f"{renamed} split 'test' has no column 'query' (columns: ['question', 'page', 'doc_id']); "
-         "pass --query-column naming the right one"),
-        (["encode", "runs/a", "--dataset", renamed, "--output", "index", "--query-column", "question",
-          "--image-column", "pgae"], "did you mean 'page'? pass --image-column"),
-        (["encode", "runs/a", "--dataset", renamed, "--output", "index", "--query-column", "question",
-          "--image-column", "page", "--id-column", "docid"], "did you mean 'doc_id'? pass --id-column"),
+         f"{renamed} split 'test' has no column 'image' (columns: ['question', 'page', 'doc_id']); "
+         "did you mean 'page'? pass --image-column naming the right one"),
+        (["encode", "runs/a", "--dataset", renamed, "--output", "index", "--image-column", "pgae"],
+         "did you mean 'page'? pass --image-column"),
+        (["encode", "runs/a", "--dataset", renamed, "--output", "index", "--image-column", "page",
+          "--id-column", "docid"], "did you mean 'doc_id'? pass --id-column"),
     ]
     code = ("import sys, time; from raggedvl.app.cli import main\n"
             f"for argv in {[argv for argv, _ in cases]!r}:\n"

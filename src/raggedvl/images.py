@@ -65,6 +65,14 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {_IN_MEMORY_FILE.sub('', str(exc))}"
 
 
+def unreadable_image(source: Any, name: str, exc: BaseException) -> "BadImageError":
+    """The error for an image whose stored bytes cannot be read (a missing file, a file it may
+    not open, a source of no known form): ``name`` and the file (:func:`describe_source`), the
+    cause, and the fix (``--on-bad-image skip`` among them)."""
+    cause = f"cannot read the image ({_reason(exc)})"
+    return BadImageError(f"{describe_source(source, name)}: {cause}; {_BAD_IMAGE_FIX}", reason=cause)
+
+
 class BadImageError(ValueError):
     """An image that cannot be decoded or is outside the documented limits.
 

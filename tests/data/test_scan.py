@@ -271,3 +271,20 @@ def test_a_column_of_text_named_as_images_is_refused_and_a_column_of_paths_is_no
     with pytest.raises(ColumnError, match=r"^the hard-negatives column 'query' holds text.*it is the query column"):
         RetrievalDataset.from_hf(hf, columns=Columns(image="image", negatives="query"))
     assert len(RetrievalDataset.from_hf(hf, columns=Columns(image="page"), base_dir=tmp_path)) == 2
+
+
+def test_a_missing_column_suggests_a_close_name_or_another_datasets_name_for_it():
+    from raggedvl.data.columns import ColumnError, Columns
+    from raggedvl.data.scan import check_columns
+
+    def hint(available, **columns):
+        with pytest.raises(ColumnError) as info:
+            check_columns(available, "t", Columns(**columns))
+        return str(info.value)
+
+    assert "has no column 'qeury' (columns: ['query', 'image']); did you mean 'query'?" in hint(["query", "image"],
+                                                                                                query="qeury")
+    assert "has no column 'image' (columns: ['question', 'page']); did you mean 'page'?" in hint(["question", "page"],
+                                                                                                 query="question")
+    assert "did you mean 'question'?" in hint(["question", "page"])  # the query column under another dataset's name
+    assert "did you mean" not in hint(["question", "page"], query="question", image="page", id="uuid")  # none close

@@ -98,8 +98,8 @@ def test_encode_then_search_returns_the_brute_force_top_k(setup, capsys):
 
 
 def test_encode_reads_other_column_names_and_the_ids_search_prints(setup, tmp_path):
-    """``raggedvl encode --query-column/--image-column/--id-column``: pairs under other names are
-    encoded, and the index holds the id column's values (search prints them)."""
+    """``raggedvl encode --image-column/--id-column``: pairs under other names are encoded (their
+    query column is not read), and the index holds the id column's values (search prints them)."""
     import datasets
 
     from raggedvl.evaluation.index import EmbeddingIndex
@@ -113,10 +113,35 @@ def test_encode_reads_other_column_names_and_the_ids_search_prints(setup, tmp_pa
     datasets.Dataset.from_dict(rows, features=features).to_parquet(str(tmp_path / "test.parquet"))
     index = tmp_path / "index"
     assert main(["encode", str(root / "model"), "--dataset", str(tmp_path / "test.parquet"), "--output", str(index),
-                 "--query-column", "question", "--image-column", "page", "--id-column", "doc_id"]) == 0
+                 "--image-column", "page", "--id-column", "doc_id"]) == 0
     assert sorted(EmbeddingIndex(index).ids) == [f"page-{i}" for i in range(4)]
     got = search_index(root / "model", index=index, queries=["question 1"], k=4)
     assert sorted(doc for doc, _ in got[0]) == [f"page-{i}" for i in range(4)]
+
+
+def test_encode_reads_a_plain_folder_of_page_images(setup, tmp_path, capsys):
+    """``raggedvl encode CHECKPOINT --dataset FOLDER``: a folder of images (no query column, no
+    split in its file names) is the documents of its one split, "train"; a byte-identical copy
+    is one document, and the index holds the model's own document embeddings."""
+    from raggedvl.evaluation.index import EmbeddingIndex
+
+    root, model, _ = setup
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    for i, size in enumerate([(56, 84), (84, 56), (112, 56)]):
+        (pages / f"p{i}.png").write_bytes(noise_png(10 + i, size))
+    (pages / "p0-copy.png").write_bytes((pages / "p0.png").read_bytes())
+    index = tmp_path / "index"
+    assert main(["encode", str(root / "model"), "--dataset", str(pages), "--output", str(index)]) == 0
+    assert "3 documents (0 skipped)" in capsys.readouterr().out
+    built = EmbeddingIndex(index)
+    # the folder's rows in path order: p0-copy, p0, p1, p2; the copy's first row stands for both
+    assert built.meta["split"] == "train" and built.ids == ["train-0", "train-2", "train-3"]
+    (_, emb, mask), = built.chunks()
+    want_emb, want_mask = embed_documents(model, [pages / n for n in ("p0.png", "p1.png", "p2.png")], padded=True,
+                                          progress=False)
+    assert torch.equal(mask, want_mask)
+    torch.testing.assert_close(emb, want_emb, rtol=2e-3, atol=2e-3)  # the index stores float16: ~1e-3 relative
 
 
 def main_raises(argv):

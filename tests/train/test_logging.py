@@ -133,7 +133,7 @@ def test_a_warmup_longer_than_the_run_is_one_warning_line_with_the_fix(tmp_path,
     assert warmup_warning(10, 1, 2e-4) == ("warning: --warmup-steps 10 does not fit in a 1-step run: its one step runs "
                                            "at the peak learning rate (--lr 0.0002), with no warmup; for a warmup, "
                                            "pass more --max-steps")
-    assert "the warmup is cut to 1 steps" in warmup_warning(10, 2, 2e-4)
+    assert "the warmup is cut to 1 step, so" in warmup_warning(10, 2, 2e-4)
     assert "pass --warmup-steps 0 (about 10 % of the steps)" in warmup_warning(10, 2, 2e-4)  # 1 would never decay
     cfg = TrainConfig(max_steps=4, warmup_steps=10, global_batch_size=4, max_train_samples=16, max_eval_samples=8,
                       eval_before=False, eval_after=False, output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache))
@@ -145,3 +145,65 @@ def test_a_warmup_longer_than_the_run_is_one_warning_line_with_the_fix(tmp_path,
         trainer.optimizer.step()
         trainer.scheduler.step()
     assert used == pytest.approx([0.0, 2e-4 / 3, 4e-4 / 3, 2e-4])
+
+
+def test_one_line_says_what_a_start_loads_before_its_silent_part(tmp_path, capsys, monkeypatch):
+    """The launcher, once its checks pass, prints one line naming the model, the data and the
+    processes, before it starts them; a rank prints it only under a torchrun that raggedvl's
+    launcher did not start (no ``RAGGEDVL_STARTUP``), and only rank 0."""
+    from raggedvl.app import loop
+    from raggedvl.app.startup import ENV
+
+    from .test_preflight import _parquet
+
+    for name in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        monkeypatch.setenv(name, "1")  # restored after the test; plain_output sets them
+    data = _parquet(tmp_path / "train.parquet")
+
+    class Started(Exception):
+        pass
+
+    def started(cmd, env_updates=None):
+        raise Started
+
+    monkeypatch.setattr(launch, "exec_agent", started)
+    capsys.readouterr()  # what writing the data printed
+    argv = ["train", "--model", "tiny", "--dataset", data, "--global-batch-size", "4", "--eval-before", "false",
+            "--eval-after", "false", "--output-dir", str(tmp_path / "run")]
+    with pytest.raises(Started):
+        main([*argv, "--nproc-per-node", "2"])
+    assert capsys.readouterr().out == f"raggedvl: loading model tiny and data {data} on 2 processes...\n"
+
+    trained = []
+    monkeypatch.setattr(loop, "train", lambda cfg, clock: trained.append(cfg.model))
+    monkeypatch.setenv("LOCAL_RANK", "0")  # a rank: it trains (the stub) in this process
+    monkeypatch.delenv(ENV, raising=False)
+    for rank, launcher, line in (("0", None, f"raggedvl: loading model tiny and data {data} on 1 process...\n"),
+                                 ("1", None, ""), ("0", '{"command_start": 0, "phases_s": {}}', "")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "1" if rank == "0" else "2")
+        if launcher is not None:
+            monkeypatch.setenv(ENV, launcher)
+        assert main(argv) == 0
+        assert capsys.readouterr().out == line, (rank, launcher)
+    assert trained == ["tiny"] * 3
+
+
+def test_a_count_of_one_is_worded_in_the_singular(tmp_path, capsys, small_data_cache):
+    """``counted`` and the lines that print a count with it: a 1-step run says "training 1 step",
+    its report's loss windows and the random ranker's row, a 2-step run's warmup warning."""
+    from raggedvl.app.loop import train
+    from raggedvl.app.report import chance_line, loss_windows
+    from raggedvl.app.wording import counted
+
+    assert [counted(n, "step") for n in (0, 1, 2)] == ["0 steps", "1 step", "2 steps"]
+    assert [counted(n, "query", "queries") for n in (1, 3)] == ["1 query", "3 queries"]
+    assert loss_windows([3.0, 1.0])[0] == "training loss: first 1 step 3.000 -> last 1 step 1.000"
+    assert chance_line([], "late_interaction", 1) == "chance loss (every document scoring the same): ln(1 pair) = 0.000"
+    cfg = TrainConfig(max_steps=1, warmup_steps=0, global_batch_size=4, max_train_samples=16, max_eval_samples=8,
+                      eval_before=False, eval_after=False, output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache))
+    capsys.readouterr()
+    train(cfg)
+    out = capsys.readouterr().out
+    assert "training 1 step, world size 1 (single process, cpu)" in out, out
+    assert "steps 1," in out and "1 steps" not in out

@@ -139,8 +139,9 @@ def test_data_errors_are_one_line_before_torch_is_imported(tmp_path):
     assert out.stdout.split("\n")[:-1] == ["2 False False"] * len(cases), out.stdout + out.stderr
     errors = out.stderr.split("---\n")[:-1]
     assert len(errors) == len(cases) and all(e.count("\n") == 1 and e.startswith("raggedvl: error: ") for e in errors), errors
-    assert f"--dataset '{tmp_path / 'missing.parquet'}': no such file or folder; did you mean" in errors[0]
-    assert "good.parquet" in errors[0] or "corrupt.parquet" in errors[0]
+    # no entry of the folder is close to "missing" (good, renamed, corrupt): none is suggested
+    assert f"--dataset '{tmp_path / 'missing.parquet'}': no such file or folder (the folder {str(tmp_path)!r} exists)" \
+        in errors[0], errors[0]
     columns = "(columns: ['question', 'page', 'doc_id'])"
     assert f"{renamed} split 'train' has no column 'query' {columns}" in errors[1] and "--query-column" in errors[1]
     assert "has no column 'image'" in errors[2] and "--image-column" in errors[2]
@@ -181,7 +182,8 @@ def test_missing_columns_name_the_flags_that_fix_them(capsys, tmp_path):
     path = _parquet(tmp_path / "pairs.parquet", names=("question", "page", "doc_id"))
     err = one_line_error(capsys, ["--dataset", path, "--eval-fraction", "0.25"], tmp_path)
     assert f"{path} split 'train' has no column 'query'" in err
-    assert "(columns: ['question', 'page', 'doc_id']); pass --query-column (key query_column) naming the right one" in err
+    assert ("(columns: ['question', 'page', 'doc_id']); did you mean 'question'? pass --query-column (key query_column) "
+            "naming the right one") in err
     err = one_line_error(capsys, ["--dataset", path, "--eval-fraction", "0.25", "--query-column", "question"], tmp_path)
     assert "has no column 'image'" in err and "--image-column" in err
     cfg = TrainConfig(dataset=path, query_column="question", image_column="page", id_column="doc_id",
@@ -233,6 +235,28 @@ def test_an_image_file_is_named_with_its_path(tmp_path):
         train.image_sizes()
 
 
+def test_a_missing_image_file_names_the_row_the_file_and_on_bad_image_skip(tmp_path, capsys):
+    """A training row whose image file is gone, found where the held-out split reads the images'
+    bytes (--eval-fraction: past the launcher's scan): one line naming the row, the file and
+    ``--on-bad-image skip``; with it, the run leaves the row out and trains."""
+    (tmp_path / "pages").mkdir()
+    for i in range(8):
+        if i != 3:
+            (tmp_path / "pages" / f"p{i}.png").write_bytes(_png(i))
+    data = {"query": [f"q {i}" for i in range(8)], "image": [f"pages/p{i}.png" for i in range(8)]}
+    datasets.Dataset.from_dict(data).to_parquet(str(tmp_path / "pairs.parquet"))
+    argv = ["--dataset", str(tmp_path / "pairs.parquet"), "--eval-fraction", "0.25", "--nproc-per-node", "1",
+            "--global-batch-size", "2", "--max-steps", "1", "--eval-before", "false", "--eval-after", "false"]
+    err = one_line_error(capsys, argv, tmp_path)
+    assert f"pairs.parquet split 'train' row 3 (id 'train-3'), file {tmp_path / 'pages' / 'p3.png'}: cannot read the " \
+           "image (FileNotFoundError: [Errno 2] No such file or directory" in err, err
+    assert err.rstrip().endswith("fix or remove it, or skip such images: on_bad_image='skip' (raggedvl: --on-bad-image "
+                                 "skip)"), err
+    assert main(["train", "--output-dir", str(tmp_path / "skipped"), *argv, "--on-bad-image", "skip"]) == 0
+    out = capsys.readouterr().out
+    assert "training 1 step," in out and "(1 more left out: image unreadable)" in out, out  # row 3, and only it
+
+
 def _negatives_parquet(path, n=8, *, corrupt=None, counts=None, single=False):
     """(query, image, doc_id, negs) rows, two hard negatives each (one when ``single``);
     ``corrupt``: (row, index) of a cut PNG; ``counts``: row -> how many negatives it holds."""
@@ -269,7 +293,7 @@ def _run_launcher(tmp_path, cases, *, before=""):
             "    print(rc, 'torch' in sys.modules, 'transformers' in sys.modules, flush=True)\n"
             "    print('---', file=sys.stderr, flush=True)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    results = [line.split() for line in out.stdout.splitlines() if line and not line.startswith("+")]
+    results = [line.split() for line in out.stdout.splitlines() if line and not line.startswith(("+", "raggedvl: loading"))]
     errors = out.stderr.split("---\n")[:-1]
     assert len(results) == len(errors) == len(cases), out.stdout + out.stderr
     return [(rc, torch == "True", transformers == "True", err) for (rc, torch, transformers), err in zip(results, errors)]

@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader
 
+from raggedvl.app.wording import counted
+
 
 class StepIndices:
     """Batch sampler over ``sampler`` from ``epoch`` on, endless; ``positions`` holds
@@ -64,7 +66,7 @@ def step_batches(dataset, collate: Callable[[list[dict[str, Any]]], dict[str, An
     if workers < 0:
         raise ValueError(f"workers must be >= 0, got {workers}")
     if workers and multiprocessing.current_process().daemon:  # e.g. a multiprocessing.Pool worker
-        print(f"raggedvl: this process is daemonic and cannot start the {workers} data worker(s); collating in the "
+        print(f"raggedvl: this process is daemonic and cannot start {counted(workers, 'data worker')}; collating in the "
               "training process (--data-workers 0)", file=sys.stderr, flush=True)
         workers = 0
     loader = DataLoader(dataset, batch_sampler=indices, collate_fn=collate, num_workers=workers,

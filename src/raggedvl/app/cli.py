@@ -66,7 +66,8 @@ def _check_inputs(args, *, model: str, what: str, columns: Columns | None = None
         from raggedvl.data.scan import check_columns
         from raggedvl.data.source import DataSource
 
-        table = DataSource.of(dataset).parquet(args.split or "test")  # None for a BEIR layout, a hub id...
+        source = DataSource.of(dataset)
+        table = source.parquet(args.split or source.default_split("test"))  # None for a BEIR layout, a hub id...
         if table is not None:
             with flags_for_columns(keys=False):
                 check_columns(table.columns, table.where, columns)
@@ -96,7 +97,7 @@ def _encode(args, argv: Sequence[str]) -> int:
     _start_ranks(args, argv, "encode")
     from raggedvl.app.index_commands import encode_corpus
 
-    kwargs = command_arguments(opts, drop=("nproc_per_node", "query_column", "image_column", "id_column"))
+    kwargs = command_arguments(opts, drop=("nproc_per_node", "image_column", "id_column"))
     encode_corpus(args.checkpoint, columns=opts.columns(), **kwargs)
     return 0
 
@@ -189,7 +190,8 @@ Every command has its own help: raggedvl train --help lists each config key with
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports errors in one line and suggests the closest flag for an unknown one,
+    """argparse that reports errors in one line and suggests the closest flag for an unknown one
+    (and the closest choice for an invalid value),
     and takes no abbreviations (``--max-train`` is not ``--max-train-samples``: a shortened flag
     would silently change meaning when a longer flag is added). Subparsers are of this class too."""
 
@@ -199,6 +201,18 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def _check_value(self, action, value):  # type: ignore[override]
+        """argparse's "invalid choice" with the choice a mistyped value most likely meant."""
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as exc:
+            from raggedvl.app.options import choice_hint
+
+            hint = choice_hint(value, action.choices or ())
+            if not hint:
+                raise
+            raise argparse.ArgumentError(action, exc.message + hint) from None
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         namespace, extras = self.parse_known_args(args, namespace)

@@ -34,6 +34,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from raggedvl.app.wording import counted
+
 LIKELY_CAUSES = (
     "learning rate too high for this model and batch (try a 2-5x lower --lr, or a 10x higher --head-lr than --lr), "
     "a query prefix shared by every query (--query-prefix; it gives each document the same score term for every "
@@ -101,5 +103,5 @@ class CollapseCheck:
         cos = "" if doc_cosine is None or math.isnan(doc_cosine) else f", documents' mean pairwise cosine {doc_cosine:.4f}"
         return (
             f"raggedvl: training collapsed at step {step}: the loss has been its chance value {self.chance:.4f} "
-            f"(every document scores the same) for {self.patience} steps{cos}; likely causes: {LIKELY_CAUSES}"
+            f"(every document scores the same) for {counted(self.patience, 'step')}{cos}; likely causes: {LIKELY_CAUSES}"
         )

@@ -2,8 +2,8 @@
 :func:`raggedvl.app.options.option` fields like ``TrainConfig``'s: flags, help, choices and
 checks are derived from them (:func:`raggedvl.app.options.add_arguments`).
 
-The column options are declared once (:class:`ColumnOptions`) for the commands that read
-(query, image) rows."""
+The column options are declared once: :class:`DocumentColumnOptions` for ``encode`` (documents
+only), :class:`ColumnOptions` (with the query column) for the commands that read (query, image) rows."""
 
 from __future__ import annotations
 
@@ -20,25 +20,35 @@ _MTEB_EXCLUSIVE = ("dataset", "split", "max_samples", "query_column", "image_col
 
 
 @dataclass
-class ColumnOptions:
-    """Which columns of (query, image) rows hold what; a BEIR layout names its own."""
+class DocumentColumnOptions:
+    """Which columns of document rows hold the image and the id; a BEIR layout names its own."""
 
-    query_column: str | None = option(None, "column of the --dataset rows holding the query text "
-                                            "(none: query; eval without --dataset: the run's evaluation columns)")
     image_column: str | None = option(None, "column of the --dataset rows holding the document image "
                                             "(none: image; eval without --dataset: the run's evaluation columns)")
     id_column: str | None = option(None, "column of the --dataset rows holding each row's id (none: '<split>-<row>')")
 
     def columns(self) -> Columns:
+        """The columns given, documents only (no query column); unset: ``image``, no id column."""
+        return Columns(query=None, image=self.image_column or "image", id=self.id_column)
+
+
+@dataclass
+class ColumnOptions(DocumentColumnOptions):
+    """Which columns of (query, image) rows hold what; a BEIR layout names its own."""
+
+    query_column: str | None = option(None, "column of the --dataset rows holding the query text "
+                                            "(none: query; eval without --dataset: the run's evaluation columns)")
+
+    def columns(self) -> Columns:
         """The columns given; unset names are the defaults ``query`` / ``image``, no id column."""
-        return Columns(query=self.query_column or "query", image=self.image_column or "image", id=self.id_column)
+        return dataclasses.replace(super().columns(), query=self.query_column or "query")
 
 
 @dataclass
 class EvalOptions(ColumnOptions):
     dataset: str | None = option(None, "benchmark: (query, image) pairs (parquet file, folder, hub id) or a BEIR layout "
                                        "(corpus*/queries*/qrels*, or hub configs) (none: the run's own evaluation split)")
-    split: str | None = option(None, "split (none: the run's eval split; with --dataset: test)")
+    split: str | None = option(None, "split (none: the run's eval split; with --dataset: its one split, else test)")
     batch_size: int = option(16, "samples per forward pass", at_least=1)
     max_samples: int | None = option(None, "at most this many pairs (BEIR: queries, over the whole corpus) "
                                            "(none: all)", at_least=1)
@@ -60,9 +70,10 @@ class EvalOptions(ColumnOptions):
 
 
 @dataclass
-class EncodeOptions(ColumnOptions):
-    dataset: str = option(None, "documents: a BEIR corpus, or the distinct images of (query, image) rows", required=True)
-    split: str = option("test", "split")
+class EncodeOptions(DocumentColumnOptions):
+    dataset: str = option(None, "documents: a folder of page images, a BEIR corpus, or the distinct images of "
+                                "(query, image) rows", required=True)
+    split: str | None = option(None, "split (none: the --dataset's one split, else test)")
     output: str = option(None, "a new index folder", required=True)
     batch_size: int = option(8, "documents per forward pass", at_least=1)
     on_bad_image: Literal["error", "skip"] = option(
@@ -105,7 +116,8 @@ class ExportOptions:
               "the prompts raggedvl trained with (any dim)", required=True)
     output: str = option(None, "a new (or empty) folder to write", required=True)
     merge_lora: bool = option(False, "colpali: fold LoRA into the weights and write a full checkpoint instead of an "
-                                     "adapter (transformers and sentence-transformers always merge)")
+                                     "adapter (transformers and sentence-transformers always merge); a model "
+                                     "without LoRA is refused")
 
 
 @dataclass

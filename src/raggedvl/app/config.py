@@ -23,6 +23,7 @@ from raggedvl.data.columns import Columns
 from raggedvl.data.tiny_limits import TINY_TRAIN_MAX_PIXELS
 from raggedvl.models.head_options import DEFAULT_DIM, DEFAULT_HEAD, DEFAULT_POOLING
 from raggedvl.app.options import add_arguments, check_fields, check_known_keys, load_yaml, option, values_from
+from raggedvl.app.wording import counted
 
 # A run directory's training config. Not "config.json": transformers (ColQwen2ForRetrieval.from_pretrained)
 # would read that as a model config and build its default 80-layer model from unknown keys.
@@ -227,7 +228,8 @@ class TrainConfig:
             weights = self.dataset_weights
             if len(weights) != len(self.datasets) and self.source_column is None:
                 raise ValueError(
-                    f"dataset_weights has {len(weights)} values {weights} for {len(self.datasets)} datasets "
+                    f"dataset_weights has {counted(len(weights), 'value')} {weights} for "
+                    f"{counted(len(self.datasets), 'dataset')} "
                     f"{self.datasets}; give one weight per dataset, in order (--dataset-weights 0.7,0.3)")
             if not any(w > 0 for w in weights):
                 raise ValueError(f"dataset_weights {weights} are all 0; give at least one source a positive weight")
@@ -271,9 +273,10 @@ class TrainConfig:
         ``source_column`` (``names``: the values, sorted; ``rows``: each value's rows), naming the
         values in order with their rows."""
         if self.dataset_weights is not None and len(self.dataset_weights) != len(names):
-            listed = ", ".join(f"{name!r} ({r} rows)" for name, r in zip(names, rows))
-            raise ValueError(f"dataset_weights has {len(self.dataset_weights)} values {self.dataset_weights} for the "
-                             f"{len(names)} values of source column {self.source_column!r}: {listed}; give one "
+            listed = ", ".join(f"{name!r} ({counted(r, 'row')})" for name, r in zip(names, rows))
+            values = counted(len(self.dataset_weights), "value")
+            raise ValueError(f"dataset_weights has {values} {self.dataset_weights} for the "
+                             f"{counted(len(names), 'value')} of source column {self.source_column!r}: {listed}; give one "
                              "weight per value, in this order (0: never drawn)")
 
     @property

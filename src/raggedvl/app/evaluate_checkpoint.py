@@ -19,6 +19,7 @@ from raggedvl.app.collapse import doc_cosine_warning
 from raggedvl.app.checkpoint import MANIFEST, checkpoint_weights, list_checkpoints, load_checkpoint_or_latest
 from raggedvl.app.config import TrainConfig
 from raggedvl.app.report import format_metrics_table
+from raggedvl.app.wording import counted
 
 
 def file_slug(text: str) -> str:
@@ -103,7 +104,8 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
     model directory ``build_retriever`` loads. ``dataset``: a benchmark (pairs or BEIR layout,
     local or hub; see ``raggedvl.evaluation.benchmark.load_benchmark``); default: the run's own
     evaluation split (with the run's overlap check). ``split`` default: the run's eval split, else
-    "test". Runs on one process or under torchrun (queries and documents sharded over ranks).
+    the dataset's one split, else "test". Runs on one process or under torchrun (queries and
+    documents sharded over ranks).
     Rank 0 prints a table and writes ``output`` (default ``<run>/eval/<dataset>-<split>.json``
     for a run, else ``<model folder>/eval/<dataset>-<split>.json``). ``query_column`` / ``image_column`` /
     ``id_column``: the pairs' columns (None: with ``dataset``, ``query`` / ``image`` / row ids;
@@ -114,6 +116,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
     from raggedvl.app.column_flags import flags_for_columns
     from raggedvl.app.setup import load_splits
     from raggedvl.data.columns import Columns
+    from raggedvl.data.source import DataSource
 
     path = Path(path)
     columns = {"query_column": query_column, "image_column": image_column, "id_column": id_column}
@@ -129,7 +132,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             _, bench = load_splits(cfg, warn=info.is_main, eval_flags="")
             name, split = cfg.eval_dataset or cfg.datasets[0], cfg.eval_split
         else:
-            split = split or "test"
+            split = split or DataSource.of(dataset).default_split("test")
             given = Columns(query=query_column or "query", image=image_column or "image", id=id_column)
             with flags_for_columns(keys=False):
                 bench = load_benchmark(dataset, split, limit=max_samples, on_bad_image=on_bad_image, columns=given)
@@ -150,7 +153,8 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             output = Path(output) if output is not None else results_folder(described, cfg) / f"{file_slug(name)}-{split}.json"
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-            print(f"{described['path']}: {name} split {split!r}, {len(bench.queries)} queries, {len(bench.documents)} documents")
+            print(f"{described['path']}: {name} split {split!r}, {counted(len(bench.queries), 'query', 'queries')}, "
+                  f"{counted(len(bench.documents), 'document')}")
             print(format_metrics_table({"random ranker": results["random_ranker"], "checkpoint": metrics}))
             print(f"first relevant document's mean rank {metrics['mean_rank']:.1f} (random ranker {metrics['random_mean_rank']:.1f}); "
                   f"documents' mean pairwise cosine {metrics['doc_mean_cosine']:.4f}; results written to {output}")

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from raggedvl.app.checkpoint import MANIFEST, as_retriever_folder, find_checkpoint
 from raggedvl.app.config import TRAIN_CONFIG_NAME
+from raggedvl.app.wording import counted
 
 CARD_KEYS = ("model", "head", "dim", "lora", "lora_r", "lora_alpha", "lora_dropout", "loss", "temperature",
              "global_batch_size", "max_steps", "epochs", "lr", "head_lr", "weight_decay", "warmup_steps",
@@ -49,12 +50,47 @@ def resolve_source(source: str) -> tuple[str, dict[str, Any] | None, Path | None
     return source, None, None
 
 
+def stated_lora(source: str) -> bool | None:
+    """Whether the model ``source`` names has LoRA adapters, as its settings files say (nothing
+    verified or loaded): a run directory's ``train_config.json``, a checkpoint's or saved
+    retriever's settings (``raggedvl_retriever.json``), an older checkpoint's
+    ``trainer_state.json``, a peft ``adapter_config.json`` (yes), a transformers ``config.json``
+    (no); None when none says (a hub id, a preset, a config this version cannot read)."""
+    from raggedvl.app.config import TrainConfig
+    from raggedvl.models.saved import retriever_config_file
+
+    path = Path(source)
+    if not path.is_dir():
+        return None
+    settings = retriever_config_file(path)
+    try:
+        if (path / TRAIN_CONFIG_NAME).is_file():
+            return TrainConfig.from_dict(json.loads((path / TRAIN_CONFIG_NAME).read_text(encoding="utf-8"))).use_lora
+        if settings is not None:
+            return bool(json.loads(settings.read_text(encoding="utf-8"))["retriever"].get("lora"))
+        if (path / "trainer_state.json").is_file():
+            config = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))["config"]
+            return TrainConfig.from_dict(config).use_lora
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if (path / "adapter_config.json").is_file():
+        return True
+    return False if (path / "config.json").is_file() else None
+
+
+def _no_lora(source: str) -> ValueError:
+    return ValueError(f"--merge-lora: {source} has no LoRA adapters (its weights are full): there is nothing to "
+                      "merge; export it without --merge-lora")
+
+
 def export(source: str, fmt: str, output: str, *, merge_lora: bool = False) -> Path:
     """Export ``source`` (module docstring) as ``fmt`` into ``output``; returns the folder.
 
     Raises ``ValueError`` before writing for what the format cannot hold (another ``dim`` for
-    colpali, a bi-encoder, an adapter without a named base) and for an ``output`` that already
-    holds files; :class:`CheckpointError` for a checkpoint that does not verify."""
+    colpali, a bi-encoder, an adapter without a named base), for an ``output`` that already
+    holds files and for ``merge_lora`` on a model without LoRA adapters (before anything is
+    verified or loaded when its settings files say so, :func:`stated_lora`);
+    :class:`CheckpointError` for a checkpoint that does not verify."""
     from raggedvl import __version__
     from raggedvl.data import build_processor
     from raggedvl.models import build_retriever
@@ -63,6 +99,8 @@ def export(source: str, fmt: str, output: str, *, merge_lora: bool = False) -> P
     from raggedvl.models.saved import is_saved_retriever, weights_file
     from raggedvl.app.evaluate_checkpoint import rebuild_retriever
 
+    if merge_lora and stated_lora(source) is False:
+        raise _no_lora(source)
     out = Path(output)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty; export into a new folder")
@@ -76,9 +114,11 @@ def export(source: str, fmt: str, output: str, *, merge_lora: bool = False) -> P
     else:
         with as_retriever_folder(folder) as loadable:  # a sharded checkpoint: consolidated in this process
             model, processor = build_retriever(loadable), None
+    source_lora = model.config.lora is not None
+    if merge_lora and not source_lora:  # a hub id or a preset: known once loaded
+        raise _no_lora(source)
     check_exportable(model.config, model.family.name, fmt)
     processor = processor or build_processor(folder)
-    source_lora = model.config.lora is not None
     if fmt == "colpali":
         notes = older + export_colpali(model, processor, out, merge_lora=merge_lora)
     elif fmt == "sentence-transformers":
@@ -104,7 +144,7 @@ def _metrics_rows(run_dir: Path | None) -> dict[str, dict[str, float]]:
         record = json.loads(line) if line.strip() else {}
         label = {"eval_before": "before training", "eval_after": "after training"}.get(record.get("event"))
         for split, metrics in (record.get("raw") or {}).items() if label else ():
-            rows[f"{split}: {label} ({int(metrics.get('n', 0))} pairs)"] = metrics
+            rows[f"{split}: {label} ({counted(int(metrics.get('n', 0)), 'pair')})"] = metrics
     return rows
 
 

@@ -19,23 +19,28 @@ from raggedvl.parallel import all_gather_objects, barrier, init_distributed, shu
 from raggedvl.app.column_flags import flags_for_columns
 from raggedvl.app.evaluate_checkpoint import load_model
 from raggedvl.data.columns import Columns
+from raggedvl.data.source import DataSource
+from raggedvl.app.wording import counted
 
 
-def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str, output: str | Path, batch_size: int = 8,
-                  on_bad_image: str = "error", dtype: torch.dtype = torch.float16,
-                  columns: Columns = Columns()) -> Path:
-    """Encode every distinct document image of ``dataset`` (a BEIR corpus, or the distinct
-    images of (query, image) rows) into an index folder (``raggedvl.evaluation.index``). Under
-    torchrun each rank encodes a contiguous shard and writes its own safetensors file; rank 0
-    writes ``index.json``. Unreadable images under ``on_bad_image="skip"`` are left out and
-    counted. ``columns``: the rows' columns (the ids are what ``search`` prints; no id column:
+def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str | None = None, output: str | Path,
+                  batch_size: int = 8, on_bad_image: str = "error", dtype: torch.dtype = torch.float16,
+                  columns: Columns = Columns(query=None)) -> Path:
+    """Encode every distinct document image of ``dataset`` (a folder of page images, a BEIR
+    corpus, or the distinct images of (query, image) rows; no query is read) into an index
+    folder (``raggedvl.evaluation.index``). ``split`` None: the dataset's one split, else "test"
+    (:meth:`~raggedvl.data.source.DataSource.default_split`). Under torchrun each rank encodes a
+    contiguous shard and writes its own safetensors file; rank 0 writes ``index.json``.
+    Unreadable images under ``on_bad_image="skip"`` are left out and counted. ``columns``: the
+    rows' image and id columns (the ids are what ``search`` prints; no id column:
     ``<split>-<row>``). Refuses an ``output`` that already holds an index and a missing column,
-    naming ``--query-column``... (``ValueError``)."""
+    naming ``--image-column``... (``ValueError``)."""
     from raggedvl.evaluation.benchmark import load_corpus
 
     out = Path(output)
     if (out / "index.json").exists():
         raise ValueError(f"{out} already holds an index; choose a new --output")
+    split = split or DataSource.of(dataset).default_split("test")
     info = init_distributed()
     try:
         model, processor, _, described = load_model(Path(checkpoint), info.device)
@@ -60,7 +65,8 @@ def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str, output: s
             skipped = len(docs) - sum(s["documents"] for s in shards)
             write_index(out, shards, kind=kind, dim=dims[0][1], dtype=dtype, model=described, dataset=str(dataset), split=split,
                         skipped_documents=skipped, raggedvl_version=__version__)
-            print(f"{sum(s['documents'] for s in shards)} documents ({skipped} skipped) in {len(shards)} shard(s): {out}")
+            print(f"{counted(sum(s['documents'] for s in shards), 'document')} ({skipped} skipped) in "
+                  f"{counted(len(shards), 'shard')}: {out}")
         barrier()
         return out
     finally:

@@ -333,7 +333,8 @@ def _check_parquet_data(cfg, source) -> bool:
            else [f"{cfg.train_split}-{i}" for i in range(len(queries))])
     used, skipped = kept_rows(queries, ids, table.where, cfg.on_empty_query, cfg.max_train_samples)
     if not used:
-        raise ValueError(f"{table.where}: all {len(skipped)} rows were left out for an empty or non-string query "
+        which = "its one row was" if len(skipped) == 1 else f"all {len(skipped)} rows were"
+        raise ValueError(f"{table.where}: {which} left out for an empty or non-string query "
                          "(--on-empty-query skip); nothing is left to train on")
     if cfg.source_column is not None:  # a row without a source value
         values = source_values(read_column(table, cfg.source_column), used, [ids[r] for r in used],
@@ -372,7 +373,7 @@ def launch_train(args, argv: Sequence[str]) -> int:
     import time
 
     from raggedvl.app.config import config_from_args
-    from raggedvl.app.startup import ENV, StartupClock, process_start_time
+    from raggedvl.app.startup import ENV, StartupClock, process_start_time, start_line
 
     rank = under_torchrun()
     clock = StartupClock.from_env() if rank else StartupClock()
@@ -384,6 +385,8 @@ def launch_train(args, argv: Sequence[str]) -> int:
         if quiet_ranks():  # started by raggedvl's agent: end with it
             end_with_agent()
         plain_output()
+        if ENV not in os.environ and os.environ.get("RANK", "0") == "0":  # a torchrun of its own: no launcher's line
+            print(start_line(cfg, int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
         from raggedvl.app.loop import train
 
         from raggedvl.app.restarts import resume_after_restart
@@ -401,6 +404,7 @@ def launch_train(args, argv: Sequence[str]) -> int:
     cmd = torchrun_command(args, strip_torchrun_arguments(argv))
     world, multi = check_world_fits(cfg, cmd)
     plain_output()
+    print(start_line(cfg, world), flush=True)
     if (world > 1 or multi) and not needs_torch(cfg, unchecked):  # all checked: the ranks prepare the data
         clock.add({"checks": clock.since_start()})
         exec_agent(cmd, {ENV: clock.to_env()})

@@ -65,6 +65,7 @@ from raggedvl.app.setup import (
 )
 from raggedvl.app.startup import StartupClock
 from raggedvl.app.run_log import RunLog
+from raggedvl.app.wording import counted
 
 
 @dataclass
@@ -353,7 +354,8 @@ class Trainer:
                      f"({self.nonfinite_streak} of --max-nonfinite-steps {cfg.max_nonfinite_steps} in a row)")
             return
         raise NonFiniteTraining(
-            f"{self.nonfinite_streak} steps in a row had a non-finite gradient (last: {what}); none was applied and "
+            f"{counted(self.nonfinite_streak, 'step')} in a row had a non-finite gradient (last: {what}); none was "
+            "applied and "
             f"no checkpoint holds them. Likely causes: a learning rate too high (--lr {cfg.lr:g}), a temperature too "
             f"low (--temperature {cfg.temperature:g}) or bf16 overflow (--precision fp32); resume from the last "
             "checkpoint with a lower --lr")
@@ -395,7 +397,7 @@ class Trainer:
             pairs = training_pairs_text(cfg, self.c.costs, getattr(self.c.train_set, "part_sizes", None),
                                         self._duplicates(), row_sources(cfg, self.c.train_set))
             self.log(
-                f"training {self.total_steps} steps, world size {info.world_size} "
+                f"training {counted(self.total_steps, 'step')}, world size {info.world_size} "
                 f"({run_place(info.world_size, info.backend, info.device.type)}), "
                 f"global batch {cfg.global_batch_size}, {pairs}"
             )
@@ -474,7 +476,8 @@ class Trainer:
         if self.cfg.false_negatives == "keep":
             return ["false negatives kept as negatives (--false-negatives keep)"]
         return [f"false negatives removed from the loss (a query's own page among its candidates; "
-                f"--false-negatives mask): {self.false_negatives} (query, page) pairs in the steps this invocation "
+                f"--false-negatives mask): {counted(self.false_negatives, '(query, page) pair')} in the steps this "
+                "invocation "
                 "trained"]
 
     def _source_notes(self) -> list[str]:
@@ -488,7 +491,8 @@ class Trainer:
         if self.stopped_by_collapse:
             return [f"STOPPED at step {self.step} of {self.total_steps}: {chance} (collapse; --stop-on-collapse)"]
         if self.collapse.fired:
-            return [f"WARNING: {chance} for {self.collapse.patience} steps in a row (collapse); see metrics.jsonl "
+            return [f"WARNING: {chance} for {counted(self.collapse.patience, 'step')} in a row (collapse); see "
+                    "metrics.jsonl "
                     "event 'collapse'"]
         return []
 
@@ -507,7 +511,7 @@ def empty_query_warning(rows: list[dict[str, Any]], shown: int = 3) -> str:
         return (f"{r['dataset']} " if r.get("dataset") else "") + f"row {r['row']} (id {r['id']!r})"
 
     more = f" and {len(rows) - shown} more" if len(rows) > shown else ""
-    return (f"warning: left out {len(rows)} training row{'s' if len(rows) != 1 else ''} with an empty or non-string "
+    return (f"warning: left out {counted(len(rows), 'training row')} with an empty or non-string "
             f"query (--on-empty-query skip): {', '.join(name(r) for r in rows[:shown])}{more}")
 
 
@@ -525,7 +529,8 @@ def warmup_warning(warmup_steps: int, total_steps: int, lr: float) -> str | None
                 f"learning rate (--lr {lr:g}), with no warmup; for a warmup, pass more --max-steps")
     suggest = min(cut - 1, math.ceil(0.1 * total_steps))  # below the cut: a warmup of cut steps never decays
     return (f"warning: --warmup-steps {warmup_steps} does not fit in this run's {total_steps} steps (at most "
-            f"{cut}): the warmup is cut to {cut} steps, so the learning rate rises for the whole run, reaches its "
+            f"{cut}): the warmup is cut to {counted(cut, 'step')}, so the learning rate rises for the whole run, "
+            "reaches its "
             f"peak (--lr {lr:g}) only at the last step and never decays; for a warmup then a decay, pass "
             f"--warmup-steps {suggest} (about 10 % of the steps) or more --max-steps")
 

@@ -31,6 +31,7 @@ from raggedvl.data.source import DataSource
 from raggedvl.evaluation.benchmark import RetrievalBenchmark, load_benchmark
 from raggedvl.evaluation.mining import FILTERS, MinedNegatives, mine_negatives
 from raggedvl.parallel import barrier, init_distributed, shutdown
+from raggedvl.app.wording import counted
 
 NEGATIVES_COLUMN = "negatives"
 NEGATIVES_TABLE = "negatives.parquet"
@@ -77,8 +78,9 @@ def summary(bench: RetrievalBenchmark, mined: MinedNegatives, k: int, out: Path,
     removed = ", ".join(f"{name.replace('_', ' ')} {mined.removed[name]}" for name in FILTERS)
     train = (f"raggedvl train --dataset {out}" if by_reference
              else f"raggedvl train --dataset {out} --negatives-column {NEGATIVES_COLUMN}")
-    return (f"mined {kept} hard negatives for {len(bench.queries)} queries over {len(bench.documents)} pages "
-            f"(k = {k}; {mined.short} queries got fewer); candidates removed: {removed}\n"
+    queries = counted(len(bench.queries), "query", "queries")
+    return (f"mined {counted(kept, 'hard negative')} for {queries} over {counted(len(bench.documents), 'page')} "
+            f"(k = {k}; {counted(mined.short, 'query', 'queries')} got fewer); candidates removed: {removed}\n"
             f"wrote {out}; train with: {train}")
 
 

@@ -81,6 +81,7 @@ def sources_mixture(cfg: TrainConfig, sources: TrainingSources | None) -> Mixtur
     weights = sources.weights if sources.weights is not None else [float(k) for k in sources.kept]
     for name, size, left, w in zip(sources.names, sources.rows, sources.kept, weights):
         if w > 0 and size > 0 and left == 0:
-            raise ValueError(f"{name} has weight {w:g} but the size estimate rejected all its {size} pairs "
+            which = "its one pair" if size == 1 else f"all its {size} pairs"
+            raise ValueError(f"{name} has weight {w:g} but the size estimate rejected {which} "
                              "(unreadable images, warned above); fix its images or give it weight 0")
     return Mixture.from_weights(sources.kept, weights, names=sources.names, one_source=one_source)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import re
 import types
 import typing
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from raggedvl.suggest import closest
 
 _SCALARS = (bool, int, float, str)
 
@@ -117,7 +118,7 @@ class FieldSpec:
             want = self.kind.__name__ + (" or null" if self.nullable else "")
             raise ValueError(f"config key {self.name!r} must be {want}, got {value!r} ({type(value).__name__})")
         if self.choices is not None and value not in self.choices:
-            raise ValueError(f"{self.name}={value!r} is not one of {self.choices}")
+            raise ValueError(f"{self.name}={value!r} is not one of {self.choices}{choice_hint(value, self.choices)}")
         if self.at_least is not None and value < self.at_least:
             raise ValueError(f"{self.name} must be >= {self.at_least}, got {value}")
         if self.above is not None and value <= self.above:
@@ -201,20 +202,41 @@ TRAINER_SYNONYMS = {
 }
 
 
+# other tools' common names -> raggedvl's
+OTHER_NAMES = {
+    "batch_size": "global_batch_size",
+    "train_batch_size": "global_batch_size",
+    "num_epochs": "epochs",
+}
+
+
 def did_you_mean(name: str, known: typing.Iterable[str]) -> str:
-    """``"; did you mean 'x'?"`` for the closest known name (or raggedvl's name for a transformers
-    ``TrainingArguments`` spelling such as ``learning_rate`` / ``--learning-rate``), or ``""``
-    when none is close."""
+    """``"; did you mean 'x'?"`` for the known name ``name`` most likely meant
+    (:func:`raggedvl.suggest.closest`), also through raggedvl's name for a transformers
+    ``TrainingArguments`` spelling (``learning_rate`` / ``--learning-rate``, said so) or another
+    tool's common name (``batch_size``), or ``""`` when none is close."""
     known = list(known)
     flag = name.startswith("--")
-    key = name[2:].replace("-", "_") if flag else name
-    if key in TRAINER_SYNONYMS:
-        ours = TRAINER_SYNONYMS[key]
-        ours = "--" + ours.replace("_", "-") if flag else ours
-        if ours in known:
-            return f"; did you mean {ours!r}? ({name} is transformers' name)"
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+
+    def spelled(key: str) -> str:
+        return "--" + key.replace("_", "-") if flag else key
+
+    aliases = {spelled(theirs): (spelled(ours), theirs in TRAINER_SYNONYMS)
+               for theirs, ours in {**OTHER_NAMES, **TRAINER_SYNONYMS}.items() if spelled(ours) in known}
+    hit = closest(name, [*known, *(a for a in aliases if a not in known)])
+    if hit is None:
+        return ""
+    if hit in known:
+        return f"; did you mean {hit!r}?"
+    ours, transformers = aliases[hit]
+    return f"; did you mean {ours!r}?" + (f" ({hit} is transformers' name)" if transformers else "")
+
+
+def choice_hint(value: Any, choices: typing.Iterable[Any]) -> str:
+    """``"; did you mean 'x'?"`` for the choice a string ``value`` most likely meant
+    (:func:`raggedvl.suggest.closest`), or ``""``."""
+    close = closest(value, [c for c in choices if isinstance(c, str)]) if isinstance(value, str) else None
+    return f"; did you mean {close!r}?" if close else ""
 
 
 def check_known_keys(cls: type, keys: typing.Iterable[str]) -> None:
@@ -250,8 +272,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         folder = Path(path).parent
         if not folder.is_dir():
             raise ValueError(f"config file {str(path)!r}: no such file (no folder {str(folder)!r} either)") from None
-        close = difflib.get_close_matches(Path(path).name, sorted(p.name for p in folder.iterdir()), n=1, cutoff=0.6)
-        hint = f"; did you mean {str(folder / close[0])!r}?" if close else ""
+        close = closest(Path(path).name, sorted(p.name for p in folder.iterdir()))
+        hint = f"; did you mean {str(folder / close)!r}?" if close else ""
         raise ValueError(f"config file {str(path)!r}: no such file{hint}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"config file {str(path)!r} cannot be read: {exc}") from None

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from raggedvl.evaluation.evaluator import chance_verdict
 from raggedvl.evaluation.metrics import METRICS
 from raggedvl.app.collapse import chance_loss, doc_cosine_warning
+from raggedvl.app.wording import counted
 
 
 class MetricsLog:
@@ -56,7 +57,7 @@ def loss_windows(losses: list[float]) -> tuple[str, float, float]:
         return f"training loss: 1 step, {losses[0]:.3f}", losses[0], losses[0]
     w = min(10, len(losses) // 2)
     first, last = sum(losses[:w]) / w, sum(losses[-w:]) / w
-    return f"training loss: first {w} steps {first:.3f} -> last {w} steps {last:.3f}", first, last
+    return f"training loss: first {counted(w, 'step')} {first:.3f} -> last {counted(w, 'step')} {last:.3f}", first, last
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -102,7 +103,7 @@ def chance_line(records: list[dict[str, Any]], loss: str, global_batch_size: int
         return f"chance loss (every document scoring the same): ln 2 = {math.log(2):.3f} (pairwise)"
     if not values:
         value = chance_loss(loss, global_batch_size)
-        return f"chance loss (every document scoring the same): ln({global_batch_size} pairs) = {value:.3f}"
+        return f"chance loss (every document scoring the same): ln({counted(global_batch_size, 'pair')}) = {value:.3f}"
     if max(values) - min(values) > 1e-9:
         return (f"chance loss (every document scoring the same): ln(pairs + hard negatives) of each step, "
                 f"{min(values):.3f}-{max(values):.3f} (metrics.jsonl chance_loss)")
@@ -110,7 +111,7 @@ def chance_line(records: list[dict[str, Any]], loss: str, global_batch_size: int
     logged = last.get("chance_loss") is not None and last.get("rank_samples")  # else: a log from before chance_loss
     pairs = sum(last["rank_samples"]) if logged else last.get("global_batch_size", global_batch_size)
     negatives = last.get("hard_negatives", 0) if logged else 0
-    terms = f"{pairs} pairs" + (f" + {negatives} hard negatives" if negatives else "")
+    terms = counted(pairs, "pair") + (f" + {counted(negatives, 'hard negative')}" if negatives else "")
     return f"chance loss (every document scoring the same): ln({terms}) = {values[-1]:.3f}"
 
 
@@ -226,7 +227,8 @@ def write_summary(
     for split in ("train", "dev"):
         ref = (after or before or {}).get(split)
         if ref:
-            rows[f"{split}: random ranker ({ref['queries']} queries, {ref['n']} docs)"] = random[split]
+            sizes = f"{counted(ref['queries'], 'query', 'queries')}, {counted(ref['n'], 'doc')}"
+            rows[f"{split}: random ranker ({sizes})"] = random[split]
         if before and split in before:
             rows[f"{split}: before training"] = before[split]
         if after and split in after:
@@ -263,8 +265,11 @@ def write_summary(
             lines.append(f"{split} documents: mean pairwise cosine {cos:.4f}" + (f"; {warning}" if warning else ""))
         if "mean_rank" in result:
             lines.append(f"{split} ({'after' if after else 'before'} training): {chance_verdict(result)}")
-        if result.get("skipped_documents"):
-            lines.append(f"{split}: {result['skipped_documents']} documents with unreadable images are never retrieved")
+        skipped = result.get("skipped_documents")
+        if skipped:
+            which = ("1 document with an unreadable image is" if skipped == 1
+                     else f"{skipped} documents with unreadable images are")
+            lines.append(f"{split}: {which} never retrieved")
     if rows:  # the note explains the table's metrics: no table, no note
         lines += ["", "Metrics are trec_eval's (pytrec_eval, as BEIR / mteb / ViDoRe report them): distinct images "
                       "are the corpus, equal scores rank by document id, graded gains; see docs/EVALUATION.md."]

@@ -27,7 +27,6 @@ file are the same data).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 from pathlib import Path
@@ -36,6 +35,8 @@ from typing import Any
 from raggedvl.app.options import field_specs
 from raggedvl.app.checkpoint import MANIFEST, list_checkpoints
 from raggedvl.app.config import TrainConfig
+from raggedvl.app.wording import counted
+from raggedvl.suggest import closest
 
 RESUME_KEYS = (
     "model", "head", "dim", "pooling", "lora", "lora_r", "lora_alpha",
@@ -71,8 +72,8 @@ def check_something_to_resume(cfg: TrainConfig, resumed: tuple[Path, dict[str, A
     if resumed is None:
         parent = out.parent if str(out.parent) else Path(".")
         runs = sorted(p.name for p in parent.iterdir() if list_checkpoints(p / "checkpoints")) if parent.is_dir() else []
-        close = difflib.get_close_matches(out.name, runs, n=1, cutoff=0.6)
-        hint = f"; did you mean {str(parent / close[0])!r}?" if close else ""
+        close = closest(out.name, runs)
+        hint = f"; did you mean {str(parent / close)!r}?" if close else ""
         raise ValueError(f"--resume: {cfg.output_dir} holds no checkpoint to resume{hint} (to start a new run there, "
                          "leave out --resume)")
     checkpoint, state = resumed
@@ -128,7 +129,8 @@ def check_resume_settings(cfg: TrainConfig, world_size: int, checkpoint: Path, s
     saved_world = state.get("world_size")
     if saved_world is None or saved_world == world_size:
         return None
-    return (f"--resume: {checkpoint} was written by {saved_world} processes and continues on {world_size}: the same "
+    return (f"--resume: {checkpoint} was written by {counted(saved_world, 'process', 'processes')} and continues on "
+            f"{world_size}: the same "
             "global batches, partitioned over the new ranks; the sharded state is resharded as it loads")
 
 

@@ -31,6 +31,7 @@ from raggedvl.sampling import BalancedDistributedBatchSampler, Mixture, SampleCo
 from raggedvl.app.column_flags import flags_for_columns
 from raggedvl.app.config import TrainConfig
 from raggedvl.app.mixing import sources_mixture, training_sources
+from raggedvl.app.wording import counted
 
 
 @dataclass
@@ -201,7 +202,7 @@ def make_sampler(cfg: TrainConfig, costs: SampleCosts, info: DistInfo,
     if n < cfg.global_batch_size:
         rejected = f" ({n_all - n} more rejected for unreadable images)" if n < n_all else ""
         raise ValueError(
-            f"the training split has {n} pairs{rejected}, fewer than global_batch_size {cfg.global_batch_size}; "
+            f"the training split has {counted(n, 'pair')}{rejected}, fewer than global_batch_size {cfg.global_batch_size}; "
             f"lower --global-batch-size or use more data (--max-train-samples)"
         )
     sources = training_sources(cfg, costs, dataset_sizes, row_sources)
@@ -256,7 +257,8 @@ def sources_text(cfg: TrainConfig, mixture: Mixture | None) -> str | None:
     (5 pairs, p=0.455)"``; None otherwise."""
     if mixture is None or not (mixture.one_source or cfg.source_column is not None):
         return None
-    parts = [f"{mixture.name(d)} ({size} pairs, p={w:.3g})" for d, (size, w) in enumerate(zip(mixture.sizes, mixture.weights))]
+    parts = [f"{mixture.name(d)} ({counted(size, 'pair')}, p={w:.3g})"
+             for d, (size, w) in enumerate(zip(mixture.sizes, mixture.weights))]
     return f"{'one-source' if mixture.one_source else 'mixed'} global batches from: " + ", ".join(parts)
 
 

@@ -20,11 +20,12 @@ Only ``huggingface_hub`` is imported (for hub ids), never torch.
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from pathlib import Path
 from typing import Literal
+
+from raggedvl.suggest import closest
 
 RepoType = Literal["model", "dataset"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -37,8 +38,9 @@ def _offline(repo_type: RepoType) -> bool:
 
 
 def _closest(name: str, candidates: list[str]) -> str | None:
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-    return close[0] if close else None
+    """A typo's likely meaning (:func:`raggedvl.suggest.closest`, typos only: a close name here
+    refuses a name that could otherwise be a hub id)."""
+    return closest(name, candidates, typos_only=True)
 
 
 def missing_path(name: str, presets: tuple[str, ...], what: str, kind: str) -> ValueError:

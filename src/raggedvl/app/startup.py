@@ -8,6 +8,9 @@ clock to the ranks it starts through the environment (``RAGGEDVL_STARTUP``, JSON
 adds ``imports`` (its process start to the training modules imported), ``data``,
 ``cost_scan``, ``model`` and ``first_step``. Rank 0 writes the result as the ``startup``
 record. A single-process run has no separate launcher: its checks are its own phases.
+
+:func:`start_line` is what the command prints once its checks pass, before the part of a cold
+start that prints nothing of its own (imports, the data, the model's download and loading).
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+from raggedvl.app.wording import counted
 
 ENV = "RAGGEDVL_STARTUP"
 
@@ -56,3 +62,11 @@ class StartupClock:
 
     def since_start(self) -> float:
         return time.time() - self.command_start
+
+
+def start_line(cfg: Any, processes: int) -> str:
+    """The one line the launcher (or rank 0 under a torchrun it did not start) prints before the
+    silent part of a start: the model and data ``cfg`` (a ``TrainConfig``) loads, on how many
+    ``processes``."""
+    on = counted(processes, "process", "processes")
+    return f"raggedvl: loading model {cfg.model} and data {', '.join(cfg.datasets)} on {on}..."

@@ -14,12 +14,13 @@ ROLES = ("query", "image", "id", "negatives", "source")
 
 @dataclass(frozen=True)
 class Columns:
-    """``query``: the query text; ``image``: the page image (datasets ``Image``, encoded bytes
+    """``query``: the query text (None: documents only, every row's query None, as an index of
+    page images reads them); ``image``: the page image (datasets ``Image``, encoded bytes
     or a path); ``id``: each row's id (None: ``"<split>-<row>"``); ``negatives``: hard-negative
     images, one or a list per row (None: none); ``source``: a value naming each row's source
     (one-source batches; None: none)."""
 
-    query: str = "query"
+    query: str | None = "query"
     image: str = "image"
     id: str | None = None
     negatives: str | None = None

@@ -57,7 +57,8 @@ from raggedvl.data.scan import (
 from raggedvl.data.columns import Columns
 from raggedvl.data.keys import bytes_key, image_key
 from raggedvl.data.source import DataSource
-from raggedvl.images import BadImageError, BadImagePolicy, check_bad_image_policy, load_image, read_size
+from raggedvl.images import (BadImageError, BadImagePolicy, check_bad_image_policy, load_image, read_size,
+                             unreadable_image)
 
 
 def _limit_order(ids: list[str], limit: int | None) -> list[int]:
@@ -501,7 +502,7 @@ class RetrievalDataset(Sequence):
             if column is not None and is_text_type(table.schema.field(column).type):  # paths, or text?
                 check_not_text(table.column(column).slice(0, TEXT_SAMPLE_ROWS).to_pylist(), role=role,
                                columns=columns, where=where, available=available, base_dir=base_dir)
-        queries = table.column(columns.query).to_pylist()
+        queries = table.column(columns.query).to_pylist() if columns.query else [None] * table.num_rows
         ids = ([str(v) for v in table.column(columns.id).to_pylist()] if columns.id
                else [f"{split}-{i}" for i in range(len(queries))])
         keep, skipped = kept_rows(queries, ids, where, on_empty_query, limit)
@@ -693,7 +694,7 @@ class RetrievalDataset(Sequence):
         except (OSError, KeyError, TypeError) as exc:
             if self.on_bad_image == "skip":
                 return "unreadable:" + hashlib.sha256(str(self.records[index]["id"]).encode()).hexdigest()
-            raise BadImageError(f"{self.where} row {index} (id {self.records[index]['id']!r}): cannot read the image ({exc})") from exc
+            raise unreadable_image(self.image_sources[index], self.row_name(index), exc) from exc
         return hashlib.sha256(data).hexdigest()
 
     def image_sizes(self) -> list[tuple[int, int] | None]:
@@ -736,7 +737,7 @@ def _stored_key(source: Any, name: str) -> int:
     try:
         return bytes_key(source_bytes(source))
     except (OSError, KeyError, TypeError) as exc:
-        raise BadImageError(f"{name}: cannot read the image ({exc})", reason=f"cannot read the image ({exc})") from exc
+        raise unreadable_image(source, name, exc) from exc
 
 
 def _page_key(source: Any, image: Image.Image) -> int:

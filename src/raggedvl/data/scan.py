@@ -25,7 +25,6 @@ temporary file and ``os.replace``, so a rank reading it never sees a partial fil
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import hashlib
 import json
@@ -41,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from raggedvl.data.columns import ROLES, ColumnError, Columns
+from raggedvl.suggest import closest
 
 SCAN_VERSION = 3  # in the cache key: 2 added list columns (hard negatives); 3: a PNG without its IEND chunk is unreadable
 _LABEL = "\x00"  # stands for the row's label in a stored reason; replaced when reported
@@ -215,9 +215,14 @@ def is_beir_layout(name_or_path: str | os.PathLike) -> bool:
     return root.is_dir() and all(beir_part(root, stem) is not None for stem in ("corpus", "queries", "qrels"))
 
 
+# what other datasets name the query and image columns: "did you mean" them when no name is close
+COLUMN_SYNONYMS = {"query": ("question", "text"), "image": ("page", "img", "picture")}
+
+
 def check_columns(available: Sequence[str], where: str, columns: Columns) -> None:
     """Raises :class:`~raggedvl.data.columns.ColumnError` naming the missing column, the
-    columns present and the closest of them ("did you mean", ``difflib``)."""
+    columns present and the closest of them ("did you mean": :func:`raggedvl.suggest.closest`,
+    else a present column of :data:`COLUMN_SYNONYMS`)."""
     available = list(available)
     nouns = {"query": "column", "image": "column", "id": "id column", "negatives": "hard-negatives column",
              "source": "source column"}
@@ -225,9 +230,10 @@ def check_columns(available: Sequence[str], where: str, columns: Columns) -> Non
         column = getattr(columns, role)
         if column is None or column in available:
             continue
-        close = difflib.get_close_matches(column, available, n=1, cutoff=0.6)
+        close = closest(column, available) or next(
+            (c for c in available if c.casefold() in COLUMN_SYNONYMS.get(role, ())), None)
         raise ColumnError(f"{where} has no {nouns[role]} {column!r} (columns: {available})"
-                          + (f"; did you mean {close[0]!r}?" if close else ""), role)
+                          + (f"; did you mean {close!r}?" if close else ""), role)
 
 
 TEXT_SAMPLE_ROWS = 5  # rows whose strings decide whether an image column holds text

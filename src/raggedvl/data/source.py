@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from raggedvl.data.scan import ParquetSplit, is_beir_layout, parquet_split
+from raggedvl.data.scan import ParquetSplit, file_split, folder_splits, is_beir_layout, parquet_split
 
 Kind = Literal["rdocs", "manifest", "beir", "parquet", "folder", "hub"]
 
@@ -62,6 +62,20 @@ class DataSource:
         parquet (a manifest, a BEIR layout, an image folder, a hub id). Raises ``ValueError``
         naming the splits present when ``split`` is missing (:func:`raggedvl.data.scan.parquet_split`)."""
         return parquet_split(self.path, split) if self.kind in ("parquet", "folder") else None
+
+    def default_split(self, preferred: str) -> str:
+        """The split a command reads when none is named: the one split of a local ``.parquet``
+        file or of a folder whose files make one split by ``datasets``' file-name rules (a folder
+        of page images, ``pairs.parquet``: "train"), else ``preferred`` (also for a folder with a
+        dataset card, whose configs may name other splits). Reads no data file
+        (:func:`raggedvl.data.scan.folder_splits`)."""
+        if self.kind == "parquet":
+            return file_split(self.path)
+        if self.kind == "folder" and not (self.path / "README.md").exists():
+            splits = folder_splits(self.path)
+            if splits is not None and len(splits) == 1:
+                return next(iter(splits))
+        return preferred
 
     def is_beir(self) -> bool:
         """A BEIR layout: a local one, or a hub dataset whose configs hold ``corpus``, ``queries``

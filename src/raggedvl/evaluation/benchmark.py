@@ -21,6 +21,7 @@ Two layouts, as the ViDoRe benchmarks publish them:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Sequence
@@ -114,12 +115,13 @@ def distinct_images(rows: RetrievalDataset) -> list[int]:
 def load_corpus(name_or_path: str | os.PathLike, split: str = "test", *, on_bad_image: str = "error",
                 columns: Columns = Columns(), **load_kwargs) -> RetrievalDataset:
     """The documents of a benchmark or dataset, each distinct image once (for indexing): the
-    ``corpus`` of a BEIR layout, else the distinct images of the rows (``columns.query`` must
-    exist; rows with an empty query are kept). Local pairs are read without ``datasets``."""
+    ``corpus`` of a BEIR layout, else the distinct images of the rows: a folder of page images
+    or (query, image) pairs alike (``columns.query`` is not read; every document's query is
+    None). Local parquet is read without ``datasets``."""
     if DataSource.of(name_or_path).is_beir():
         return _corpus_documents(name_or_path, split, on_bad_image, **load_kwargs)
     rows = load_retrieval_dataset(name_or_path, split, on_bad_image=on_bad_image, on_empty_query="keep",
-                                  columns=columns, **load_kwargs)
+                                  columns=dataclasses.replace(columns, query=None), **load_kwargs)
     return rows.select(sorted(set(distinct_images(rows))))
 
 
@@ -156,8 +158,8 @@ def _corpus_documents(name_or_path, split: str, on_bad_image: str, **load_kwargs
     cid = _column(corpus.column_names, ("corpus-id", "corpus_id", "_id", "id"), "corpus")
     corpus = corpus.cast_column(cid, datasets.Value("string"))
     base = Path(name_or_path) if Path(name_or_path).is_dir() else None
-    columns = Columns(query="_no_query", image=_column(corpus.column_names, ("image",), "corpus"), id=cid)
-    return RetrievalDataset.from_hf(corpus.add_column("_no_query", [None] * len(corpus)), split, columns=columns,
+    columns = Columns(query=None, image=_column(corpus.column_names, ("image",), "corpus"), id=cid)
+    return RetrievalDataset.from_hf(corpus, split, columns=columns,
                                     base_dir=base, on_empty_query="keep", on_bad_image=on_bad_image)
 
 

@@ -10,14 +10,13 @@ from typing import Any
 import torch
 
 from raggedvl import __version__
-from raggedvl.data import RetrievalCollator
 from raggedvl.evaluation.encode import document_collate, document_sizes, encode_shard
 from raggedvl.evaluation.index import EmbeddingIndex, write_index, write_shard
 from raggedvl.evaluation.ranking import tie_keys
 from raggedvl.evaluation.search import search
 from raggedvl.parallel import all_gather_objects, barrier, init_distributed, shutdown
 from raggedvl.app.column_flags import flags_for_columns
-from raggedvl.app.evaluate_checkpoint import load_model
+from raggedvl.app.evaluate_checkpoint import checkpoint_collator, load_model
 from raggedvl.data.columns import Columns
 from raggedvl.data.source import DataSource
 from raggedvl.app.wording import counted
@@ -43,11 +42,10 @@ def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str | None = N
     split = split or DataSource.of(dataset).default_split("test")
     info = init_distributed()
     try:
-        model, processor, _, described = load_model(Path(checkpoint), info.device)
+        model, processor, cfg, described = load_model(Path(checkpoint), info.device)
         with flags_for_columns(keys=False):
             docs = load_corpus(dataset, split, on_bad_image=on_bad_image, columns=columns)
-        collate = RetrievalCollator(processor, on_bad_image=on_bad_image, prompts=model.config.prompts,
-                                    layout=model.family.name)
+        collate = checkpoint_collator(model, processor, cfg, on_bad_image=on_bad_image)
         lo, rows = encode_shard(model, len(docs), document_collate(collate, docs), document_sizes(docs), batch_size=batch_size,
                                 device=info.device, desc="documents", progress=info.is_main)
         ids = docs.ids()
@@ -83,10 +81,10 @@ def search_index(checkpoint: str | Path, *, index: str | Path, queries: list[str
     idx = EmbeddingIndex(index)
     info = init_distributed()
     try:
-        model, processor, _, described = load_model(Path(checkpoint), info.device)
+        model, processor, cfg, described = load_model(Path(checkpoint), info.device)
         if not allow_other_model:
             check_same_model(described, idx.meta.get("model"), index)
-        collate = RetrievalCollator(processor, prompts=model.config.prompts, layout=model.family.name)
+        collate = checkpoint_collator(model, processor, cfg)
         from raggedvl.evaluation.encode import encode_queries
 
         encoded: Any = encode_queries(model, collate, queries, batch_size=batch_size, device=info.device, progress=False, padded=True)

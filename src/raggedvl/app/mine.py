@@ -22,8 +22,7 @@ from pathlib import Path
 
 
 from raggedvl.app.column_flags import flags_for_columns
-from raggedvl.app.evaluate_checkpoint import load_model
-from raggedvl.data import RetrievalCollator
+from raggedvl.app.evaluate_checkpoint import checkpoint_collator, load_model
 from raggedvl.data.columns import Columns
 from raggedvl.data.dataset import source_bytes
 from raggedvl.data.scan import beir_part, read_column
@@ -52,11 +51,10 @@ def mine(checkpoint: str | Path, *, dataset: str, split: str, output: str | Path
                          f"pairs or a local BEIR folder (corpus / queries / qrels); got a {source.kind} source")
     info = init_distributed()
     try:
-        model, processor, _, _ = load_model(Path(checkpoint), info.device)
+        model, processor, cfg, _ = load_model(Path(checkpoint), info.device)
         with flags_for_columns(keys=False):
             bench = load_benchmark(dataset, split, on_bad_image=on_bad_image, columns=columns)
-        collate = RetrievalCollator(processor, on_bad_image=on_bad_image, prompts=model.config.prompts,
-                                    layout=model.family.name)
+        collate = checkpoint_collator(model, processor, cfg, on_bad_image=on_bad_image)
         mined = mine_negatives(model, collate, bench, k=k, max_positive_ratio=max_positive_ratio, skip_top=skip_top,
                                batch_size=batch_size, device=info.device, progress=info.is_main)
         if info.is_main:

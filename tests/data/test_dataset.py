@@ -66,18 +66,27 @@ def test_parquet_with_path_strings(tmp_path):
     rows = [{"query": f"query {i} text", "image": f"p{i}.png", "doc_id": str(i)} for i in range(3)]
     ds = load_retrieval_dataset(_write_parquet(tmp_path / "x.parquet", rows, image_feature=False), "train")
     assert ds[2]["image"].getpixel((1, 1)) == (80, 80, 80)
+    assert ds.ids() == ["train-0", "train-1", "train-2"]  # a row of a table, not a file of a folder
 
 
 def test_image_folder(tmp_path):
+    """An image folder's rows are named by their files' paths relative to the folder (an id
+    column still wins), and a stable sample draws from those names."""
     folder = tmp_path / "folder"
-    folder.mkdir()
+    (folder / "scans").mkdir(parents=True)
+    names = ["img0.png", "scans/img1.png", "scans/img2.png"]
     with open(folder / "metadata.jsonl", "w") as handle:
-        for i in range(3):
-            (folder / f"img{i}.png").write_bytes(_png((60, 30), 50 * i))
-            handle.write(json.dumps({"file_name": f"img{i}.png", "query": f"find page {i}"}) + "\n")
+        for i, name in enumerate(names):
+            (folder / name).write_bytes(_png((60, 30), 50 * i))
+            handle.write(json.dumps({"file_name": name, "query": f"find page {i}", "page": f"page {i}"}) + "\n")
     ds = load_retrieval_dataset(folder, "train")
     by_query = {ds[i]["query"]: ds[i]["image"].getpixel((0, 0)) for i in range(len(ds))}
     assert by_query == {f"find page {i}": (50 * i,) * 3 for i in range(3)}
+    by_id = {ds[i]["id"]: ds[i]["image"].getpixel((0, 0)) for i in range(len(ds))}
+    assert by_id == {name: (50 * i,) * 3 for i, name in enumerate(names)}
+    sample = load_retrieval_dataset(folder, "train", limit=2)
+    assert sample.ids() == ds.sample(2).ids() and len(set(sample.ids())) == 2
+    assert sorted(load_retrieval_dataset(folder, "train", columns=Columns(id="page")).ids()) == ["page 0", "page 1", "page 2"]
 
 
 def test_bad_rows_are_named_or_counted(tmp_path):

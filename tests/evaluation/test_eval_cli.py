@@ -45,8 +45,13 @@ def setup(tmp_path_factory):
 
 
 def brute_force_scores(model, bench):
-    q = embed_queries(model, bench.queries, batch_size=3, progress=False)
-    d = embed_documents(model, bench.documents, batch_size=2, progress=False)
+    return late_scores(model, bench.queries, bench.documents)
+
+
+def late_scores(model, queries, documents):
+    """[Q, C] MaxSim scores of the model's own query and document embeddings."""
+    q = embed_queries(model, queries, batch_size=3, progress=False)
+    d = embed_documents(model, documents, batch_size=2, progress=False)
     (qe, qm), (de, dm) = pad_rows(q), pad_rows(d)
     return late_interaction_scores(qe, qm, de, dm)
 
@@ -122,26 +127,32 @@ def test_encode_reads_other_column_names_and_the_ids_search_prints(setup, tmp_pa
 def test_encode_reads_a_plain_folder_of_page_images(setup, tmp_path, capsys):
     """``raggedvl encode CHECKPOINT --dataset FOLDER``: a folder of images (no query column, no
     split in its file names) is the documents of its one split, "train"; a byte-identical copy
-    is one document, and the index holds the model's own document embeddings."""
+    is one document, the index holds the model's own document embeddings, and each document's
+    id (what ``search`` prints) is its file's path relative to the folder."""
     from raggedvl.evaluation.index import EmbeddingIndex
 
     root, model, _ = setup
     pages = tmp_path / "pages"
-    pages.mkdir()
-    for i, size in enumerate([(56, 84), (84, 56), (112, 56)]):
-        (pages / f"p{i}.png").write_bytes(noise_png(10 + i, size))
+    (pages / "scans").mkdir(parents=True)
+    names = ["p0.png", "scans/p1.png", "scans/p2.png"]
+    for i, (name, size) in enumerate(zip(names, [(56, 84), (84, 56), (112, 56)])):
+        (pages / name).write_bytes(noise_png(10 + i, size))
     (pages / "p0-copy.png").write_bytes((pages / "p0.png").read_bytes())
     index = tmp_path / "index"
     assert main(["encode", str(root / "model"), "--dataset", str(pages), "--output", str(index)]) == 0
     assert "3 documents (0 skipped)" in capsys.readouterr().out
     built = EmbeddingIndex(index)
-    # the folder's rows in path order: p0-copy, p0, p1, p2; the copy's first row stands for both
-    assert built.meta["split"] == "train" and built.ids == ["train-0", "train-2", "train-3"]
+    # the folder's rows in path order: p0-copy, p0, scans/p1, scans/p2; the copy's first row stands for both
+    assert built.meta["split"] == "train" and built.ids == ["p0-copy.png", "scans/p1.png", "scans/p2.png"]
+    assert json.loads((index / "index.json").read_text())["shards"][0]["ids"] == built.ids
     (_, emb, mask), = built.chunks()
-    want_emb, want_mask = embed_documents(model, [pages / n for n in ("p0.png", "p1.png", "p2.png")], padded=True,
-                                          progress=False)
+    want_emb, want_mask = embed_documents(model, [pages / n for n in names], padded=True, progress=False)
     assert torch.equal(mask, want_mask)
     torch.testing.assert_close(emb, want_emb, rtol=2e-3, atol=2e-3)  # the index stores float16: ~1e-3 relative
+    want = top_k(late_scores(model, ["a page of noise"], [pages / n for n in names]), 3, tie_keys(built.ids))
+    assert main(["search", str(root / "model"), "--index", str(index), "--query", "a page of noise", "--k", "3"]) == 0
+    printed = [line.split()[-1] for line in capsys.readouterr().out.splitlines() if not line.startswith("query:")]
+    assert printed == [built.ids[i] for i in want.indices[0].tolist()]
 
 
 def main_raises(argv):

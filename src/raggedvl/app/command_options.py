@@ -25,7 +25,8 @@ class DocumentColumnOptions:
 
     image_column: str | None = option(None, "column of the --dataset rows holding the document image "
                                             "(none: image; eval without --dataset: the run's evaluation columns)")
-    id_column: str | None = option(None, "column of the --dataset rows holding each row's id (none: '<split>-<row>')")
+    id_column: str | None = option(None, "column of the --dataset rows holding each row's id (none: an image "
+                                         "folder's file paths, else '<split>-<row>')")
 
     def columns(self) -> Columns:
         """The columns given, documents only (no query column); unset: ``image``, no id column."""

@@ -89,7 +89,7 @@ class TrainConfig:
     image_column: str = option("image", "column of the training pairs holding the document image (datasets Image "
                                         "feature, or file paths), or a list of them: the query's positives")
     id_column: str | None = option(None, "column of the training pairs holding each row's id, used in messages and "
-                                         "reports (none: '<split>-<row>')")
+                                         "reports (none: an image folder's file paths, else '<split>-<row>')")
     eval_query_column: str | None = option(
         None, "column of the evaluation pairs (eval_dataset, or dataset's eval_split) holding the query text "
               "(none: query_column)")

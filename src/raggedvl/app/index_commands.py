@@ -31,8 +31,8 @@ def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str | None = N
     (:meth:`~raggedvl.data.source.DataSource.default_split`). Under torchrun each rank encodes a
     contiguous shard and writes its own safetensors file; rank 0 writes ``index.json``.
     Unreadable images under ``on_bad_image="skip"`` are left out and counted. ``columns``: the
-    rows' image and id columns (the ids are what ``search`` prints; no id column:
-    ``<split>-<row>``). Refuses an ``output`` that already holds an index and a missing column,
+    rows' image and id columns (the ids are what ``search`` prints; no id column: a BEIR
+    corpus's ids, an image folder's file paths relative to it, else ``<split>-<row>``). Refuses an ``output`` that already holds an index and a missing column,
     naming ``--image-column``... (``ValueError``)."""
     from raggedvl.evaluation.benchmark import load_corpus
 

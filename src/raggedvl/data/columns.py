@@ -16,9 +16,10 @@ ROLES = ("query", "image", "id", "negatives", "source")
 class Columns:
     """``query``: the query text (None: documents only, every row's query None, as an index of
     page images reads them); ``image``: the page image (datasets ``Image``, encoded bytes
-    or a path); ``id``: each row's id (None: ``"<split>-<row>"``); ``negatives``: hard-negative
-    images, one or a list per row (None: none); ``source``: a value naming each row's source
-    (one-source batches; None: none)."""
+    or a path); ``id``: each row's id (None: an image folder's file paths relative to the
+    folder, else ``"<split>-<row>"``); ``negatives``: hard-negative images, one or a list per
+    row (None: none); ``source``: a value naming each row's source (one-source batches; None:
+    none)."""
 
     query: str | None = "query"
     image: str = "image"

@@ -471,6 +471,7 @@ class RetrievalDataset(Sequence):
         on_empty_query: str = "error",
         sizes: Sequence[tuple[int, int] | None] | None = None,
         negative_sizes: Sequence[list[tuple[int, int] | None]] | None = None,
+        ids: Sequence[str] | None = None,
         **kwargs,
     ) -> "RetrievalDataset":
         """Wrap a ``datasets.Dataset`` (or a ``pyarrow.Table``, or a ``MappedTable`` from
@@ -490,7 +491,9 @@ class RetrievalDataset(Sequence):
 
         Rows are read from the Arrow data, undecoded (an ``Image`` value is its
         ``{"bytes", "path"}`` storage), row by row on access, and decoded by this package's
-        hardened loader. Ids come from ``id_column`` or are ``"<split>-<row>"``.
+        hardened loader. Ids come from ``columns.id``, else from ``ids`` (one per table row, e.g.
+        the file paths :func:`load_retrieval_dataset` gives the rows of an image folder), else
+        are ``"<split>-<row>"``. Raises ``ValueError`` for ``ids`` of another length than the table.
         """
         source = _arrow_of_hf(dataset)  # what the columns keep a reference to (a MappedTable pickles small)
         table = _arrow(source)
@@ -503,8 +506,10 @@ class RetrievalDataset(Sequence):
                 check_not_text(table.column(column).slice(0, TEXT_SAMPLE_ROWS).to_pylist(), role=role,
                                columns=columns, where=where, available=available, base_dir=base_dir)
         queries = table.column(columns.query).to_pylist() if columns.query else [None] * table.num_rows
+        if columns.id is None and ids is not None and len(ids) != len(queries):
+            raise ValueError(f"{where}: {len(ids)} ids for {len(queries)} rows; pass one id per row")
         ids = ([str(v) for v in table.column(columns.id).to_pylist()] if columns.id
-               else [f"{split}-{i}" for i in range(len(queries))])
+               else list(ids) if ids is not None else [f"{split}-{i}" for i in range(len(queries))])
         keep, skipped = kept_rows(queries, ids, where, on_empty_query, limit)
         records = [{"query": queries[i], "id": ids[i], "row": i} for i in keep]
         if columns.source is not None:
@@ -778,6 +783,34 @@ def _load_split(source: DataSource, split: str, found: ParquetSplit | None, cach
     return datasets.load_dataset(source.name, split=pick_split(available, split, source.name), **load_kwargs), None
 
 
+def folder_file_ids(rows, column: str, folder: Path) -> list[str] | None:
+    """Each row's image file path relative to ``folder``, ``/``-separated (``scans/page_003.png``):
+    the ids of the rows of an image folder (``datasets``' folder builders keep each image as a
+    ``{"bytes": None, "path"}`` value naming its file; one row per file, so the ids are unique).
+    None when ``column`` is not such an ``Image`` column or a row's image is not a file under
+    ``folder`` (stored bytes, a list of images, a path string): its rows keep ``<split>-<row>``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = _arrow(_arrow_of_hf(rows))
+    if column not in table.schema.names:
+        return None
+    kind = table.schema.field(column).type
+    if not pa.types.is_struct(kind) or {kind.field(i).name for i in range(kind.num_fields)} != {"bytes", "path"}:
+        return None
+    cells = table.column(column)
+    if pc.struct_field(cells, "bytes").null_count != len(cells) or pc.struct_field(cells, "path").null_count:
+        return None
+    root = Path(folder).resolve()
+    ids = []
+    for path in pc.struct_field(cells, "path").to_pylist():
+        file = Path(path).resolve()
+        if not file.is_relative_to(root):
+            return None
+        ids.append(file.relative_to(root).as_posix())
+    return ids
+
+
 def load_retrieval_dataset(
     name_or_path: str | os.PathLike,
     split: str = "train",
@@ -800,6 +833,8 @@ def load_retrieval_dataset(
     - a local folder ``datasets`` can read (parquet files, or an image folder with a
       ``metadata.jsonl``/``metadata.csv``): its splits are inferred by ``datasets`` from the file
       names (``train*``, ``dev*``/``validation*``, ``test*``, the hub's ``data/<split>-*.parquet``);
+      without ``columns.id``, the id of an image folder's row is its image file's path relative
+      to the folder (``scans/page_003.png``; :func:`folder_file_ids`);
     - a hub dataset id (``vidore/colpali_train_set``) through ``datasets.load_dataset``.
     ``split`` names one of the splits present; "dev" and "validation" (and the other
     ``raggedvl.data.scan.SPLIT_ALIASES``) find each other. A missing split is a ``ValueError`` listing those present.
@@ -831,8 +866,9 @@ def load_retrieval_dataset(
     rows, base = _load_split(source, split, found, cache_dir, **load_kwargs)
     schema = rows.features.arrow_schema if hasattr(rows, "features") else _arrow(rows).schema
     several = columns.image in schema.names and is_list_type(schema.field(columns.image).type)
+    ids = folder_file_ids(rows, columns.image, source.path) if source.kind == "folder" and found is None else None
     return RetrievalDataset.from_hf(
-        rows, split, columns=columns, limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}",
+        rows, split, columns=columns, limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}", ids=ids,
         sizes=_cached_sizes(found, columns.image, _num_rows(rows), "positive" if several else None),
         negative_sizes=(None if columns.negatives is None
                         else _cached_sizes(found, columns.negatives, _num_rows(rows), "hard negative")),

@@ -1,7 +1,7 @@
 """Held-out evaluation data: a hash split of one dataset, and train/evaluation overlap by
 content.
 
-Overlap is judged by what a model sees, not by ids (ids are made per split and never collide):
+Overlap is judged by what a model sees, not by ids (an id names a row of its own dataset, not its content):
 an evaluation document whose image file is byte-identical to a training image (SHA-256 of the
 encoded bytes), or an evaluation query whose text equals a training query (after Unicode
 case folding and whitespace normalisation).

@@ -87,6 +87,8 @@ def test_image_folder(tmp_path):
     sample = load_retrieval_dataset(folder, "train", limit=2)
     assert sample.ids() == ds.sample(2).ids() and len(set(sample.ids())) == 2
     assert sorted(load_retrieval_dataset(folder, "train", columns=Columns(id="page")).ids()) == ["page 0", "page 1", "page 2"]
+    with pytest.raises(ValueError, match=r"2 ids for 3 rows; pass one id per row"):
+        RetrievalDataset.from_hf(datasets.load_dataset(str(folder), split="train"), ids=["a", "b"])
 
 
 def test_bad_rows_are_named_or_counted(tmp_path):

@@ -783,7 +783,7 @@ def _load_split(source: DataSource, split: str, found: ParquetSplit | None, cach
     return datasets.load_dataset(source.name, split=pick_split(available, split, source.name), **load_kwargs), None
 
 
-def folder_file_ids(rows, column: str, folder: Path) -> list[str] | None:
+def _folder_file_ids(rows, column: str, folder: Path) -> list[str] | None:
     """Each row's image file path relative to ``folder``, ``/``-separated (``scans/page_003.png``):
     the ids of the rows of an image folder (``datasets``' folder builders keep each image as a
     ``{"bytes": None, "path"}`` value naming its file; one row per file, so the ids are unique).
@@ -834,7 +834,7 @@ def load_retrieval_dataset(
       ``metadata.jsonl``/``metadata.csv``): its splits are inferred by ``datasets`` from the file
       names (``train*``, ``dev*``/``validation*``, ``test*``, the hub's ``data/<split>-*.parquet``);
       without ``columns.id``, the id of an image folder's row is its image file's path relative
-      to the folder (``scans/page_003.png``; :func:`folder_file_ids`);
+      to the folder (``scans/page_003.png``);
     - a hub dataset id (``vidore/colpali_train_set``) through ``datasets.load_dataset``.
     ``split`` names one of the splits present; "dev" and "validation" (and the other
     ``raggedvl.data.scan.SPLIT_ALIASES``) find each other. A missing split is a ``ValueError`` listing those present.
@@ -866,7 +866,7 @@ def load_retrieval_dataset(
     rows, base = _load_split(source, split, found, cache_dir, **load_kwargs)
     schema = rows.features.arrow_schema if hasattr(rows, "features") else _arrow(rows).schema
     several = columns.image in schema.names and is_list_type(schema.field(columns.image).type)
-    ids = folder_file_ids(rows, columns.image, source.path) if source.kind == "folder" and found is None else None
+    ids = _folder_file_ids(rows, columns.image, source.path) if source.kind == "folder" and found is None else None
     return RetrievalDataset.from_hf(
         rows, split, columns=columns, limit=limit, base_dir=base, where=f"{name_or_path} split {split!r}", ids=ids,
         sizes=_cached_sizes(found, columns.image, _num_rows(rows), "positive" if several else None),

@@ -239,9 +239,12 @@ def check(args) -> int:
             raise ValueError(f"raggedvl config {cfg} does not carry the settings {s}")
         spec = colpali_side.spec(s, train_parquet="train.parquet", out_dir=tempfile.gettempdir(), save_final=True)
         targs = colpali_side.training_arguments({**spec, "nproc": 1})  # one process here: no gloo group to join
+        if (cfg.warmup_steps, cfg.lr_schedule) != (targs.warmup_steps, str(targs.lr_scheduler_type.value)):
+            raise ValueError(f"raggedvl's schedule ({cfg.lr_schedule}, warm-up {cfg.warmup_steps}) differs from the HF "
+                             f"Trainer's ({targs.lr_scheduler_type.value}, warm-up {targs.warmup_steps})")
         print(f"check: {s.label}: raggedvl train flags valid (global batch {cfg.global_batch_size}, lr {cfg.lr}, "
-              f"head lr {cfg.head_lr}); colpali TrainingArguments valid (lr {targs.learning_rate}, warm-up {targs.warmup_steps}, "
-              f"schedule {targs.lr_scheduler_type})")
+              f"head lr {cfg.head_lr}, warm-up {cfg.warmup_steps}, schedule {cfg.lr_schedule}); colpali TrainingArguments "
+              f"valid (lr {targs.learning_rate}, warm-up {targs.warmup_steps}, schedule {targs.lr_scheduler_type.value})")
     root = Path(tempfile.mkdtemp(prefix="vs_colpali_check-"))
     n_train, n_dev = args.train_pairs or 12, args.dev_pairs or 4
     model_ok = Path(args.model, "config.json").is_file()

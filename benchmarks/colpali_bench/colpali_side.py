@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .settings import RunSettings
+from .settings import LR_SCHEDULE, RunSettings
 
 WORKER = Path(__file__).with_name("colpali_worker.py")
 
@@ -33,7 +33,7 @@ def training_arguments(spec: dict[str, Any], args_class: type | None = None, **e
 
     return (args_class or TrainingArguments)(
         output_dir=str(Path(spec["out_dir"]) / "hf"), per_device_train_batch_size=spec["per_device_batch"],
-        max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="linear", warmup_steps=spec["warmup_steps"],
+        max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type=LR_SCHEDULE, warmup_steps=spec["warmup_steps"],
         weight_decay=spec["weight_decay"], max_grad_norm=spec["max_grad_norm"], logging_steps=spec.get("logging_steps", 10),
         save_strategy="no", report_to="none", use_cpu=True, dataloader_num_workers=0,
         ddp_backend="gloo" if spec["nproc"] > 1 else None,  # one process: no process group (plain python)

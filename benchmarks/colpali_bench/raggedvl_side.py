@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .settings import RunSettings
+from .settings import LR_SCHEDULE, RunSettings
 
 
 def train_argv(s: RunSettings, *, dataset: str, output_dir: str, extra: list[str]) -> list[str]:
@@ -25,7 +25,7 @@ def train_argv(s: RunSettings, *, dataset: str, output_dir: str, extra: list[str
         "--max-train-samples", "none", "--max-eval-samples", "none",
         "--global-batch-size", str(s.global_batch), "--max-steps", str(s.steps),
         "--lr", repr(s.lr), "--head-lr", repr(s.head_lr if s.head_lr is not None else s.lr),
-        "--warmup-steps", str(s.warmup_steps), "--weight-decay", repr(s.weight_decay),
+        "--warmup-steps", str(s.warmup_steps), "--lr-schedule", LR_SCHEDULE, "--weight-decay", repr(s.weight_decay),
         "--max-grad-norm", repr(s.max_grad_norm), "--temperature", repr(s.temperature),
         "--max-pixels", str(s.max_pixels), "--seed", str(s.seed), "--precision", "fp32",
         "--eval-before", "false", "--eval-after", "false",

@@ -8,6 +8,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 _FIXTURE = Path("shared") / "interop" / "colqwen2-tiny" / "colqwen2_full"
+# The learning-rate decay after the warm-up, on every side: the HF Trainer's ``lr_scheduler_type``
+# (colpali-engine, sentence-transformers) and ``raggedvl train --lr-schedule`` (whose default differs).
+LR_SCHEDULE = "linear"
 
 
 def default_model() -> str:

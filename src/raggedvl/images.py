@@ -270,7 +270,8 @@ def resize_image(image: Image.Image, size: tuple[int, int]) -> Image.Image:
     import torch  # here, so that header reads (read_size, ImagePolicy.inspect) never import torch
     import torch.nn.functional as F
 
-    pixels = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).unsqueeze(0)
+    rgb = image if image.mode == "RGB" else image.convert("RGB")  # convert copies even an RGB image
+    pixels = torch.from_numpy(np.array(rgb)).permute(2, 0, 1).unsqueeze(0)
     out = F.interpolate(pixels, size=(size[1], size[0]), mode="bicubic", align_corners=False, antialias=True)
     return Image.fromarray(out[0].permute(1, 2, 0).contiguous().numpy(), mode="RGB")
 

@@ -34,6 +34,9 @@ def test_check_validates_every_configuration_and_builds_both_workloads(check_run
     # (a) on 1 and 2 processes and (b) on 2: raggedvl's own parser accepted the flags
     for label in ("uniform, 1 proc x 8", "uniform, 2 proc x 8", "heavy, 2 proc x 8"):
         assert f"check: {label}: raggedvl train flags valid" in out
+        # both sides decay the learning rate alike after the same warm-up (raggedvl's default is cosine)
+        line = out.split(f"check: {label}: raggedvl train flags valid")[1].split("\n")[0]
+        assert "warm-up 3, schedule linear); colpali TrainingArguments valid (lr 0.0005, warm-up 3, schedule linear)" in line
     assert "check: built workload uniform (10 + 2 pairs)" in out and "check: built workload heavy (10 + 2 pairs)" in out
     assert "heavy (train, 10 pairs, max_pixels 1,003,520)" in out
     # raggedvl runs (b) padding-free by default (--raggedvl-args-b '--packing true'), (a) padded

@@ -109,6 +109,26 @@ def _rotated_jpeg(path) -> bytes:
     return path.read_bytes()
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_collator_pixels_equal_the_processors_own_resize(family_processors, family):
+    # The collator skips the processor's resize (ImagePolicy.prepare already gave the target size).
+    # Exact equality with the processor's full path (its resize on) on noise images, where any
+    # real resampling would change the pixels; sizes: under, inside and above the pixel limits.
+    proc = family_processors[family]
+    policy = ImagePolicy.from_processor(proc)
+    rng = np.random.default_rng(0)
+    sizes = [(policy.factor + 3, 3 * policy.factor + 5), (617, 443), (4000, 3100)]
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    docs = RetrievalCollator(proc)([{"query": "a page", "image": im, "id": str(i)} for i, im in enumerate(images)])["docs"]
+    prepared = [policy.prepare(im) for im in images]
+    assert all(im.size != size for im, size in zip(prepared, sizes))  # prepare resized every image
+    full = proc(text=["<|vision_start|><|image_pad|><|vision_end|>"] * len(images), images=prepared, return_tensors="pt",
+                padding="longest")
+    assert torch.equal(docs["image_grid_thw"], full["image_grid_thw"])
+    assert docs["pixel_values"].dtype == full["pixel_values"].dtype == torch.float32
+    assert torch.equal(docs["pixel_values"], full["pixel_values"])
+
+
 def test_every_input_form_gives_the_same_image(tiny_processor, tmp_path):
     """path, str path, bytes, both datasets dict forms, an opened PIL image and a row decoded by
     datasets' Image() feature: same estimate, same collator pixels, orientation applied."""

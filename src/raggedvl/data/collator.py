@@ -162,8 +162,10 @@ class RetrievalCollator:
         return RaggedBatch.from_features(features, layout=self.layout, image_counts=[0] * len(queries), token_ids=self.token_ids)
 
     def _collate_images(self, ids: list[str], images: list[Any]) -> RaggedBatch:
+        # the images are at their target size already (ImagePolicy.prepare): the processor's own
+        # resize would be the identity, at the cost of a PIL round trip per image
         features = self.processor(text=[self.prompts.doc_template] * len(images), images=images, padding="longest",
-                                  padding_side=self.prompts.padding_side, return_tensors="pt")
+                                  padding_side=self.prompts.padding_side, return_tensors="pt", do_resize=False)
         self._check_doc_lengths(ids, features)
         return RaggedBatch.from_features(features, layout=self.layout, image_counts=[1] * len(images), token_ids=self.token_ids)
 

@@ -103,3 +103,7 @@ def test_resuming_within_the_warmup_keeps_it():
     _, _, saved, _ = _run(_ours(200), 3)
     resumed = _run(_ours(100), 97, start=saved)[0]
     assert resumed == pytest.approx(_run(_ours(100), 100)[0][3:], rel=1e-12)
+    short, _, _, note = _run(_ours(6), 3, start=saved)  # a total inside the warmup: the warmup's rates, said so
+    assert short == pytest.approx([2e-4 * s / 10 for s in (3, 4, 5)], rel=1e-12)
+    assert note == ("the learning-rate schedule planned 200 steps and continues to 6, within its warmup (10 steps): "
+                    "the rate rises to the last step, with no decay")

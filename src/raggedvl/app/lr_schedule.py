@@ -96,9 +96,11 @@ def load_scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR, state: di
         last = scheduler.lr_lambdas[0](step - 1)
         scheduler.lr_lambdas = [fn.continued(step, total) for fn in scheduler.lr_lambdas]
         fn = scheduler.lr_lambdas[0]
-        note = (f"the learning-rate schedule planned {planned} steps and continues to {total}: the warmup "
-                f"({counted(fn.warmup, 'step')}) as trained, then the {fn.kind} decay from step {step}'s rate "
-                f"({100 * last:.3g} % of the peak) stretched to reach 0 at step {total}")
+        head = f"the learning-rate schedule planned {planned} steps and continues to {total}"
+        note = (f"{head}, within its warmup ({counted(fn.warmup, 'step')}): the rate rises to the last step, with no "
+                "decay" if total <= fn.warmup else
+                f"{head}: the warmup ({counted(fn.warmup, 'step')}) as trained, then the {fn.kind} decay from step "
+                f"{step}'s rate ({100 * last:.3g} % of the peak) stretched to reach 0 at step {total}")
     rates = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, rate in zip(scheduler.optimizer.param_groups, rates):
         group["lr"] = rate

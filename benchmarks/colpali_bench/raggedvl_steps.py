@@ -42,7 +42,7 @@ def main() -> None:
 
     from raggedvl.parallel import init_distributed, shutdown, unwrap_model
     from raggedvl.app.loop import Trainer
-    from raggedvl.app.setup import make_scheduler
+    from raggedvl.app.lr_schedule import make_scheduler
 
     torch.set_num_threads(1)
     info = init_distributed(timeout_s=cfg.collective_timeout_s)

@@ -41,14 +41,17 @@ def _losses(run_dir):
     return _logged(run_dir, "loss")
 
 
-def _expected_lrs(steps=6, warmup=10, lr=2e-4):
-    """transformers' cosine-with-warmup, the warmup cut to steps - 1 (train/setup.py); the log
-    holds the learning rate each step used, read before its scheduler.step() (0 at step 1)."""
+def _expected_lrs(steps=6, lr=2e-4):
+    """transformers' cosine-with-warmup with the default warmup of a run of ``steps``
+    (raggedvl.app.config.default_warmup_steps); the log holds the learning rate each step used,
+    read before its scheduler.step() (0 at step 1)."""
     import torch
     from transformers import get_cosine_schedule_with_warmup
 
+    from raggedvl.app.config import default_warmup_steps
+
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    sched = get_cosine_schedule_with_warmup(opt, min(warmup, steps - 1), steps)
+    sched = get_cosine_schedule_with_warmup(opt, default_warmup_steps(steps), steps)
     out = {}
     for step in range(1, steps + 1):
         out[step] = sched.get_last_lr()[0]

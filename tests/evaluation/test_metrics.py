@@ -61,6 +61,8 @@ def test_random_rank_moments_and_the_chance_verdict():
         assert got["random_mean_rank"] == pytest.approx(statistics.fmean(firsts))
         assert got["random_mean_rank_se"] == pytest.approx(statistics.pstdev(firsts) / 2)
     at_chance = {"mean_rank": 64.3, "random_mean_rank": 64.5, "random_mean_rank_se": 3.3}
-    assert "at chance" in chance_verdict(at_chance)
+    assert "not distinguishable from chance (|z| <= 3)" in chance_verdict(at_chance)
+    near = chance_verdict({**at_chance, "mean_rank": 64.5 - 2.8 * 3.3})  # z = -2.8: inside the 3-sigma band
+    assert "(z = -2.8): not distinguishable from chance (|z| <= 3)" in near and "no better than random" not in near
     assert "better than chance" in chance_verdict({**at_chance, "mean_rank": 1.4})
     assert "WORSE than chance" in chance_verdict({**at_chance, "mean_rank": 90.0})

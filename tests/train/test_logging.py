@@ -128,13 +128,14 @@ def test_a_warmup_longer_than_the_run_is_one_warning_line_with_the_fix(tmp_path,
     line = warmup_warning(10, 4, 2e-4)
     assert line == ("warning: --warmup-steps 10 does not fit in this run's 4 steps (at most 3): the warmup is cut to 3 "
                     "steps, so the learning rate rises for the whole run, reaches its peak (--lr 0.0002) only at the "
-                    "last step and never decays; for a warmup then a decay, pass --warmup-steps 1 (about 10 % of the "
-                    "steps) or more --max-steps")
+                    "last step and never decays; for a warmup then a decay, leave out --warmup-steps (the default "
+                    "for 4 steps: 1) or pass more --max-steps")
     assert warmup_warning(10, 1, 2e-4) == ("warning: --warmup-steps 10 does not fit in a 1-step run: its one step runs "
                                            "at the peak learning rate (--lr 0.0002), with no warmup; for a warmup, "
                                            "pass more --max-steps")
     assert "the warmup is cut to 1 step, so" in warmup_warning(10, 2, 2e-4)
-    assert "pass --warmup-steps 0 (about 10 % of the steps)" in warmup_warning(10, 2, 2e-4)  # 1 would never decay
+    assert "(the default for 2 steps: 0)" in warmup_warning(10, 2, 2e-4)  # 1 would never decay
+    assert warmup_warning(None, 4, 2e-4) is None  # not given: the default fits
     cfg = TrainConfig(max_steps=4, warmup_steps=10, global_batch_size=4, max_train_samples=16, max_eval_samples=8,
                       eval_before=False, eval_after=False, output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache))
     trainer = Trainer(cfg, init_distributed())
@@ -175,7 +176,7 @@ def test_one_line_says_what_a_start_loads_before_its_silent_part(tmp_path, capsy
     assert capsys.readouterr().out == f"raggedvl: loading model tiny and data {data} on 2 processes...\n"
 
     trained = []
-    monkeypatch.setattr(loop, "train", lambda cfg, clock: trained.append(cfg.model))
+    monkeypatch.setattr(loop, "train", lambda cfg, clock, **_: trained.append(cfg.model))
     monkeypatch.setenv("LOCAL_RANK", "0")  # a rank: it trains (the stub) in this process
     monkeypatch.delenv(ENV, raising=False)
     for rank, launcher, line in (("0", None, f"raggedvl: loading model tiny and data {data} on 1 process...\n"),

@@ -10,7 +10,8 @@ from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_wi
 
 from raggedvl.prompts import COLPALI_PROMPTS, LEGACY_PROMPTS, QUERY_AUGMENTATION
 from raggedvl.app.config import TrainConfig
-from raggedvl.app.setup import build_cfg_processor, build_model, load_scheduler_state, make_scheduler
+from raggedvl.app.lr_schedule import make_scheduler
+from raggedvl.app.setup import build_cfg_processor, build_model
 
 CHECKPOINT = Path(__file__).resolve().parents[1] / "fixtures" / "colqwen2-tiny" / "colqwen2_full"
 
@@ -36,33 +37,6 @@ def test_lr_schedule_is_transformers_schedule(name, reference):
     linear, cosine = (_lrs(lambda opt, n=n: make_scheduler(opt, TrainConfig(lr_schedule=n, warmup_steps=3), 12))
                       for n in ("linear", "cosine"))
     assert linear[6] < cosine[6]  # the two decays differ after the warmup
-
-
-def test_a_resumed_schedule_runs_the_new_totals_rate_from_its_first_step():
-    """Resume at step 3 of a 200-step run (warmup 10) with max_steps 6 (warmup cut to 5): every
-    resumed step, the first included, runs at the 6-step schedule's rate (the optimizer state
-    held the 200-step schedule's 6e-5 for step 4); with the same total the rates are unchanged."""
-    def run(total, start=None, steps=3):
-        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-4)
-        sched = make_scheduler(opt, TrainConfig(warmup_steps=10, lr=2e-4), total)
-        if start is not None:
-            opt.load_state_dict(start[0])
-            load_scheduler_state(sched, start[1])
-        out = []
-        for _ in range(steps):
-            out.append(opt.param_groups[0]["lr"])
-            opt.step()
-            sched.step()
-        return out, (opt.state_dict(), sched.state_dict())
-
-    first, saved = run(200)
-    assert first == pytest.approx([0.0, 2e-5, 4e-5])
-    resumed, _ = run(6, start=saved)
-    assert resumed == pytest.approx(_lrs(lambda opt: make_scheduler(opt, TrainConfig(warmup_steps=10, lr=2e-4), 6),
-                                         steps=6, lr=2e-4)[3:])
-    assert resumed == pytest.approx([1.2e-4, 1.6e-4, 2e-4])
-    same, _ = run(200, start=saved)
-    assert same == pytest.approx(run(200, steps=6)[0][3:])
 
 
 def test_prompt_overrides_replace_the_prefix_and_padding_side():

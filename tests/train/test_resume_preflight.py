@@ -8,6 +8,7 @@ its SHA-256 in ``MANIFEST.json``."""
 
 import hashlib
 import json
+import shutil
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from raggedvl.app.cli import main
 from raggedvl.parallel import DistInfo
 from raggedvl.app import launch
 from raggedvl.app.config import TrainConfig
+from raggedvl.app.resume import RESUME_CHECKED_ENV
 from raggedvl.app.setup import make_sampler, prepare_run_data
 from tests.train.test_preflight import _parquet
 
@@ -37,7 +39,7 @@ class Started(Exception):
 @pytest.fixture(autouse=True)
 def _never_start_ranks(monkeypatch):
     def started(cmd, env_updates=None):
-        raise Started(cmd)
+        raise Started(cmd, env_updates)
 
     monkeypatch.setattr(launch, "exec_agent", started)
 
@@ -81,12 +83,13 @@ def test_other_settings_are_refused_naming_old_and_new_values(capsys, monkeypatc
     assert f"--dataset {data!r} then, {other!r} now" in err
     assert "--dim 128 then, 64 now" in err and "--lr 0.0002 then, 0.001 now" in err
     assert "new --output-dir" in err and "original values" in err
-    with pytest.raises(Started):  # another number of processes continues, and says so in one line
+    with pytest.raises(Started) as started:  # another number of processes continues, and says so in one line
         main(["train", "--output-dir", str(tmp_path / "run"), "--dataset", data, "--data-cache", str(small_data_cache),
               *COMMON, "--resume", "--nproc-per-node", "3"])
     err = capsys.readouterr().err
     assert f"{folder} was written by 2 processes and continues on 3: the same global batches" in err, err
     assert err.count("\n") == 1, err
+    assert started.value.args[1][RESUME_CHECKED_ENV] == "1"  # the ranks know it was said: rank 0 does not repeat it
     with pytest.raises(Started):  # the same settings: every check passes, the ranks would start
         main(["train", "--output-dir", str(tmp_path / "run"), "--dataset", data, "--data-cache", str(small_data_cache),
               *COMMON, "--resume", "--nproc-per-node", "2", "--max-steps", "20"])  # a longer run may continue
@@ -137,3 +140,37 @@ def test_resume_of_a_finished_run_says_nothing_is_left(capsys, tmp_path, small_d
     with pytest.raises(Started):  # a larger --max-steps continues it (the ranks would start)
         main(["train", "--output-dir", str(run), "--dataset", str(data), "--data-cache", str(small_data_cache), *COMMON,
               "--resume", "--max-steps", "5", "--nproc-per-node", "2"])
+
+
+def test_a_resumed_run_says_each_resume_line_once(tmp_path, capsys, monkeypatch, small_data_cache):
+    """A 2-step run resumed with 4 steps: rank 0 says once that the schedule is stretched, and
+    the logged rates of steps 3-4 continue step 2's downwards to 0 at step 4 (cosine, warmup 0:
+    progress 1/2 at step 2's 0-based index 1, then 1/2 + k / 6 for k = 1, 2; float64, rel 1e-12).
+    The line on another number of processes (here forced: one process cannot write a 2-process
+    checkpoint) comes from rank 0 only when the launcher did not print it (``resume_checked``)."""
+    import math
+
+    from raggedvl.app import checkpointer
+    from raggedvl.app.loop import train
+    from tests.conftest import SMALL_DEV_PAIRS, SMALL_TRAIN_PAIRS
+
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), data_cache=str(small_data_cache), max_steps=2,
+                      max_train_samples=SMALL_TRAIN_PAIRS, max_eval_samples=SMALL_DEV_PAIRS, global_batch_size=4,
+                      eval_before=False, eval_after=False, log_every=1, keep_checkpoints=5)
+    train(cfg)
+    capsys.readouterr()
+    monkeypatch.setattr(checkpointer, "check_resume_settings", lambda *a: "WORLD NOTE")
+    for checked, shown in ((True, 0), (False, 1)):
+        shutil_run = tmp_path / f"run-{checked}"
+        shutil.copytree(tmp_path / "run", shutil_run)
+        train(TrainConfig(**{**cfg.to_dict(), "output_dir": str(shutil_run), "resume": True, "max_steps": 4}),
+              resume_checked=checked)
+        printed = capsys.readouterr()
+        out = printed.out + printed.err
+        assert out.count("WORLD NOTE") == shown, out
+        assert out.count("the learning-rate schedule planned 2 steps and continues to 4") == 1, out
+        lrs = {r["step"]: r["lr"] for r in map(json.loads, (shutil_run / "metrics.jsonl").read_text().splitlines())
+               if r.get("event") == "train"}
+        assert [lrs[s] for s in (3, 4)] == pytest.approx(
+            [1e-4 * (1 + math.cos(math.pi * (0.5 + k / 6))) for k in (1, 2)], rel=1e-12)
+        assert lrs[2] == pytest.approx(1e-4, rel=1e-12) and lrs[2] > lrs[3] > lrs[4]

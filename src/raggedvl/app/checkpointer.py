@@ -50,7 +50,7 @@ from raggedvl.app.config import TrainConfig
 from raggedvl.app.dev_evaluation import DevEvaluation
 from raggedvl.app.resume import check_resume_settings
 from raggedvl.app.run_log import RunLog
-from raggedvl.app.setup import load_scheduler_state
+from raggedvl.app.lr_schedule import load_scheduler_state
 
 
 @dataclass
@@ -203,12 +203,15 @@ class Checkpointer:
             self._say(f"step {state.step}: dev {metric} {value:.4f}: new best, saved to {best_file.parent}")
         barrier()
 
-    def resume(self, state: TrainingState) -> ResumePoint | None:
+    def resume(self, state: TrainingState, *, checked: bool = False) -> ResumePoint | None:
         """Fill ``state`` from the newest checkpoint that verifies (the ranks hash it together):
         each rank reads its own shards of the weights and the optimizer state (resharded when the
-        checkpoint was written by another number of processes), the scheduler, the sampler
-        position and its RNG state. Collective. Returns where the run continues, or None when
-        there is no checkpoint; raises ``CheckpointError`` when none of them verifies."""
+        checkpoint was written by another number of processes), the scheduler (continued over
+        another total, ``raggedvl.app.lr_schedule``), the sampler position and its RNG state.
+        Collective. ``checked``: the launcher checked the settings and printed the line on another
+        number of processes (``raggedvl.app.resume.check_resume_settings``), so rank 0 does not
+        print it again. Returns where the run continues, or None when there is no checkpoint;
+        raises ``CheckpointError`` when none of them verifies."""
         ckpt, problems = load_latest_checkpoint(self.ckpt_dir, shared=True)
         for p in problems:
             self._say(f"warning: skipped checkpoint: {p}")
@@ -227,13 +230,15 @@ class Checkpointer:
             load_sharded_state_dicts(state.model, state.optimizer, model_sd, optim_sd)
         else:  # the single-file layout: every rank reads the whole state
             load_full_state_dicts(state.model, state.optimizer, *load_older_state(ckpt.path))
-        load_scheduler_state(state.scheduler, ckpt.state["scheduler"])
+        schedule_note = load_scheduler_state(state.scheduler, ckpt.state["scheduler"])
         state.sampler.load_state_dict(ckpt.state["sampler"])  # on another world size: the same global batches
         restore_rng_state(ckpt.rng[self.info.rank % len(ckpt.rng)])  # a rank the checkpoint lacks: a saved one's
         point = ResumePoint(step=ckpt.state["step"], epoch=ckpt.state["epoch"],
                             sampler_position=(ckpt.state["sampler"]["epoch"], state.sampler.state_dict()["step"]),
                             world_size=ckpt.state.get("world_size", self.info.world_size))
-        if note:
+        if note and not checked:
             self._say(note)
+        if schedule_note:
+            self._say(f"--resume: {ckpt.path}: {schedule_note}")
         self._say(f"resumed from {ckpt.path} at step {point.step}")
         return point

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +25,15 @@ from raggedvl.data.tiny_limits import TINY_TRAIN_MAX_PIXELS
 from raggedvl.models.head_options import DEFAULT_DIM, DEFAULT_HEAD, DEFAULT_POOLING
 from raggedvl.app.options import add_arguments, check_fields, check_known_keys, load_yaml, option, values_from
 from raggedvl.app.wording import counted
+
+DEFAULT_WARMUP_STEPS = 10  # the warmup of a run of 100 steps or more when --warmup-steps is not given
+
+
+def default_warmup_steps(total_steps: int) -> int:
+    """The warmup of a run of ``total_steps`` optimizer steps without ``--warmup-steps``:
+    min(10, ceil(10 % of the steps)), at most ``total_steps - 2`` (a warmup that ends at the last
+    step leaves no decay), at least 0."""
+    return max(0, min(DEFAULT_WARMUP_STEPS, math.ceil(0.1 * total_steps), total_steps - 2))
 
 # A run directory's training config. Not "config.json": transformers (ColQwen2ForRetrieval.from_pretrained)
 # would read that as a model config and build its default 80-layer model from unknown keys.
@@ -151,8 +161,10 @@ class TrainConfig:
     lr: float = option(2e-4, "AdamW peak learning rate of the backbone (linear warmup, then lr_schedule's decay)", above=0)
     head_lr: float | None = option(2e-3, "peak learning rate of the projection head (none: same as lr)", above=0)
     weight_decay: float = option(0.0, "AdamW weight decay", at_least=0)
-    warmup_steps: int = option(10, "linear warmup, in optimizer steps; more than the run's steps - 1 is cut to steps - 1 "
-                                "with a warning (the lr then peaks only at the last step, with no decay)", at_least=0)
+    warmup_steps: int | None = option(
+        None, "linear warmup, in optimizer steps (none: 10, or about 10 % of a shorter run's steps, leaving at least "
+              "one step of decay); a given value above the run's steps - 1 is cut to steps - 1 with a warning (the lr "
+              "then peaks only at the last step, with no decay)", at_least=0)
     lr_schedule: Literal["cosine", "linear"] = option(
         "cosine", "decay after the warmup, to 0 at the last step: cosine or linear (the HF Trainer's and colpali-engine's "
                   "default); the first step runs at lr 0 with any warmup, as in transformers")
@@ -303,6 +315,13 @@ class TrainConfig:
         if self.max_pixels is None and self.model == "tiny":
             return TINY_TRAIN_MAX_PIXELS
         return self.max_pixels
+
+    def resolved_warmup_steps(self, total_steps: int) -> int:
+        """The warmup a run of ``total_steps`` optimizer steps uses: ``warmup_steps`` cut to
+        ``total_steps - 1``, or :func:`default_warmup_steps` when not given."""
+        if self.warmup_steps is not None:
+            return min(self.warmup_steps, max(0, total_steps - 1))
+        return default_warmup_steps(total_steps)
 
     @property
     def evaluates(self) -> bool:

@@ -393,7 +393,10 @@ def launch_train(args, argv: Sequence[str]) -> int:
 
         clock.add({"imports": time.time() - process_start_time()})
         cfg = resume_after_restart(cfg, int(os.environ.get("RANK", "0")))  # a torchrun restart continues the run
-        train(cfg, clock=clock)  # preempted: rank 0 left its line for the agent, which exits 3
+        from raggedvl.app.resume import RESUME_CHECKED_ENV
+
+        # preempted: rank 0 left its line for the agent, which exits 3
+        train(cfg, clock=clock, resume_checked=RESUME_CHECKED_ENV in os.environ)
         return 0
     from raggedvl.app.rundir import check_output_dir
 
@@ -408,7 +411,9 @@ def launch_train(args, argv: Sequence[str]) -> int:
     if (world > 1 or multi) and not needs_torch(cfg, unchecked):  # all checked: the ranks prepare the data
         clock.add({"checks": clock.since_start()})
         exec_agent(cmd, {ENV: clock.to_env()})
-    from raggedvl.app.resume import check_resume_data, check_resume_settings, check_something_to_resume, resume_point
+    from raggedvl.app.resume import (
+        RESUME_CHECKED_ENV, check_resume_data, check_resume_settings, check_something_to_resume, resume_point,
+    )
     from raggedvl.app.setup import check_model_checkpoint, prepare_run_data
 
     resumed = resume_point(cfg) if cfg.resume else None
@@ -428,6 +433,6 @@ def launch_train(args, argv: Sequence[str]) -> int:
         from raggedvl.app.loop import train
         from raggedvl.app.preemption import PREEMPTED_EXIT_CODE
 
-        summary = train(cfg, data=data, clock=clock)
+        summary = train(cfg, data=data, clock=clock, resume_checked=resumed is not None)
         return PREEMPTED_EXIT_CODE if summary.get("preempted") else 0
-    exec_agent(cmd, {ENV: clock.to_env()})
+    exec_agent(cmd, {ENV: clock.to_env(), **({RESUME_CHECKED_ENV: "1"} if resumed is not None else {})})

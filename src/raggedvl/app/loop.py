@@ -46,7 +46,7 @@ from raggedvl.app.batches import StepIndices, step_batches
 from raggedvl.app.checkpoint import list_checkpoints
 from raggedvl.app.checkpointer import Checkpointer, TrainingState
 from raggedvl.app.collapse import CollapseCheck, chance_loss
-from raggedvl.app.config import TRAIN_CONFIG_NAME, TrainConfig
+from raggedvl.app.config import TRAIN_CONFIG_NAME, TrainConfig, default_warmup_steps
 from raggedvl.app.dev_evaluation import DevEvaluation
 from raggedvl.app.fault_injection import FAULT_ENV, inject_fault
 from raggedvl.app.interrupts import ignore_sigint, peer_interrupted, restore_sigint, stop_interrupted
@@ -58,11 +58,11 @@ from raggedvl.app.rundir import check_output_dir
 from raggedvl.app.setup import (
     RunData,
     build_components,
-    make_scheduler,
     row_sources,
     sources_text,
     training_pairs_text,
 )
+from raggedvl.app.lr_schedule import make_scheduler
 from raggedvl.app.startup import StartupClock
 from raggedvl.app.run_log import RunLog
 from raggedvl.app.wording import counted
@@ -150,13 +150,16 @@ class Trainer:
     """Owns the model, optimizer, schedule, sampler and run directory of one training run."""
 
     def __init__(self, cfg: TrainConfig, info: DistInfo, data: RunData | None = None,
-                 clock: StartupClock | None = None, step_hooks: Sequence[Callable[[int, int], None]] = ()) -> None:
+                 clock: StartupClock | None = None, step_hooks: Sequence[Callable[[int, int], None]] = (),
+                 resume_checked: bool = False) -> None:
         """``data``: what the launcher prepared (a single-process run reuses it), else built here;
         ``clock``: the start-up phases so far. ``step_hooks``: called as ``hook(rank, step)`` before
         each optimizer step (0-based ``step`` = steps done), after the stall watchdog entered it;
-        ``train`` installs ``raggedvl.parallel.faults.inject_fault`` there when ``RAGGEDVL_FAULT`` is set."""
+        ``train`` installs ``raggedvl.parallel.faults.inject_fault`` there when ``RAGGEDVL_FAULT`` is set.
+        ``resume_checked``: the launcher checked the ``--resume`` settings and printed their line."""
         self.cfg = cfg
         self.info = info
+        self.resume_checked = resume_checked
         self.clock = clock or StartupClock()
         self.step_hooks = tuple(step_hooks)
         self.watchdog = StallWatchdog(info.rank, cfg.collective_timeout_s, enabled=info.world_size > 1)
@@ -384,7 +387,7 @@ class Trainer:
     # ----------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
         cfg, info = self.cfg, self.info
-        resumed = self.checkpoints.resume(self.training_state()) if cfg.resume else None
+        resumed = self.checkpoints.resume(self.training_state(), checked=self.resume_checked) if cfg.resume else None
         if resumed is not None:
             self.step, self.epoch, self.sampler_position = resumed.step, resumed.epoch, resumed.sampler_position
         log = self.run_log = RunLog(cfg, self.run_dir, enabled=info.is_main,
@@ -515,24 +518,25 @@ def empty_query_warning(rows: list[dict[str, Any]], shown: int = 3) -> str:
             f"query (--on-empty-query skip): {', '.join(name(r) for r in rows[:shown])}{more}")
 
 
-def warmup_warning(warmup_steps: int, total_steps: int, lr: float) -> str | None:
-    """The one-line warning for a warmup the run cannot hold (``warmup_steps > total_steps - 1``;
-    ``make_scheduler`` then cuts it to ``total_steps - 1``, so the learning rate rises for the whole
-    run, reaches its peak ``lr`` only at the last step and never decays), with the numbers and
-    the fix; None when the warmup fits. A 1-step run has no warmup: its step runs at the peak
-    ``lr``; in a 2-step run only no warmup (0) decays."""
+def warmup_warning(warmup_steps: int | None, total_steps: int, lr: float) -> str | None:
+    """The one-line warning for a given ``--warmup-steps`` the run cannot hold (``warmup_steps >
+    total_steps - 1``; ``make_scheduler`` then cuts it to ``total_steps - 1``, so the learning rate
+    rises for the whole run, reaches its peak ``lr`` only at the last step and never decays), with
+    the numbers and the fix (the default warmup for this many steps); None when the warmup fits or
+    is not given (None: the default fits every run). A 1-step run has no warmup: its step runs at
+    the peak ``lr``; in a 2-step run only no warmup (0) decays."""
     cut = max(0, total_steps - 1)
-    if warmup_steps <= cut:
+    if warmup_steps is None or warmup_steps <= cut:
         return None
     if total_steps == 1:
         return (f"warning: --warmup-steps {warmup_steps} does not fit in a 1-step run: its one step runs at the peak "
                 f"learning rate (--lr {lr:g}), with no warmup; for a warmup, pass more --max-steps")
-    suggest = min(cut - 1, math.ceil(0.1 * total_steps))  # below the cut: a warmup of cut steps never decays
     return (f"warning: --warmup-steps {warmup_steps} does not fit in this run's {total_steps} steps (at most "
             f"{cut}): the warmup is cut to {counted(cut, 'step')}, so the learning rate rises for the whole run, "
             "reaches its "
-            f"peak (--lr {lr:g}) only at the last step and never decays; for a warmup then a decay, pass "
-            f"--warmup-steps {suggest} (about 10 % of the steps) or more --max-steps")
+            f"peak (--lr {lr:g}) only at the last step and never decays; for a warmup then a decay, leave out "
+            f"--warmup-steps (the default for {counted(total_steps, 'step')}: {default_warmup_steps(total_steps)}) "
+            "or pass more --max-steps")
 
 
 def _doc_cosine(docs) -> torch.Tensor:
@@ -559,11 +563,13 @@ def release_wrapped_model(trainer: Trainer) -> None:
         gc.collect()  # DDP's wrapper sits in reference cycles (its hooks)
 
 
-def train(cfg: TrainConfig, *, data: RunData | None = None, clock: StartupClock | None = None) -> dict[str, Any]:
+def train(cfg: TrainConfig, *, data: RunData | None = None, clock: StartupClock | None = None,
+          resume_checked: bool = False) -> dict[str, Any]:
     """Run one training job in this process (one rank of a torchrun job, or a single process).
 
     ``data``: what the launcher prepared (``raggedvl.app.setup.prepare_run_data``), reused by a
-    single-process run; ``clock``: the start-up phases so far (``metrics.jsonl``'s ``startup``).
+    single-process run; ``clock``: the start-up phases so far (``metrics.jsonl``'s ``startup``);
+    ``resume_checked``: the launcher checked the ``--resume`` settings and printed their line.
 
     Every collective is bounded by ``cfg.collective_timeout_s`` seconds. When this rank fails
     (its own error, or a collective that failed or timed out because a peer failed), it prints
@@ -581,7 +587,8 @@ def train(cfg: TrainConfig, *, data: RunData | None = None, clock: StartupClock 
     preemption = PreemptionRequest().install()  # a SIGTERM during setup is acted on after the first step
     try:
         try:
-            trainer = Trainer(cfg, info, data, clock, step_hooks=(inject_fault,) if os.environ.get(FAULT_ENV) else ())
+            trainer = Trainer(cfg, info, data, clock, step_hooks=(inject_fault,) if os.environ.get(FAULT_ENV) else (),
+                              resume_checked=resume_checked)
             trainer.preemption = preemption
             return trainer.run()
         except Exception as exc:

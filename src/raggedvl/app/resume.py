@@ -11,11 +11,14 @@ learning rate. Continuing it is exact only with the settings that produced them:
   ``source_column``, ``negatives_column``, ``positive_sampling``, ``train_split``, ``eval_fraction``,
   ``max_train_samples``, the columns, ``on_empty_query``, the image size limits), the global
   batch, ``seed``, ``sampler`` and ``max_patches_per_rank``;
-- the learning rates: ``lr`` and ``head_lr`` (the scheduler's saved base rates would win over
-  new values silently).
+- the learning rates and their schedule: ``lr`` and ``head_lr`` (the scheduler's saved base rates
+  would win over new values silently), ``warmup_steps`` and ``lr_schedule`` (the checkpoint's
+  warmup and decay shape continue).
 
-``max_steps`` / ``epochs`` may change (train longer or shorter: the schedule is recomputed for
-the new total at the resumed step), as may evaluation, logging and checkpoint settings, and the
+``max_steps`` / ``epochs`` may change (train longer or shorter: the steps trained and the warmup
+stay as they were, and the rest of the decay is stretched from the last trained step's rate to 0
+at the new total, without a jump: ``raggedvl.app.lr_schedule``; rank 0 says so in one line), as
+may evaluation, logging and checkpoint settings, and the
 number of processes: the sampler draws each global batch independently of the world size and
 then partitions it over the ranks, so the run continues with the same global batches, and the
 sharded state is resharded as it loads (``raggedvl.app.checkpoint``).
@@ -44,8 +47,10 @@ RESUME_KEYS = (
     "negatives_column", "positive_sampling", "train_split", "eval_fraction", "max_train_samples",
     "query_column", "image_column", "on_empty_query",
     "min_pixels", "max_pixels", "global_batch_size", "seed", "sampler", "max_patches_per_rank",
-    "lr", "head_lr",
+    "lr", "head_lr", "warmup_steps", "lr_schedule",
 )
+# set by the launcher for the ranks it starts once it checked the settings and printed their line
+RESUME_CHECKED_ENV = "RAGGEDVL_RESUME_CHECKED"
 
 
 def resume_point(cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None:
@@ -83,16 +88,20 @@ def check_something_to_resume(cfg: TrainConfig, resumed: tuple[Path, dict[str, A
                          f"{checkpoint}")
 
 
-def _effective(values: dict[str, Any]) -> dict[str, Any]:
+def _effective(values: dict[str, Any], planned_steps: int | None) -> dict[str, Any]:
     """The resume keys as the run used them: defaults for missing keys, ``lora`` and
-    ``max_pixels`` resolved (none means full training / 100,352 pixels for the tiny preset)."""
+    ``max_pixels`` resolved (none means full training / 100,352 pixels for the tiny preset),
+    ``warmup_steps`` resolved for the checkpoint's run of ``planned_steps`` (when known: a
+    default and a given value that are the same warmup are the same)."""
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in values.items() if k in known}
     try:
         cfg = dataclasses.replace(TrainConfig(), **values)
     except (TypeError, ValueError):  # a value this version refuses: compare what was saved
         return {k: values.get(k) for k in RESUME_KEYS}
-    return {**{k: getattr(cfg, k) for k in RESUME_KEYS}, "lora": cfg.use_lora, "max_pixels": cfg.resolved_max_pixels}
+    warmup = cfg.warmup_steps if planned_steps is None else cfg.resolved_warmup_steps(planned_steps)
+    return {**{k: getattr(cfg, k) for k in RESUME_KEYS}, "lora": cfg.use_lora, "max_pixels": cfg.resolved_max_pixels,
+            "warmup_steps": warmup}
 
 
 def _local_spelling(value: Any) -> Any:
@@ -117,7 +126,8 @@ def check_resume_settings(cfg: TrainConfig, world_size: int, checkpoint: Path, s
     """Raise ``ValueError`` (one line) naming every resume key (module docstring) whose value
     differs from the checkpoint's run, old and new value, and the two fixes. Returns the one line
     to print when the number of processes differs (allowed), else None."""
-    then, now = _effective(state.get("config", {})), _effective(cfg.to_dict())
+    planned = state.get("config", {}).get("max_steps")
+    then, now = _effective(state.get("config", {}), planned), _effective(cfg.to_dict(), planned)
     specs = field_specs(TrainConfig)
     diffs = [f"{specs[k].flag} {_shown(then[k])} then, {_shown(now[k])} now" for k in RESUME_KEYS
              if _local_spelling(then[k]) != _local_spelling(now[k])]

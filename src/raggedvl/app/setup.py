@@ -16,7 +16,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 from filelock import FileLock
-from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from raggedvl.data import RetrievalCollator, RetrievalDataset, build_processor, load_retrieval_dataset
 from raggedvl.data.concat import concat_datasets
@@ -260,29 +259,6 @@ def sources_text(cfg: TrainConfig, mixture: Mixture | None) -> str | None:
     parts = [f"{mixture.name(d)} ({counted(size, 'pair')}, p={w:.3g})"
              for d, (size, w) in enumerate(zip(mixture.sizes, mixture.weights))]
     return f"{'one-source' if mixture.one_source else 'mixed'} global batches from: " + ", ".join(parts)
-
-
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
-    """transformers' linear warmup over ``cfg.warmup_steps``, then ``cfg.lr_schedule``'s decay
-    to 0 at ``total_steps`` (the HF Trainer's "cosine" / "linear"; the first step runs at lr 0);
-    a warmup longer than the run is cut so that the peak learning rate is reached at the last step."""
-    warmup = min(cfg.warmup_steps, max(0, total_steps - 1))
-    schedule = get_linear_schedule_with_warmup if cfg.lr_schedule == "linear" else get_cosine_schedule_with_warmup
-    return schedule(optimizer, warmup, total_steps)
-
-
-def load_scheduler_state(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict[str, Any]) -> None:
-    """Restore a checkpoint's ``state`` (step count, base rates) into ``scheduler`` built by
-    :func:`make_scheduler` for this run's total steps, and set every parameter group's learning
-    rate to this schedule's value at the restored step. The optimizer state holds the rate the
-    old schedule gave for the next step; when ``max_steps`` (or the warmup) changed on resume,
-    the first resumed step would run at that rate and the second jump to the new schedule. With
-    the same settings the rate is the saved one."""
-    scheduler.load_state_dict(state)
-    rates = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, rate in zip(scheduler.optimizer.param_groups, rates):
-        group["lr"] = rate
-    scheduler._last_lr = rates
 
 
 def build_model(cfg: TrainConfig, processor: Any) -> torch.nn.Module:

@@ -144,8 +144,9 @@ def chance_verdict(metrics: dict[str, float]) -> str:
         return head + "better than chance"
     if z > 3:
         return head + "systematically WORSE than chance: look for an evaluation error or a bias against relevant documents"
-    return head + ("at chance: the model ranks these documents no better than random; metrics below a random ranker's "
-                   "expectation are the spread of a small set (top-k metrics count few hits), not a systematic error")
+    return head + ("not distinguishable from chance (|z| <= 3): the mean rank is within 3 standard errors of a random "
+                   "ranker's; metrics below a random ranker's expectation are the spread of a small set (top-k metrics "
+                   "count few hits), not a systematic error")
 
 
 def random_baseline(benchmark: RetrievalBenchmark) -> dict[str, float]:

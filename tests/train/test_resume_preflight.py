@@ -137,3 +137,13 @@ def test_resume_of_a_finished_run_says_nothing_is_left(capsys, tmp_path, small_d
     with pytest.raises(Started):  # a larger --max-steps continues it (the ranks would start)
         main(["train", "--output-dir", str(run), "--dataset", str(data), "--data-cache", str(small_data_cache), *COMMON,
               "--resume", "--max-steps", "5", "--nproc-per-node", "2"])
+
+
+def test_resume_of_a_run_folder_without_checkpoint_suggests_no_other_run(capsys, tmp_path, small_data_cache):
+    """An existing run folder is no typo: another run with a close name is not offered."""
+    data = _parquet(tmp_path / "pairs.parquet", n=8)
+    _write_checkpoint(tmp_path / "cc4", _config(tmp_path / "cc4", data, small_data_cache), 1)
+    (tmp_path / "cc3").mkdir()
+    err = _resume(capsys, tmp_path / "cc3", data, small_data_cache)
+    assert f"{tmp_path / 'cc3'} holds no checkpoint to resume (to start a new run there" in err, err
+    assert "did you mean" not in err, err

@@ -777,7 +777,7 @@ def _load_split(source: DataSource, split: str, found: ParquetSplit | None, cach
         try:
             splits = datasets.load_dataset(str(path), **({**row_group_reads, **load_kwargs} if found else load_kwargs))
         except (ValueError, FileNotFoundError) as exc:
-            raise ValueError(f"{path} is neither an rdocs directory nor a folder ``datasets`` can read ({exc})") from exc
+            raise ValueError(f"{path} is neither an rdocs directory nor a folder the datasets library can read ({exc})") from exc
         return splits[pick_split(list(splits), split, str(path))], path
     available = datasets.get_dataset_split_names(source.name, **{k: v for k, v in load_kwargs.items() if k == "name"})
     return datasets.load_dataset(source.name, split=pick_split(available, split, source.name), **load_kwargs), None

@@ -90,3 +90,23 @@ def test_config_rejects_conflicting_eval_options():
         TrainConfig(eval_fraction=0.1, eval_dataset="x")
     with pytest.raises(ValueError, match="save_best"):
         TrainConfig(save_best="ndcg@7")
+
+
+def test_an_eval_dataset_of_one_split_is_evaluated_on_it_whatever_its_name(tmp_path):
+    """A single file (``heldout.parquet``: split "train" by its name) or a folder of one split
+    file given as eval_dataset is the evaluation set; a folder of several splits keeps the
+    dev*/test* rules."""
+    train = write_pairs(tmp_path / "pairs.parquet", pairs("train", 8))
+    heldout = write_pairs(tmp_path / "heldout.parquet", pairs("held", 5, offset=100))
+    _, bench = load_splits(cfg(train, eval_dataset=str(heldout)))
+    assert bench.queries == [f"held query {i}" for i in range(5)]
+    folder = tmp_path / "one"
+    folder.mkdir()
+    write_pairs(folder / "train.parquet", pairs("folder", 4, offset=200))
+    _, bench = load_splits(cfg(train, eval_dataset=str(folder)))
+    assert sorted(bench.queries) == [f"folder query {i}" for i in range(4)]
+    write_pairs(folder / "test.parquet", pairs("test", 3, offset=300))
+    with pytest.raises(ValueError, match=r"no split 'dev'; its splits: \['test', 'train'\]"):
+        load_splits(cfg(train, eval_dataset=str(folder)))
+    _, bench = load_splits(cfg(train, eval_dataset=str(folder), eval_split="test"))
+    assert sorted(bench.queries) == [f"test query {i}" for i in range(3)]

@@ -78,7 +78,9 @@ class TrainConfig:
               "source)")
     train_split: str = option("train", "dataset split to train on")
     eval_split: str = option(
-        "dev", "split to evaluate on (of eval_dataset when given, else of dataset); dev and validation find each other")
+        "dev", "split to evaluate on (of eval_dataset when given, else of dataset); dev and validation find each other; "
+               "an eval_dataset of one split (a parquet file, a folder of one split's files) is evaluated on that "
+               "split, whatever its name")
     eval_dataset: str | None = option(
         None, "evaluation set when it is not a split of dataset: hub id, local folder or parquet file of (query, image) "
               "pairs, or a BEIR folder (corpus*, queries*, qrels*) (none: dataset)")
@@ -296,6 +298,18 @@ class TrainConfig:
         return Columns(query=self.eval_query_column or self.query_column,
                        image=self.eval_image_column or self.image_column,
                        id=self.eval_id_column if self.eval_id_column is not None else self.id_column)
+
+    @property
+    def resolved_eval_split(self) -> str:
+        """The split evaluation reads: an ``eval_dataset`` of one split (a ``.parquet`` file, a
+        folder whose files make one split) is the evaluation set, so its one split whatever its
+        name (:meth:`raggedvl.data.source.DataSource.default_split`); else ``eval_split`` (the
+        dev*/test* file-name rules of a folder of several splits). Reads folder entries only."""
+        if self.eval_dataset is None or self.eval_fraction is not None:
+            return self.eval_split
+        from raggedvl.data.source import DataSource
+
+        return DataSource.of(self.eval_dataset).default_split(self.eval_split)
 
     @property
     def resolved_max_pixels(self) -> int | None:

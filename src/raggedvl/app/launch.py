@@ -288,13 +288,13 @@ def check_data(cfg) -> list[str]:
     elif cfg.evaluates:
         source = DataSource.of(cfg.eval_dataset if cfg.eval_dataset is not None else cfg.datasets[0])
         flag = "--eval-dataset" if cfg.eval_dataset is not None else "--dataset"
-        table = source.parquet(cfg.eval_split)  # a missing split raises
+        table = source.parquet(cfg.resolved_eval_split)  # a missing split raises
         if table is not None:  # its own columns: a missing one names --eval-query-column...
             with flags_for_columns("eval_"):
                 check_columns(table.columns, table.where, cfg.eval_columns)
                 check_image_column(table, "image", cfg.eval_columns)
         elif source.kind != "rdocs":  # a BEIR layout, a hub id...
-            unchecked.append(f"{flag} {source.name} split {cfg.eval_split!r} (not local parquet)")
+            unchecked.append(f"{flag} {source.name} split {cfg.resolved_eval_split!r} (not local parquet)")
     return unchecked
 
 

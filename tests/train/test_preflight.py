@@ -587,3 +587,30 @@ def test_an_eval_dataset_of_one_split_is_the_evaluation_set_whatever_its_name(tm
     assert (cfg.eval_split, cfg.resolved_eval_split) == ("dev", "train")
     assert TrainConfig(dataset=train, eval_dataset=str(tmp_path / "folder")).resolved_eval_split == "train"
     assert TrainConfig(dataset=str(tmp_path / "folder")).resolved_eval_split == "dev"  # --dataset: its own rules
+
+
+def test_an_evaluation_split_that_is_training_data_is_refused_before_any_process(capsys, tmp_path, monkeypatch):
+    """The evaluation split reads the training split's file (the same file, or a folder's train
+    split named by --eval-split): one line from the launcher, before torch, unless
+    --allow-eval-overlap."""
+    pairs = _parquet(tmp_path / "pairs.parquet")
+    err = one_line_error(capsys, ["--dataset", pairs, "--eval-dataset", pairs, "--eval-split", "train",
+                                  "--nproc-per-node", "2"], tmp_path)
+    assert err == (f"raggedvl: error: evaluation set {pairs} split 'train' overlaps the training pairs: it reads "
+                   f"{pairs}, which --dataset {pairs} split 'train' trains on; dev metrics would measure memorisation. "
+                   "Evaluate on held-out data (--eval-dataset, --eval-split, --eval-fraction) or pass "
+                   "--allow-eval-overlap\n"), err
+    (tmp_path / "folder").mkdir()
+    _parquet(tmp_path / "folder" / "train.parquet")
+    _parquet(tmp_path / "folder" / "dev.parquet")
+    err = one_line_error(capsys, ["--dataset", str(tmp_path / "folder"), "--eval-split", "train"], tmp_path)
+    assert f"evaluation set {tmp_path / 'folder'} split 'train' overlaps the training pairs: it reads " \
+           f"{tmp_path / 'folder' / 'train.parquet'}, which --dataset {tmp_path / 'folder'} split 'train'" in err, err
+
+    def started(cmd, env_updates=None):
+        raise _Started(cmd)
+
+    monkeypatch.setattr(launch, "exec_agent", started)
+    with pytest.raises(_Started):
+        main(["train", "--output-dir", str(tmp_path / "run"), "--dataset", pairs, "--eval-dataset", pairs,
+              "--eval-split", "train", "--allow-eval-overlap", "--nproc-per-node", "2"])

@@ -110,3 +110,29 @@ def test_an_eval_dataset_of_one_split_is_evaluated_on_it_whatever_its_name(tmp_p
         load_splits(cfg(train, eval_dataset=str(folder)))
     _, bench = load_splits(cfg(train, eval_dataset=str(folder), eval_split="test"))
     assert sorted(bench.queries) == [f"test query {i}" for i in range(3)]
+
+
+def test_a_hard_negative_that_is_an_evaluation_page_is_overlap(tmp_path, capsys):
+    """Hard negatives are pages the run trains on: an evaluation document with the bytes of one
+    is refused like a training positive, and let through with allow_eval_overlap."""
+    import datasets
+
+    from raggedvl.data.splits import find_overlap
+
+    dev = pairs("dev", 4, offset=100)
+    rows = pairs("train", 6)
+    negatives = [[{"bytes": dev[1][1], "path": None}] if i == 2 else [] for i in range(6)]
+    features = datasets.Features({"query": datasets.Value("string"), "image": datasets.Image(),
+                                  "negs": datasets.List(datasets.Image())})
+    datasets.Dataset.from_dict({"query": [q for q, _ in rows], "image": [{"bytes": b, "path": None} for _, b in rows],
+                                "negs": negatives}, features=features).to_parquet(str(tmp_path / "train.parquet"))
+    heldout = write_pairs(tmp_path / "heldout.parquet", dev)
+    train = load_retrieval_dataset(tmp_path / "train.parquet", "train")
+    bench = load_splits(cfg(tmp_path / "train.parquet", eval_dataset=str(heldout), allow_eval_overlap=True))[1]
+    assert not find_overlap(train, bench.documents, bench.queries)  # without its hard negatives: no overlap
+    with pytest.raises(ValueError, match=r"overlaps the training pairs: 1 of 4 evaluation documents have the same "
+                                         r"image bytes as a training page \(a positive or hard negative\), and 0 of 4"):
+        load_splits(cfg(tmp_path / "train.parquet", eval_dataset=str(heldout), negatives_column="negs"))
+    load_splits(cfg(tmp_path / "train.parquet", eval_dataset=str(heldout), negatives_column="negs",
+                    allow_eval_overlap=True))
+    assert "1 of 4 evaluation documents" in capsys.readouterr().err

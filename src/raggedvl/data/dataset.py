@@ -693,6 +693,19 @@ class RetrievalDataset(Sequence):
             self._digests = [self._digest(i) for i in range(len(self))]
         return list(self._digests)
 
+    def page_digests(self) -> set[str]:
+        """SHA-256 (hex) of every page the rows train on, as stored (no pixel decoded): each row's
+        image (:meth:`image_digests`), its other positives and its hard negatives. A positive or
+        hard negative whose bytes cannot be read is left out (the size estimate names it)."""
+        digests = set(self.image_digests())
+        for row in [*(self._positives or ()), *(self.negative_sources or ())]:
+            for source in row:
+                try:
+                    digests.add(hashlib.sha256(source_bytes(source)).hexdigest())
+                except (OSError, KeyError, TypeError):
+                    continue
+        return digests
+
     def _digest(self, index: int) -> str:
         try:
             data = source_bytes(self.image_sources[index])

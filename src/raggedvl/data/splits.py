@@ -42,7 +42,7 @@ def normalise_query(text: str) -> str:
 @dataclass
 class Overlap:
     """Evaluation items also seen in training: ``documents`` (evaluation documents whose image
-    bytes occur in training), ``queries`` (evaluation queries whose text occurs in training),
+    bytes occur in training, as a positive or a hard negative), ``queries`` (evaluation queries whose text occurs in training),
     out of ``n_documents`` / ``n_queries``; ``examples``: a few evaluation ids."""
 
     documents: int
@@ -56,14 +56,16 @@ class Overlap:
 
     def describe(self) -> str:
         return (f"{self.documents} of {self.n_documents} evaluation documents have the same image bytes as a training "
-                f"pair, and {self.queries} of {self.n_queries} evaluation queries are also training queries "
-                f"(e.g. {self.examples[:3]})")
+                f"page (a positive or hard negative), and {self.queries} of {self.n_queries} evaluation queries are "
+                f"also training queries (e.g. {self.examples[:3]})")
 
 
 def find_overlap(train: RetrievalDataset, documents: RetrievalDataset, queries: Sequence[str], query_ids: Sequence[str] | None = None) -> Overlap:
-    """Content overlap between training pairs and an evaluation corpus + queries. Reads every
+    """Content overlap between training pairs and an evaluation corpus + queries: an evaluation
+    document with the bytes of a page the pairs train on (a positive or a hard negative,
+    :meth:`RetrievalDataset.page_digests`), a query with a training query's text. Reads every
     image's bytes once (no decoding)."""
-    seen_images = set(train.image_digests())
+    seen_images = train.page_digests()
     seen_queries = {normalise_query(q) for q in train.queries() if q}
     doc_hits = [i for i, d in zip(documents.ids(), documents.image_digests()) if d in seen_images]
     query_ids = list(query_ids) if query_ids is not None else [str(i) for i in range(len(queries))]

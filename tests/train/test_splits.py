@@ -4,6 +4,7 @@ train/evaluation overlap by content (refused unless allowed)."""
 import pytest
 
 from raggedvl.data import load_retrieval_dataset
+from raggedvl.data.columns import Columns
 from raggedvl.data.splits import hash_split
 from raggedvl.app.config import TrainConfig
 from raggedvl.app.setup import load_splits
@@ -136,3 +137,29 @@ def test_a_hard_negative_that_is_an_evaluation_page_is_overlap(tmp_path, capsys)
     load_splits(cfg(tmp_path / "train.parquet", eval_dataset=str(heldout), negatives_column="negs",
                     allow_eval_overlap=True))
     assert "1 of 4 evaluation documents" in capsys.readouterr().err
+
+
+def test_hash_split_leaves_held_out_pages_out_of_the_training_hard_negatives(tmp_path):
+    """Mined negatives are other rows' pages: a held-out page is dropped from the training rows'
+    hard negatives (the others kept, in order), so --eval-fraction on mined pairs has no overlap."""
+    import datasets
+
+    from raggedvl.data.splits import find_overlap
+
+    rows = pairs("p", 30)
+    negatives = [[{"bytes": rows[(i + d) % 30][1], "path": None} for d in (1, 2)] for i in range(30)]
+    features = datasets.Features({"query": datasets.Value("string"), "image": datasets.Image(),
+                                  "negs": datasets.List(datasets.Image())})
+    datasets.Dataset.from_dict({"query": [q for q, _ in rows], "image": [{"bytes": b, "path": None} for _, b in rows],
+                                "negs": negatives}, features=features).to_parquet(str(tmp_path / "train.parquet"))
+    ds = load_retrieval_dataset(tmp_path / "train.parquet", "train", columns=Columns(negatives="negs"))
+    rest, held = hash_split(ds, 0.3)
+    held_rows = {int(q.split()[-1]) for q in held.queries()}
+    assert 0 < len(held_rows) < 30
+    for r, query in enumerate(rest.queries()):
+        i = int(query.split()[-1])
+        expected = [rows[(i + d) % 30][1] for d in (1, 2) if (i + d) % 30 not in held_rows]
+        assert [n["bytes"] for n in rest.negative_sources[r]] == expected
+        assert rest.negative_counts[r] == len(expected)
+    assert not find_overlap(rest, held, held.queries())
+    assert find_overlap(ds.select([i for i in range(30) if i not in held_rows]), held, [])  # before: overlap

@@ -120,7 +120,8 @@ def check_overlap(cfg: TrainConfig, train: RetrievalDataset, bench: RetrievalBen
     overlap = find_overlap(train, bench.documents, bench.queries, bench.query_ids)
     if not overlap:
         return
-    where = f"evaluation set {cfg.eval_dataset or cfg.datasets[0]!r} (split {cfg.resolved_eval_split!r})"
+    where = (f"the rows held out by --eval-fraction {cfg.eval_fraction}" if cfg.eval_fraction is not None else
+             f"evaluation set {cfg.eval_dataset or cfg.datasets[0]!r} (split {cfg.resolved_eval_split!r})")
     if not cfg.allow_eval_overlap:
         raise ValueError(
             f"{where} overlaps the training pairs: {overlap.describe()}; dev metrics would measure memorisation. "

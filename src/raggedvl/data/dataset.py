@@ -342,6 +342,20 @@ class _Picked(Sequence):
         return self.values[self.positions[index]]
 
 
+class _Kept(Sequence):
+    """Per row, the items of ``values``' list at that row's ``kept`` positions (lazy)."""
+
+    def __init__(self, values: Sequence[list[Any]], kept: list[list[int]]) -> None:
+        self.values, self.kept = values, kept
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def __getitem__(self, index: int) -> list[Any]:
+        row = self.values[index]
+        return [row[j] for j in self.kept[index]]
+
+
 class _WithNegatives(Sequence):
     """Per row, ``[image, *negatives]``: what a size estimate of the whole row reads."""
 
@@ -664,6 +678,31 @@ class RetrievalDataset(Sequence):
                          positive_inputs=(_Picked(self._positive_inputs, positions)
                                           if several and self._positive_inputs is not None else None))
         out.skipped_rows = list(self.skipped_rows)  # the source's rows left out stay reported (a subset holds none)
+        return out
+
+    def without_negative_pages(self, digests: set[str]) -> "RetrievalDataset":
+        """The rows with every hard negative whose stored bytes have a SHA-256 (hex) in
+        ``digests`` left out (reads each hard negative's bytes once; an unreadable one is kept,
+        for the size estimate to name). ``self`` when nothing is left out."""
+        if self.negative_sources is None:
+            return self
+        kept = []
+        for row in self.negative_sources:
+            keep = []
+            for j, source in enumerate(row):
+                try:
+                    seen = hashlib.sha256(source_bytes(source)).hexdigest() in digests
+                except (OSError, KeyError, TypeError):
+                    seen = False
+                if not seen:
+                    keep.append(j)
+            kept.append(keep)
+        if all(len(k) == n for k, n in zip(kept, self.negative_counts)):
+            return self
+        out = self.select(range(len(self)), negatives=False)
+        out.negative_sources = _Kept(self.negative_sources, kept)
+        out._negative_counts = [len(k) for k in kept]
+        out.negative_inputs = None if self.negative_inputs is None else _Kept(self.negative_inputs, kept)
         return out
 
     def duplicates(self) -> tuple[int, int]:

@@ -18,9 +18,10 @@ from raggedvl.data.dataset import RetrievalDataset
 
 def hash_split(dataset: RetrievalDataset, fraction: float) -> tuple[RetrievalDataset, RetrievalDataset]:
     """(rest, held out): a row is held out when the hash of its image content falls below
-    ``fraction``, so every copy of one image lands on the same side. Deterministic; the held-out
-    share is ``fraction`` in expectation. Raises ``ValueError`` unless 0 < fraction < 1 or when a
-    side would be empty."""
+    ``fraction``, so every copy of one image lands on the same side; a held-out page is also
+    left out of the rest's hard negatives (:meth:`RetrievalDataset.without_negative_pages`),
+    so training never sees it. Deterministic; the held-out share is ``fraction`` in
+    expectation. Raises ``ValueError`` unless 0 < fraction < 1 or when a side would be empty."""
     if not 0 < fraction < 1:
         raise ValueError(f"eval fraction must lie strictly between 0 and 1, got {fraction}")
     held = [int(hashlib.sha256(("eval-split:" + d).encode()).hexdigest()[:15], 16) / 16**15 < fraction
@@ -32,7 +33,9 @@ def hash_split(dataset: RetrievalDataset, fraction: float) -> tuple[RetrievalDat
             f"--eval-fraction {fraction} of {len(dataset)} rows (by image content) leaves {len(rest)} training and "
             f"{len(out)} evaluation rows; use a fraction that keeps both sides non-empty or more data"
         )
-    return dataset.select(rest), dataset.select(out)
+    digests = dataset.image_digests()
+    held_pages = {digests[i] for i in out}
+    return dataset.select(rest).without_negative_pages(held_pages), dataset.select(out)
 
 
 def normalise_query(text: str) -> str:

@@ -130,3 +130,13 @@ def test_manifest_missing_key(tmp_path):
     Image.fromarray(rng.integers(0, 255, (30, 30), dtype=np.uint8)).save(tmp_path / "x.png")
     (tmp_path / "manifest.jsonl").write_text(json.dumps({"id": "a", "image": "x.png", "split": "train", "query": "two words"}) + "\n")
     assert load_retrieval_dataset(tmp_path, "train").image_sizes() == [(30, 30)]  # header read when the manifest lacks sizes
+
+
+def test_an_empty_folder_is_refused_in_plain_words(tmp_path):
+    from raggedvl.data import load_retrieval_dataset
+
+    with pytest.raises(ValueError) as caught:
+        load_retrieval_dataset(tmp_path, split="train")
+    message = str(caught.value)
+    assert message.startswith(f"{tmp_path} is neither an rdocs directory nor a folder the datasets library can read ("), message
+    assert "`" not in message, message

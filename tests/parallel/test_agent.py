@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from raggedvl.app.agent import first_failure, record_failure
+from raggedvl.app.agent import as_input_error, first_failure, record_failure
 from raggedvl.parallel.faults import report_failure
 
 
@@ -34,6 +34,24 @@ def test_an_input_error_is_its_own_line_with_exit_code_2(tmp_path, monkeypatch):
     assert failures[0].message["message"].startswith("ValueError: eval_dataset")  # torchrun's own reading
     line, code = first_failure(failures)
     assert (line, code) == ("rank 0: ValueError: eval_dataset 'x' has no split 'dev'", 2)
+
+
+def test_an_input_error_found_while_setting_up_reads_as_the_launchers(tmp_path, monkeypatch):
+    """A rank's ValueError during setup (bad input every rank reads alike): the agent's line is
+    ``error: <message>``, without "rank 1 failed during setup"; a follower's report is kept."""
+    exc = ValueError("evaluation set 'pairs.parquet' (split 'train') overlaps the training pairs:\n3 of 8 ...")
+    report_failure(1, "during setup", exc)
+    as_input_error(exc)
+    line, code = first_failure({1: _failure(tmp_path, monkeypatch, 1, exc, exit_code=2, exitcode=2)})
+    assert (line, code) == ("error: evaluation set 'pairs.parquet' (split 'train') overlaps the training pairs: "
+                            "3 of 8 ...", 2)
+    note = SimpleNamespace(rank=0, time=time.time() - 0.5, text="rank 0 failed in step 3: boom")
+    monkeypatch.setattr("raggedvl.parallel.faults.peer_notes", lambda rank: [note])
+    follower = ValueError("x")
+    report_failure(1, "during setup", follower)
+    as_input_error(follower)
+    assert follower.raggedvl_report["line"] == "rank 1 failed during setup: ValueError: x (after rank 0: rank 0 failed " \
+                                               "in step 3: boom)"
 
 
 def test_the_first_own_failure_wins_over_peers_that_only_followed_it(tmp_path, monkeypatch):

@@ -323,8 +323,9 @@ def test_negatives_eval_split_and_output_dir_fail_in_one_line_before_torch(tmp_p
     short = _positives_parquet(tmp_path / "short.parquet", [2, 1, 2, 0, 1, 1, 2, 2])
     broken = _positives_parquet(tmp_path / "broken.parquet", [2] * 8, corrupt=(4, 1))
     good = _parquet(tmp_path / "good.parquet")
-    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder").mkdir()  # two splits, none of them dev
     _parquet(tmp_path / "folder" / "train.parquet")
+    _parquet(tmp_path / "folder" / "test.parquet")
     (tmp_path / "run4" / "checkpoints" / "step-2").mkdir(parents=True)  # the 5th case's --output-dir
     no_eval = ["--eval-before", "false", "--eval-after", "false"]
     cases = [["--dataset", listed, "--negatives-column", "negs", "--id-column", "doc_id", "--nproc-per-node", "2", *no_eval],
@@ -347,7 +348,7 @@ def test_negatives_eval_split_and_output_dir_fail_in_one_line_before_torch(tmp_p
     assert f"{single} split 'train' row 6 (id 'train-6'), hard negative 0: cannot read the image header" in errors[1]
     assert all("--on-bad-image skip" in e and "BytesIO" not in e for e in errors[:2])
     assert "row 3 (id 'doc-3') has no image in its list of positives in column 'image'" in errors[2]
-    assert f"{tmp_path / 'folder'} has no split 'dev'; its splits: ['train']" in errors[3]
+    assert f"{tmp_path / 'folder'} has no split 'dev'; its splits: ['test', 'train']" in errors[3]
     assert "already holds checkpoints of a run (step-2); pass --resume to continue it, or choose a new --output-dir" in errors[4]
     assert "rdocs is an rdocs manifest, which has no hard-negatives column 'negs'" in errors[5]
     # a text column named as images: refused before any image is read, with the fix (not "file
@@ -558,3 +559,58 @@ def test_a_full_fine_tune_that_cannot_fit_its_checkpoint_is_refused(capsys, tmp_
     assert main(["train", "--model", str(model), "--lora", "false", "--output-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "12,599 bytes free" in err and "needs about 12,600" in err, err
+
+
+class _Started(Exception):
+    pass
+
+
+def test_an_eval_dataset_of_one_split_is_the_evaluation_set_whatever_its_name(tmp_path, monkeypatch):
+    """``--eval-dataset heldout.parquet`` (split "train" by its name) and a folder of one split
+    file are evaluated on that split with the default --eval-split: the launcher checks its
+    columns and starts the ranks."""
+    train = _parquet(tmp_path / "pairs.parquet")
+    heldout = _parquet(tmp_path / "heldout.parquet", names=("question", "image", "doc_id"))
+    (tmp_path / "folder").mkdir()
+    _parquet(tmp_path / "folder" / "pairs-b.parquet")
+
+    def started(cmd, env_updates=None):
+        raise _Started(cmd)
+
+    monkeypatch.setattr(launch, "exec_agent", started)
+    for eval_set, extra in [(heldout, ["--eval-query-column", "question"]), (str(tmp_path / "folder"), [])]:
+        argv = ["train", "--output-dir", str(tmp_path / "run"), "--dataset", train, "--eval-dataset", eval_set,
+                "--allow-eval-overlap", "--nproc-per-node", "2", *extra]
+        with pytest.raises(_Started):
+            main(argv)
+    cfg = TrainConfig(dataset=train, eval_dataset=heldout)
+    assert (cfg.eval_split, cfg.resolved_eval_split) == ("dev", "train")
+    assert TrainConfig(dataset=train, eval_dataset=str(tmp_path / "folder")).resolved_eval_split == "train"
+    assert TrainConfig(dataset=str(tmp_path / "folder")).resolved_eval_split == "dev"  # --dataset: its own rules
+
+
+def test_an_evaluation_split_that_is_training_data_is_refused_before_any_process(capsys, tmp_path, monkeypatch):
+    """The evaluation split reads the training split's file (the same file, or a folder's train
+    split named by --eval-split): one line from the launcher, before torch, unless
+    --allow-eval-overlap."""
+    pairs = _parquet(tmp_path / "pairs.parquet")
+    err = one_line_error(capsys, ["--dataset", pairs, "--eval-dataset", pairs, "--eval-split", "train",
+                                  "--nproc-per-node", "2"], tmp_path)
+    assert err == (f"raggedvl: error: evaluation set {pairs} split 'train' overlaps the training pairs: it reads "
+                   f"{pairs}, which --dataset {pairs} split 'train' trains on; dev metrics would measure memorisation. "
+                   "Evaluate on held-out data (--eval-dataset, --eval-split, --eval-fraction) or pass "
+                   "--allow-eval-overlap\n"), err
+    (tmp_path / "folder").mkdir()
+    _parquet(tmp_path / "folder" / "train.parquet")
+    _parquet(tmp_path / "folder" / "dev.parquet")
+    err = one_line_error(capsys, ["--dataset", str(tmp_path / "folder"), "--eval-split", "train"], tmp_path)
+    assert f"evaluation set {tmp_path / 'folder'} split 'train' overlaps the training pairs: it reads " \
+           f"{tmp_path / 'folder' / 'train.parquet'}, which --dataset {tmp_path / 'folder'} split 'train'" in err, err
+
+    def started(cmd, env_updates=None):
+        raise _Started(cmd)
+
+    monkeypatch.setattr(launch, "exec_agent", started)
+    with pytest.raises(_Started):
+        main(["train", "--output-dir", str(tmp_path / "run"), "--dataset", pairs, "--eval-dataset", pairs,
+              "--eval-split", "train", "--allow-eval-overlap", "--nproc-per-node", "2"])

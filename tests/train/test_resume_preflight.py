@@ -174,3 +174,13 @@ def test_a_resumed_run_says_each_resume_line_once(tmp_path, capsys, monkeypatch,
         assert [lrs[s] for s in (3, 4)] == pytest.approx(
             [1e-4 * (1 + math.cos(math.pi * (0.5 + k / 6))) for k in (1, 2)], rel=1e-12)
         assert lrs[2] == pytest.approx(1e-4, rel=1e-12) and lrs[2] > lrs[3] > lrs[4]
+
+
+def test_resume_of_a_run_folder_without_checkpoint_suggests_no_other_run(capsys, tmp_path, small_data_cache):
+    """An existing run folder is no typo: another run with a close name is not offered."""
+    data = _parquet(tmp_path / "pairs.parquet", n=8)
+    _write_checkpoint(tmp_path / "cc4", _config(tmp_path / "cc4", data, small_data_cache), 1)
+    (tmp_path / "cc3").mkdir()
+    err = _resume(capsys, tmp_path / "cc3", data, small_data_cache)
+    assert f"{tmp_path / 'cc3'} holds no checkpoint to resume (to start a new run there" in err, err
+    assert "did you mean" not in err, err

@@ -4,6 +4,7 @@ train/evaluation overlap by content (refused unless allowed)."""
 import pytest
 
 from raggedvl.data import load_retrieval_dataset
+from raggedvl.data.columns import Columns
 from raggedvl.data.splits import hash_split
 from raggedvl.app.config import TrainConfig
 from raggedvl.app.setup import load_splits
@@ -90,3 +91,75 @@ def test_config_rejects_conflicting_eval_options():
         TrainConfig(eval_fraction=0.1, eval_dataset="x")
     with pytest.raises(ValueError, match="save_best"):
         TrainConfig(save_best="ndcg@7")
+
+
+def test_an_eval_dataset_of_one_split_is_evaluated_on_it_whatever_its_name(tmp_path):
+    """A single file (``heldout.parquet``: split "train" by its name) or a folder of one split
+    file given as eval_dataset is the evaluation set; a folder of several splits keeps the
+    dev*/test* rules."""
+    train = write_pairs(tmp_path / "pairs.parquet", pairs("train", 8))
+    heldout = write_pairs(tmp_path / "heldout.parquet", pairs("held", 5, offset=100))
+    _, bench = load_splits(cfg(train, eval_dataset=str(heldout)))
+    assert bench.queries == [f"held query {i}" for i in range(5)]
+    folder = tmp_path / "one"
+    folder.mkdir()
+    write_pairs(folder / "train.parquet", pairs("folder", 4, offset=200))
+    _, bench = load_splits(cfg(train, eval_dataset=str(folder)))
+    assert sorted(bench.queries) == [f"folder query {i}" for i in range(4)]
+    write_pairs(folder / "test.parquet", pairs("test", 3, offset=300))
+    with pytest.raises(ValueError, match=r"no split 'dev'; its splits: \['test', 'train'\]"):
+        load_splits(cfg(train, eval_dataset=str(folder)))
+    _, bench = load_splits(cfg(train, eval_dataset=str(folder), eval_split="test"))
+    assert sorted(bench.queries) == [f"test query {i}" for i in range(3)]
+
+
+def test_a_hard_negative_that_is_an_evaluation_page_is_overlap(tmp_path, capsys):
+    """Hard negatives are pages the run trains on: an evaluation document with the bytes of one
+    is refused like a training positive, and let through with allow_eval_overlap."""
+    import datasets
+
+    from raggedvl.data.splits import find_overlap
+
+    dev = pairs("dev", 4, offset=100)
+    rows = pairs("train", 6)
+    negatives = [[{"bytes": dev[1][1], "path": None}] if i == 2 else [] for i in range(6)]
+    features = datasets.Features({"query": datasets.Value("string"), "image": datasets.Image(),
+                                  "negs": datasets.List(datasets.Image())})
+    datasets.Dataset.from_dict({"query": [q for q, _ in rows], "image": [{"bytes": b, "path": None} for _, b in rows],
+                                "negs": negatives}, features=features).to_parquet(str(tmp_path / "train.parquet"))
+    heldout = write_pairs(tmp_path / "heldout.parquet", dev)
+    train = load_retrieval_dataset(tmp_path / "train.parquet", "train")
+    bench = load_splits(cfg(tmp_path / "train.parquet", eval_dataset=str(heldout), allow_eval_overlap=True))[1]
+    assert not find_overlap(train, bench.documents, bench.queries)  # without its hard negatives: no overlap
+    with pytest.raises(ValueError, match=r"overlaps the training pairs: 1 of 4 evaluation documents have the same "
+                                         r"image bytes as a training page \(a positive or hard negative\), and 0 of 4"):
+        load_splits(cfg(tmp_path / "train.parquet", eval_dataset=str(heldout), negatives_column="negs"))
+    load_splits(cfg(tmp_path / "train.parquet", eval_dataset=str(heldout), negatives_column="negs",
+                    allow_eval_overlap=True))
+    assert "1 of 4 evaluation documents" in capsys.readouterr().err
+
+
+def test_hash_split_leaves_held_out_pages_out_of_the_training_hard_negatives(tmp_path):
+    """Mined negatives are other rows' pages: a held-out page is dropped from the training rows'
+    hard negatives (the others kept, in order), so --eval-fraction on mined pairs has no overlap."""
+    import datasets
+
+    from raggedvl.data.splits import find_overlap
+
+    rows = pairs("p", 30)
+    negatives = [[{"bytes": rows[(i + d) % 30][1], "path": None} for d in (1, 2)] for i in range(30)]
+    features = datasets.Features({"query": datasets.Value("string"), "image": datasets.Image(),
+                                  "negs": datasets.List(datasets.Image())})
+    datasets.Dataset.from_dict({"query": [q for q, _ in rows], "image": [{"bytes": b, "path": None} for _, b in rows],
+                                "negs": negatives}, features=features).to_parquet(str(tmp_path / "train.parquet"))
+    ds = load_retrieval_dataset(tmp_path / "train.parquet", "train", columns=Columns(negatives="negs"))
+    rest, held = hash_split(ds, 0.3)
+    held_rows = {int(q.split()[-1]) for q in held.queries()}
+    assert 0 < len(held_rows) < 30
+    for r, query in enumerate(rest.queries()):
+        i = int(query.split()[-1])
+        expected = [rows[(i + d) % 30][1] for d in (1, 2) if (i + d) % 30 not in held_rows]
+        assert [n["bytes"] for n in rest.negative_sources[r]] == expected
+        assert rest.negative_counts[r] == len(expected)
+    assert not find_overlap(rest, held, held.queries())
+    assert find_overlap(ds.select([i for i in range(30) if i not in held_rows]), held, [])  # before: overlap

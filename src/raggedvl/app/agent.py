@@ -10,7 +10,8 @@ process that holds nothing of the launcher's. What it changes is what a failure 
   in seconds, the exit code, whether a peer's note preceded it); ranks started by this agent
   (``RAGGEDVL_AGENT=1``) print neither that line nor a traceback;
 - when the job fails, this agent prints ``raggedvl: <the first failure>`` once and exits with
-  that rank's exit code (2 for an input error, as the launcher's own checks), instead of
+  that rank's exit code (2 for an input error, as the launcher's own checks; one a rank found
+  while setting up reads ``raggedvl: error: <message>``, as the launcher's: :func:`as_input_error`), instead of
   torchrun's ``ChildFailedError`` block. The first failure is, in order: a rank killed by a
   signal other than SIGTERM/SIGINT/SIGHUP (those are how torchrun stops the other ranks) that
   left no record (it could not report; the line names the signal and the next rank's error),
@@ -143,6 +144,17 @@ def record_failure(exc: BaseException, *, exit_code: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def as_input_error(exc: BaseException) -> None:
+    """Make the report :func:`raggedvl.parallel.faults.report_failure` left on ``exc`` (a
+    ``ValueError`` a rank raised while setting up: bad input every rank reads alike, such as an
+    evaluation set that overlaps the training pairs) read as the launcher's own input errors,
+    ``error: <message>`` on one line, without the rank and phase; a report that followed a
+    peer's failure is kept as it is."""
+    report = getattr(exc, REPORT_ATTRIBUTE, None)
+    if report is not None and not report.get("after_peer"):
+        report["line"] = "error: " + " ".join(str(exc).split())
 
 
 def signal_name(exitcode: int) -> str:

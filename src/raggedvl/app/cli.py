@@ -73,9 +73,26 @@ def _check_inputs(args, *, model: str, what: str, columns: Columns | None = None
                 check_columns(table.columns, table.where, columns)
 
 
+def _run_columns(opts, checkpoint: str, *, evaluation: bool) -> None:
+    """With ``--dataset`` and a raggedvl run as ``checkpoint``: each column flag not given
+    (``--query-column``, ``--image-column``, ``--id-column``) takes the run's column, its
+    evaluation columns for ``evaluation`` (``raggedvl eval``), else its training columns
+    (:func:`raggedvl.app.config.run_config`; flags given keep their values)."""
+    from raggedvl.app.config import run_config
+
+    cfg = run_config(checkpoint) if opts.dataset is not None else None
+    if cfg is None:
+        return
+    columns = cfg.eval_columns if evaluation else cfg.columns
+    for name, value in (("query_column", columns.query), ("image_column", columns.image), ("id_column", columns.id)):
+        if getattr(opts, name) is None:
+            setattr(opts, name, value)
+
+
 def _eval(args, argv: Sequence[str]) -> int:
     opts = options_from(args, EvalOptions)
     opts.check_mteb()
+    _run_columns(opts, args.checkpoint, evaluation=True)
     _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns())
     if opts.mteb:
         from raggedvl.app.launch import plain_output
@@ -106,6 +123,7 @@ def _mine(args, argv: Sequence[str]) -> int:
     opts = options_from(args, MineOptions)
     if opts.max_positive_ratio > 1:
         raise ValueError(f"--max-positive-ratio must be in (0, 1], got {opts.max_positive_ratio}")
+    _run_columns(opts, args.checkpoint, evaluation=False)
     _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns())
     _start_ranks(args, argv, "mine")
     from raggedvl.app.mine import mine

@@ -24,9 +24,11 @@ class DocumentColumnOptions:
     """Which columns of document rows hold the image and the id; a BEIR layout names its own."""
 
     image_column: str | None = option(None, "column of the --dataset rows holding the document image "
-                                            "(none: image; eval without --dataset: the run's evaluation columns)")
-    id_column: str | None = option(None, "column of the --dataset rows holding each row's id (none: an image "
-                                         "folder's file paths, else '<split>-<row>')")
+                                            "(none: eval / mine of a raggedvl run: the run's (eval: its evaluation "
+                                            "columns), else image)")
+    id_column: str | None = option(None, "column of the --dataset rows holding each row's id (none: eval / mine of a "
+                                         "raggedvl run: the run's; else an image folder's file paths, else "
+                                         "'<split>-<row>')")
 
     def columns(self) -> Columns:
         """The columns given, documents only (no query column); unset: ``image``, no id column."""
@@ -38,7 +40,8 @@ class ColumnOptions(DocumentColumnOptions):
     """Which columns of (query, image) rows hold what; a BEIR layout names its own."""
 
     query_column: str | None = option(None, "column of the --dataset rows holding the query text "
-                                            "(none: query; eval without --dataset: the run's evaluation columns)")
+                                            "(none: eval / mine of a raggedvl run: the run's (eval: its evaluation "
+                                            "columns), else query)")
 
     def columns(self) -> Columns:
         """The columns given; unset names are the defaults ``query`` / ``image``, no id column."""

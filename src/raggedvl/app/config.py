@@ -88,7 +88,9 @@ class TrainConfig:
               "source)")
     train_split: str = option("train", "dataset split to train on")
     eval_split: str = option(
-        "dev", "split to evaluate on (of eval_dataset when given, else of dataset); dev and validation find each other")
+        "dev", "split to evaluate on (of eval_dataset when given, else of dataset); dev and validation find each other; "
+               "an eval_dataset of one split (a parquet file, a folder of one split's files) is evaluated on that "
+               "split, whatever its name")
     eval_dataset: str | None = option(
         None, "evaluation set when it is not a split of dataset: hub id, local folder or parquet file of (query, image) "
               "pairs, or a BEIR folder (corpus*, queries*, qrels*) (none: dataset)")
@@ -310,6 +312,23 @@ class TrainConfig:
                        id=self.eval_id_column if self.eval_id_column is not None else self.id_column)
 
     @property
+    def resolved_eval_split(self) -> str:
+        """The split evaluation reads: an ``eval_dataset`` of one split (a ``.parquet`` file, a
+        folder whose files make one split) is the evaluation set, so its one split whatever its
+        name (:meth:`raggedvl.data.source.DataSource.default_split`), under the name ``eval_split``
+        gives it when that is an alias (``dev`` for ``dev.parquet``'s "validation"); else
+        ``eval_split`` (the dev*/test* file-name rules of a folder of several splits). Reads
+        folder entries only."""
+        if self.eval_dataset is None or self.eval_fraction is not None:
+            return self.eval_split
+        from raggedvl.data.scan import SPLIT_ALIASES
+        from raggedvl.data.source import DataSource
+
+        only = DataSource.of(self.eval_dataset).default_split(self.eval_split)
+        alias = any(only in names and self.eval_split in names for names in SPLIT_ALIASES)
+        return self.eval_split if alias else only
+
+    @property
     def resolved_max_pixels(self) -> int | None:
         """``max_pixels``, or ``TINY_TRAIN_MAX_PIXELS`` for the tiny preset when not given."""
         if self.max_pixels is None and self.model == "tiny":
@@ -380,3 +399,22 @@ def config_from_args(args) -> TrainConfig:
             values = {k: v for k, v in values.items() if k in known}
             return TrainConfig.from_dict({**values, "output_dir": output_dir, **overrides})
     return TrainConfig.from_dict(overrides)
+
+
+def run_config(checkpoint: str | Path) -> TrainConfig | None:
+    """The settings of the raggedvl run a checkpoint argument names, from JSON files only (no
+    checkpoint verified or loaded): a run folder's ``train_config.json``, a checkpoint folder's
+    ``trainer_state.json`` ``config`` (``run/checkpoints/step-N``, or one outside its run); None
+    for anything else (a model folder, a hub id, a preset) or settings this version cannot read."""
+    path = Path(checkpoint).expanduser()
+    try:
+        if (path / TRAIN_CONFIG_NAME).is_file():
+            values = json.loads((path / TRAIN_CONFIG_NAME).read_text(encoding="utf-8"))
+        elif (path / "trainer_state.json").is_file():
+            values = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))["config"]
+        else:
+            return None
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        return TrainConfig.from_dict({k: v for k, v in values.items() if k in known})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -130,7 +130,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
                                       max_eval_samples=max_samples if max_samples is not None else cfg.max_eval_samples,
                                       **{f"eval_{k}": v for k, v in columns.items() if v is not None})
             _, bench = load_splits(cfg, warn=info.is_main, eval_flags="")
-            name, split = cfg.eval_dataset or cfg.datasets[0], cfg.eval_split
+            name, split = cfg.eval_dataset or cfg.datasets[0], cfg.resolved_eval_split
         else:
             split = split or DataSource.of(dataset).default_split("test")
             given = Columns(query=query_column or "query", image=image_column or "image", id=id_column)

@@ -5,7 +5,8 @@ From a plain shell, ``raggedvl train``:
 1. checks, before importing torch or transformers, each failure one line and exit code 2: the
    config, the model and dataset names (``raggedvl.app.sources``: typos, unreachable or offline
    hub in seconds), the output directory (``raggedvl.app.rundir``), and for data in local
-   parquet files (``raggedvl.data.scan``) the columns, splits, queries, hard-negative counts
+   parquet files (``raggedvl.data.scan``) the columns, splits (an evaluation split that reads a
+   training file is refused), queries, hard-negative counts
    and every training image's header, documents and hard negatives (a corrupt image is named
    by row, id and file), then the world size against the global batch and ``--shard-degree``;
 2. with several processes, when step 1 checked everything (:func:`needs_torch`: no
@@ -260,11 +261,12 @@ def check_data(cfg) -> list[str]:
     (``--negatives-column``: the column's type; any number per row), and every
     image's header, documents and hard negatives, read in parallel and cached beside the data, so the ranks' size estimate reads no
     document image; and for the evaluation set (``--eval-dataset``, else the first dataset's
-    ``--eval-split``) held in local parquet files: that the split exists and its columns
-    (``cfg.eval_columns``).
+    ``--eval-split``) held in local parquet files: that the split exists, its columns
+    (``cfg.eval_columns``), and that it reads no file a training split reads (unless
+    ``--allow-eval-overlap``; overlap by content is the ranks' check).
 
     Raises ``ValueError`` (a missing column, with the columns present and the flag; a missing
-    split, with the splits present; an empty query or an empty list of positives, with its row
+    split, with the splits present; an evaluation split that is training data; an empty query or an empty list of positives, with its row
     and id) or ``BadImageError`` (the first unreadable image among the rows the run trains on,
     with its row, id, file and ``--on-bad-image skip``; with ``--eval-fraction``, left to
     ``prepare_run_data``). Returns what it could NOT check here, one phrase each (empty when
@@ -274,8 +276,11 @@ def check_data(cfg) -> list[str]:
     from raggedvl.data.source import DataSource
 
     unchecked = []
+    trained_files = {}  # resolved parquet file -> the --dataset that trains on it
     for name in cfg.datasets:
         source = DataSource.of(name)
+        table = source.parquet(cfg.train_split)  # None: not local parquet
+        trained_files.update({file.resolve(): name for file in table.files} if table is not None else {})
         if source.is_manifest:
             if cfg.negatives_column is not None:
                 raise ValueError(f"{name} is an rdocs manifest, which has no hard-negatives column "
@@ -288,14 +293,30 @@ def check_data(cfg) -> list[str]:
     elif cfg.evaluates:
         source = DataSource.of(cfg.eval_dataset if cfg.eval_dataset is not None else cfg.datasets[0])
         flag = "--eval-dataset" if cfg.eval_dataset is not None else "--dataset"
-        table = source.parquet(cfg.eval_split)  # a missing split raises
+        table = source.parquet(cfg.resolved_eval_split)  # a missing split raises
         if table is not None:  # its own columns: a missing one names --eval-query-column...
             with flags_for_columns("eval_"):
                 check_columns(table.columns, table.where, cfg.eval_columns)
                 check_image_column(table, "image", cfg.eval_columns)
+            _check_not_trained_on(cfg, table, trained_files)
         elif source.kind != "rdocs":  # a BEIR layout, a hub id...
-            unchecked.append(f"{flag} {source.name} split {cfg.eval_split!r} (not local parquet)")
+            unchecked.append(f"{flag} {source.name} split {cfg.resolved_eval_split!r} (not local parquet)")
     return unchecked
+
+
+def _check_not_trained_on(cfg, table, trained_files: dict) -> None:
+    """Refuse (``ValueError``, unless ``allow_eval_overlap``) an evaluation split that reads a
+    parquet file a training split reads (``trained_files``: resolved path -> ``--dataset``): the
+    ranks' content check (``raggedvl.app.setup.check_overlap``) would refuse its pairs, and the
+    file paths tell it before any process starts."""
+    shared = [file for file in table.files if file.resolve() in trained_files]
+    if not shared or cfg.allow_eval_overlap:
+        return
+    dataset = trained_files[shared[0].resolve()]
+    raise ValueError(f"evaluation set {table.where} overlaps the training pairs: it reads {shared[0]}, which "
+                     f"--dataset {dataset} split {cfg.train_split!r} trains on; dev metrics would measure "
+                     "memorisation. Evaluate on held-out data (--eval-dataset, --eval-split, --eval-fraction) or pass "
+                     "--allow-eval-overlap")
 
 
 def needs_torch(cfg, unchecked: Sequence[str]) -> list[str]:

@@ -43,6 +43,7 @@ from raggedvl.data.positives import EpochPositives
 from raggedvl.evaluation.metrics import mean_pairwise_cosine
 from raggedvl.losses import loss_with_negatives
 from raggedvl.app.batches import StepIndices, step_batches
+from raggedvl.app.agent import as_input_error
 from raggedvl.app.checkpoint import list_checkpoints
 from raggedvl.app.checkpointer import Checkpointer, TrainingState
 from raggedvl.app.collapse import CollapseCheck, chance_loss
@@ -596,6 +597,8 @@ def train(cfg: TrainConfig, *, data: RunData | None = None, clock: StartupClock 
                 raise KeyboardInterrupt from exc
             if info.world_size > 1:
                 report_failure(info.rank, trainer.watchdog.phase if trainer else "during setup", exc)
+                if trainer is None and isinstance(exc, ValueError):  # bad input: the agent's line says so
+                    as_input_error(exc)
             raise
     except KeyboardInterrupt:
         sigint = ignore_sigint()

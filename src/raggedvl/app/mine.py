@@ -12,16 +12,19 @@ distinct pages as the corpus). What is written, for ``raggedvl train --dataset O
   the negatives by reference.
 
 Rank 0 prints a summary: queries, negatives kept, candidates each filter removed, queries that
-got fewer than ``k``."""
+got fewer than ``k``, and a ``raggedvl train`` command that trains on ``OUT`` as printed
+(:func:`train_command`: the column flags and an evaluation set)."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 from pathlib import Path
 
 
 from raggedvl.app.column_flags import flags_for_columns
+from raggedvl.app.config import TrainConfig
 from raggedvl.app.evaluate_checkpoint import checkpoint_collator, load_model
 from raggedvl.data.columns import Columns
 from raggedvl.data.dataset import source_bytes
@@ -34,6 +37,7 @@ from raggedvl.app.wording import counted
 
 NEGATIVES_COLUMN = "negatives"
 NEGATIVES_TABLE = "negatives.parquet"
+EVAL_FRACTION = 0.1  # the printed train command's held-out share when the run had no --eval-dataset
 
 
 def mine(checkpoint: str | Path, *, dataset: str, split: str, output: str | Path, k: int,
@@ -63,19 +67,45 @@ def mine(checkpoint: str | Path, *, dataset: str, split: str, output: str | Path
                 _write_by_reference(source.path, out, bench, mined)
             else:
                 _write_pairs(source, split, out, bench, mined, columns.query)
-            print(summary(bench, mined, k, out, source.kind == "beir"))
+            print(summary(bench, mined, k, out, train_command(out, source.kind == "beir", columns, cfg)))
         barrier()
         return out
     finally:
         shutdown()
 
 
-def summary(bench: RetrievalBenchmark, mined: MinedNegatives, k: int, out: Path, by_reference: bool) -> str:
-    """The command's closing lines: what was kept, what each filter removed, how to train."""
+def train_command(out: Path, by_reference: bool, columns: Columns, cfg: TrainConfig | None) -> str:
+    """A ``raggedvl train`` command line that trains on ``out`` as written: the column flags the
+    pairs need (``columns``, those mined with, where they differ from the defaults) and
+    ``--negatives-column``, and an evaluation set, since ``out`` holds no dev split: the run's
+    ``--eval-dataset`` with its split and columns when ``cfg`` (the mining checkpoint's run) had
+    one, else ``--eval-fraction`` :data:`EVAL_FRACTION` of the mined pairs."""
+    args = ["raggedvl", "train", "--dataset", str(out)]
+    given = Columns() if by_reference else Columns(query=columns.query, image=columns.image, id=columns.id)
+    if not by_reference:
+        args += _column_flags("", given, Columns()) + ["--negatives-column", NEGATIVES_COLUMN]
+    if cfg is not None and cfg.eval_dataset is not None:
+        args += ["--eval-dataset", cfg.eval_dataset]
+        if cfg.eval_split != TrainConfig.eval_split:
+            args += ["--eval-split", cfg.eval_split]
+        args += _column_flags("eval-", cfg.eval_columns, given)
+    else:
+        args += ["--eval-fraction", str(EVAL_FRACTION)]
+    return shlex.join(args)
+
+
+def _column_flags(prefix: str, columns: Columns, defaults: Columns) -> list[str]:
+    """``--<prefix>query-column Q``... for each of ``columns``' query / image / id columns that is
+    not the one ``defaults`` names (``none`` for an unset one that ``defaults`` sets)."""
+    return [item for role in ("query", "image", "id") if getattr(columns, role) != getattr(defaults, role)
+            for item in (f"--{prefix}{role}-column", getattr(columns, role) or "none")]
+
+
+def summary(bench: RetrievalBenchmark, mined: MinedNegatives, k: int, out: Path, train: str) -> str:
+    """The command's closing lines: what was kept, what each filter removed, how to train
+    (``train``: :func:`train_command`)."""
     kept = sum(len(n) for n in mined.negatives)
     removed = ", ".join(f"{name.replace('_', ' ')} {mined.removed[name]}" for name in FILTERS)
-    train = (f"raggedvl train --dataset {out}" if by_reference
-             else f"raggedvl train --dataset {out} --negatives-column {NEGATIVES_COLUMN}")
     queries = counted(len(bench.queries), "query", "queries")
     return (f"mined {counted(kept, 'hard negative')} for {queries} over {counted(len(bench.documents), 'page')} "
             f"(k = {k}; {counted(mined.short, 'query', 'queries')} got fewer); candidates removed: {removed}\n"

@@ -71,12 +71,14 @@ def resume_point(cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None:
 
 def check_something_to_resume(cfg: TrainConfig, resumed: tuple[Path, dict[str, Any]] | None) -> None:
     """With ``--resume``: raise ``ValueError`` (one line) when ``output_dir`` holds no checkpoint
-    (naming a sibling folder that does, for a mistyped name) or when its newest checkpoint
+    (naming a sibling folder that does when ``output_dir`` does not exist: a mistyped name; a run
+    folder without a checkpoint gets no suggestion) or when its newest checkpoint
     already reached ``--max-steps`` (nothing left to train)."""
     out = Path(cfg.output_dir)
     if resumed is None:
         parent = out.parent if str(out.parent) else Path(".")
-        runs = sorted(p.name for p in parent.iterdir() if list_checkpoints(p / "checkpoints")) if parent.is_dir() else []
+        mistyped = parent.is_dir() and not out.exists()
+        runs = sorted(p.name for p in parent.iterdir() if list_checkpoints(p / "checkpoints")) if mistyped else []
         close = closest(out.name, runs)
         hint = f"; did you mean {str(parent / close)!r}?" if close else ""
         raise ValueError(f"--resume: {cfg.output_dir} holds no checkpoint to resume{hint} (to start a new run there, "

@@ -75,7 +75,7 @@ def load_splits(cfg: TrainConfig, *, warn: bool = True,
     concatenated in order (:func:`raggedvl.data.concat.concat_datasets`; ``make_sampler`` mixes
     them by ``dataset_weights``). Evaluation data, in order of precedence: ``eval_fraction`` (a
     content-hash split of each training split, held-out rows together), ``eval_dataset`` (its
-    ``eval_split``), else the first dataset's own ``eval_split``; a dataset without that split is
+    ``resolved_eval_split``: its one split, else ``eval_split``), else the first dataset's own ``eval_split``; a dataset without that split is
     a ``ValueError`` naming the two options. The evaluation pairs are read with ``cfg.eval_columns``;
     a missing column's message names ``--<eval_flags>query-column`` (``raggedvl eval``, whose
     flags are ``--query-column``..., passes "").
@@ -106,7 +106,7 @@ def load_splits(cfg: TrainConfig, *, warn: bool = True,
         bench = None
     else:
         with flags_for_columns(eval_flags, keys=bool(eval_flags)):  # raggedvl eval: flags, no keys
-            bench = load_benchmark(cfg.eval_dataset or sources[0], cfg.eval_split, limit=cfg.max_eval_samples,
+            bench = load_benchmark(cfg.eval_dataset or sources[0], cfg.resolved_eval_split, limit=cfg.max_eval_samples,
                                    on_bad_image=cfg.on_bad_image, columns=cfg.eval_columns)
     if bench is not None:
         check_overlap(cfg, train, bench, warn=warn)
@@ -119,7 +119,8 @@ def check_overlap(cfg: TrainConfig, train: RetrievalDataset, bench: RetrievalBen
     overlap = find_overlap(train, bench.documents, bench.queries, bench.query_ids)
     if not overlap:
         return
-    where = f"evaluation set {cfg.eval_dataset or cfg.datasets[0]!r} (split {cfg.eval_split!r})"
+    where = (f"the rows held out by --eval-fraction {cfg.eval_fraction}" if cfg.eval_fraction is not None else
+             f"evaluation set {cfg.eval_dataset or cfg.datasets[0]!r} (split {cfg.resolved_eval_split!r})")
     if not cfg.allow_eval_overlap:
         raise ValueError(
             f"{where} overlaps the training pairs: {overlap.describe()}; dev metrics would measure memorisation. "

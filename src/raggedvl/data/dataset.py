@@ -342,6 +342,20 @@ class _Picked(Sequence):
         return self.values[self.positions[index]]
 
 
+class _Kept(Sequence):
+    """Per row, the items of ``values``' list at that row's ``kept`` positions (lazy)."""
+
+    def __init__(self, values: Sequence[list[Any]], kept: list[list[int]]) -> None:
+        self.values, self.kept = values, kept
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def __getitem__(self, index: int) -> list[Any]:
+        row = self.values[index]
+        return [row[j] for j in self.kept[index]]
+
+
 class _WithNegatives(Sequence):
     """Per row, ``[image, *negatives]``: what a size estimate of the whole row reads."""
 
@@ -666,6 +680,31 @@ class RetrievalDataset(Sequence):
         out.skipped_rows = list(self.skipped_rows)  # the source's rows left out stay reported (a subset holds none)
         return out
 
+    def without_negative_pages(self, digests: set[str]) -> "RetrievalDataset":
+        """The rows with every hard negative whose stored bytes have a SHA-256 (hex) in
+        ``digests`` left out (reads each hard negative's bytes once; an unreadable one is kept,
+        for the size estimate to name). ``self`` when nothing is left out."""
+        if self.negative_sources is None:
+            return self
+        kept = []
+        for row in self.negative_sources:
+            keep = []
+            for j, source in enumerate(row):
+                try:
+                    seen = hashlib.sha256(source_bytes(source)).hexdigest() in digests
+                except (OSError, KeyError, TypeError):
+                    seen = False
+                if not seen:
+                    keep.append(j)
+            kept.append(keep)
+        if all(len(k) == n for k, n in zip(kept, self.negative_counts)):
+            return self
+        out = self.select(range(len(self)), negatives=False)
+        out.negative_sources = _Kept(self.negative_sources, kept)
+        out._negative_counts = [len(k) for k in kept]
+        out.negative_inputs = None if self.negative_inputs is None else _Kept(self.negative_inputs, kept)
+        return out
+
     def duplicates(self) -> tuple[int, int]:
         """``(repeated queries, repeated rows)``: rows whose query text an earlier row already has,
         and of those the rows whose stored image is also that earlier row's (the same pair twice).
@@ -692,6 +731,19 @@ class RetrievalDataset(Sequence):
         if getattr(self, "_digests", None) is None:
             self._digests = [self._digest(i) for i in range(len(self))]
         return list(self._digests)
+
+    def page_digests(self) -> set[str]:
+        """SHA-256 (hex) of every page the rows train on, as stored (no pixel decoded): each row's
+        image (:meth:`image_digests`), its other positives and its hard negatives. A positive or
+        hard negative whose bytes cannot be read is left out (the size estimate names it)."""
+        digests = set(self.image_digests())
+        for row in [*(self._positives or ()), *(self.negative_sources or ())]:
+            for source in row:
+                try:
+                    digests.add(hashlib.sha256(source_bytes(source)).hexdigest())
+                except (OSError, KeyError, TypeError):
+                    continue
+        return digests
 
     def _digest(self, index: int) -> str:
         try:
@@ -777,7 +829,7 @@ def _load_split(source: DataSource, split: str, found: ParquetSplit | None, cach
         try:
             splits = datasets.load_dataset(str(path), **({**row_group_reads, **load_kwargs} if found else load_kwargs))
         except (ValueError, FileNotFoundError) as exc:
-            raise ValueError(f"{path} is neither an rdocs directory nor a folder ``datasets`` can read ({exc})") from exc
+            raise ValueError(f"{path} is neither an rdocs directory nor a folder the datasets library can read ({exc})") from exc
         return splits[pick_split(list(splits), split, str(path))], path
     available = datasets.get_dataset_split_names(source.name, **{k: v for k, v in load_kwargs.items() if k == "name"})
     return datasets.load_dataset(source.name, split=pick_split(available, split, source.name), **load_kwargs), None

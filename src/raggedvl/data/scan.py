@@ -67,8 +67,8 @@ def pick_split(available: Sequence[str], split: str, where: str) -> str:
         f"{where} has no split {split!r}; its splits: {sorted(available)}. Local files are split by name "
         "(train*, dev*/validation*, test*, or the hub layout data/<split>-*.parquet); a file whose name holds "
         "no split keyword is a training set only. raggedvl eval / encode: pass --split with one of the splits above; "
-        "raggedvl train: evaluate with --eval-dataset PATH (--eval-split NAME) or hold out a hash split with "
-        "--eval-fraction F"
+        "raggedvl train: pass --eval-split with one of them, evaluate on another file with --eval-dataset PATH, "
+        "or hold out a hash split with --eval-fraction F"
     )
 
 

@@ -44,7 +44,7 @@ class DataSource:
         path = Path(name).expanduser()
         if path.is_file():
             if path.suffix != ".parquet":
-                raise ValueError(f"{path}: a single file must be .parquet (or pass a folder ``datasets`` can read)")
+                raise ValueError(f"{path}: a single file must be .parquet (or pass a folder the datasets library can read)")
             return cls(text, "parquet", path)
         if path.is_dir():
             if (path / "manifest.jsonl").is_file():

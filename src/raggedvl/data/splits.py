@@ -18,9 +18,10 @@ from raggedvl.data.dataset import RetrievalDataset
 
 def hash_split(dataset: RetrievalDataset, fraction: float) -> tuple[RetrievalDataset, RetrievalDataset]:
     """(rest, held out): a row is held out when the hash of its image content falls below
-    ``fraction``, so every copy of one image lands on the same side. Deterministic; the held-out
-    share is ``fraction`` in expectation. Raises ``ValueError`` unless 0 < fraction < 1 or when a
-    side would be empty."""
+    ``fraction``, so every copy of one image lands on the same side; a held-out page is also
+    left out of the rest's hard negatives (:meth:`RetrievalDataset.without_negative_pages`),
+    so training never sees it. Deterministic; the held-out share is ``fraction`` in
+    expectation. Raises ``ValueError`` unless 0 < fraction < 1 or when a side would be empty."""
     if not 0 < fraction < 1:
         raise ValueError(f"eval fraction must lie strictly between 0 and 1, got {fraction}")
     held = [int(hashlib.sha256(("eval-split:" + d).encode()).hexdigest()[:15], 16) / 16**15 < fraction
@@ -32,7 +33,9 @@ def hash_split(dataset: RetrievalDataset, fraction: float) -> tuple[RetrievalDat
             f"--eval-fraction {fraction} of {len(dataset)} rows (by image content) leaves {len(rest)} training and "
             f"{len(out)} evaluation rows; use a fraction that keeps both sides non-empty or more data"
         )
-    return dataset.select(rest), dataset.select(out)
+    digests = dataset.image_digests()
+    held_pages = {digests[i] for i in out}
+    return dataset.select(rest).without_negative_pages(held_pages), dataset.select(out)
 
 
 def normalise_query(text: str) -> str:
@@ -42,7 +45,7 @@ def normalise_query(text: str) -> str:
 @dataclass
 class Overlap:
     """Evaluation items also seen in training: ``documents`` (evaluation documents whose image
-    bytes occur in training), ``queries`` (evaluation queries whose text occurs in training),
+    bytes occur in training, as a positive or a hard negative), ``queries`` (evaluation queries whose text occurs in training),
     out of ``n_documents`` / ``n_queries``; ``examples``: a few evaluation ids."""
 
     documents: int
@@ -56,14 +59,16 @@ class Overlap:
 
     def describe(self) -> str:
         return (f"{self.documents} of {self.n_documents} evaluation documents have the same image bytes as a training "
-                f"pair, and {self.queries} of {self.n_queries} evaluation queries are also training queries "
-                f"(e.g. {self.examples[:3]})")
+                f"page (a positive or hard negative), and {self.queries} of {self.n_queries} evaluation queries are "
+                f"also training queries (e.g. {self.examples[:3]})")
 
 
 def find_overlap(train: RetrievalDataset, documents: RetrievalDataset, queries: Sequence[str], query_ids: Sequence[str] | None = None) -> Overlap:
-    """Content overlap between training pairs and an evaluation corpus + queries. Reads every
+    """Content overlap between training pairs and an evaluation corpus + queries: an evaluation
+    document with the bytes of a page the pairs train on (a positive or a hard negative,
+    :meth:`RetrievalDataset.page_digests`), a query with a training query's text. Reads every
     image's bytes once (no decoding)."""
-    seen_images = set(train.image_digests())
+    seen_images = train.page_digests()
     seen_queries = {normalise_query(q) for q in train.queries() if q}
     doc_hits = [i for i, d in zip(documents.ids(), documents.image_digests()) if d in seen_images]
     query_ids = list(query_ids) if query_ids is not None else [str(i) for i in range(len(queries))]

@@ -35,7 +35,10 @@ process that holds nothing of the launcher's. What it changes is what a failure 
   stopped (``raggedvl.app.restarts``);
 - when the job is stopped by Ctrl-C, this agent passes SIGINT on to the ranks (torchrun's
   teardown; a second Ctrl-C is ignored rather than cut that short), prints nothing (rank 0 says
-  where training stopped: ``raggedvl.app.interrupts``) and exits 130.
+  where training stopped: ``raggedvl.app.interrupts``, or ``raggedvl: interrupted`` before its
+  loop started) and exits 130. Before torchrun handles SIGINT (its imports, the rendezvous) a
+  Ctrl-C ends this agent at once with that line and 130; while torchrun starts the ranks it is
+  held until torchrun holds them all (``raggedvl.app.signals``).
 
 Under a plain ``torchrun -m raggedvl.app.cli ...`` the ranks still write the error file (torchrun's
 summary then shows the message and traceback instead of ``error_file: <N/A>``) and print as

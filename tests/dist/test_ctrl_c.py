@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 
@@ -87,80 +86,3 @@ def test_ctrl_c_ends_the_job_with_one_line_and_exit_code_130(small_data_cache, t
     else:  # nothing to resume from: no advice to
         assert checkpoints == [] and line.group(2) == "none" and not line.group(3), line.group(0)
     assert processes_mentioning(str(run)) == []  # no rank outlives the job
-
-
-def _ranks(run, launcher_pid: int) -> list[str]:
-    """The job's processes other than the launcher / agent (pid ``launcher_pid``): its ranks."""
-    return [p for p in processes_mentioning(str(run)) if int(p.split(":", 1)[0]) != launcher_pid]
-
-
-def _assert_stopped_quietly(result, run) -> None:
-    """Exit code 130, one ``raggedvl: interrupted...`` line, no traceback, nothing left running."""
-    assert result.timed_out is None, result.describe()
-    assert result.returncode == 130, result.describe()
-    out = result.output
-    for noise in ("Traceback", "KeyboardInterrupt", "terminate called", "RuntimeError", "error_file"):
-        assert noise not in out, result.describe()
-    assert len(re.findall(r"^raggedvl: interrupted", result.stderr, re.MULTILINE)) == 1, result.describe()
-    assert processes_mentioning(str(run)) == []
-
-
-@pytest.mark.parametrize("when", ["right-after-start", "at-the-exec-with-sigint-ignored", "while-the-ranks-start"])
-def test_an_early_ctrl_c_ends_the_job_with_one_line_and_exit_code_130(small_data_cache, tmp_path, when):
-    """Ctrl-C before training starts: while the launcher starts (sent as soon as the process
-    exists: its interpreter's start-up, or the launcher's checks); at the exec into torchrun's agent (the launcher's ``+ ...agent`` line), in a
-    job that inherited SIGINT ignored (``trap '' INT``: a background job of a script), which
-    ignored Ctrl-C until torchrun installed its handler and then trained to the end; and as soon
-    as the first rank process exists (in its imports, where an interruption inside ``import
-    torch`` used to end in a traceback). The run is long enough (40 steps) that an ignored
-    signal shows as exit code 0."""
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "raggedvl.app.cli", "train",
-           *_cli_args({**SMALL, "max_steps": 40, "nproc_per_node": 2, "output_dir": run, "data_cache": small_data_cache})]
-    if when.endswith("sigint-ignored"):
-        cmd = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *cmd]
-    job = Job(cmd, ready=None, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    while when != "right-after-start":  # the moment to interrupt
-        result = job.poll()
-        assert result is None, f"the job ended before it was interrupted\n{result.describe()}"
-        if when.startswith("at-the-exec") and "raggedvl.app.agent" in job._read()[0]:
-            break
-        if when == "while-the-ranks-start" and _ranks(run, job.proc.pid):
-            break
-        time.sleep(0.02)
-    os.killpg(job.proc.pid, signal.SIGINT)
-    result = job.wait()
-    if result.returncode == -signal.SIGINT and when == "right-after-start":
-        # the signal's default action before the interpreter ran any of raggedvl's code (a shell
-        # reports 130): nothing was printed and nothing started
-        assert result.output == "" and processes_mentioning(str(run)) == [], result.describe()
-        return
-    _assert_stopped_quietly(result, run)
-    assert "training 40 steps" not in result.stdout or when == "while-the-ranks-start", result.describe()
-
-
-def test_a_closed_stdout_does_not_fail_the_run(small_data_cache, tmp_path):
-    """``raggedvl train | head -3``: the reader closes the pipe after three lines; the run goes
-    on with stdout sent to devnull and ends with exit code 0, its checkpoint and summary written."""
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "raggedvl.app.cli", "train",
-           *_cli_args({**SMALL, "max_steps": 2, "checkpoint_every": 2, "eval_after": True, "nproc_per_node": 2,
-                       "output_dir": run, "data_cache": small_data_cache})]
-    with open(tmp_path / "stderr", "w+") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=True,
-                                env=dict(os.environ, OMP_NUM_THREADS="1"))
-        head = [proc.stdout.readline() for _ in range(3)]
-        proc.stdout.close()  # what head does after its lines
-        try:
-            code = proc.wait(timeout=900)  # start-up and 2 steps; a hang, not a slow machine, exceeds it
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-        err.seek(0)
-        stderr = err.read()
-    assert len(head) == 3 and head[-1], head
-    assert code == 0, stderr[-3000:]
-    assert "BrokenPipe" not in stderr and "failed" not in stderr, stderr[-3000:]
-    assert [c.name for c in list_checkpoints(run / "checkpoints")] == ["step-000002"]
-    assert (run / "summary.md").is_file() and _logged_steps(run) == [1, 2]
-    assert processes_mentioning(str(run)) == []

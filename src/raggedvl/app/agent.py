@@ -36,10 +36,7 @@ process that holds nothing of the launcher's. What it changes is what a failure 
   stopped (``raggedvl.app.restarts``);
 - when the job is stopped by Ctrl-C, this agent passes SIGINT on to the ranks (torchrun's
   teardown; a second Ctrl-C is ignored rather than cut that short), prints nothing (rank 0 says
-  where training stopped: ``raggedvl.app.interrupts``, or ``raggedvl: interrupted`` before its
-  loop started) and exits 130. Before torchrun handles SIGINT (its imports, the rendezvous) a
-  Ctrl-C ends this agent at once with that line and 130; while torchrun starts the ranks it is
-  held until torchrun holds them all (``raggedvl.app.signals``).
+  where training stopped: ``raggedvl.app.interrupts``) and exits 130.
 
 Under a plain ``torchrun -m raggedvl.app.cli ...`` the ranks still write the error file (torchrun's
 summary then shows the message and traceback instead of ``error_file: <N/A>``) and print as
@@ -48,6 +45,7 @@ before.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -57,12 +55,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Sequence
-
-from raggedvl.app.signals import INTERRUPTED_LINE, exit_now, exit_on_sigint, sigint_blocked
-
-if __name__ == "__main__":  # until torchrun handles it, Ctrl-C ends the agent at once: no rank exists yet
-    exit_on_sigint(INTERRUPTED_LINE)
+from typing import Any, NoReturn, Sequence
 
 from raggedvl.parallel.faults import QUIET_ENV as AGENT_ENV, REPORT_ATTRIBUTE, quiet_ranks  # noqa: E402, F401
 INPUT_ERROR_EXIT_CODE = 2
@@ -245,12 +238,9 @@ def _forward_to_workers(signum, frame) -> None:
 def _first_signal_only() -> None:
     """torchrun's handler for SIGINT / SIGTERM / ... raises ``SignalException`` and its agent then
     stops the ranks (the signal, then SIGKILL after its shutdown timeout). A second Ctrl-C would
-    raise again inside that shutdown and leave ranks running: each signal does nothing after its
-    first delivery (a handler that returns, not ``SIG_IGN``, which a process started later would
-    inherit). While the ranks are being started (:func:`_start_ranks_whole`) the first signal is
-    held and raised once torchrun holds every rank it started, so that its teardown reaches them
-    all. Wraps the private ``_terminate_process_handler`` that ``start`` installs (looked up at
-    call time); a torch without it keeps its own behaviour."""
+    raise again inside that shutdown and leave ranks running: each signal is ignored after its
+    first delivery. Wraps the private ``_terminate_process_handler`` that ``start`` installs
+    (looked up at call time); a torch without it keeps its own behaviour."""
     from torch.distributed.elastic.multiprocessing import api
 
     handler = getattr(api, "_terminate_process_handler", None)
@@ -261,46 +251,11 @@ def _first_signal_only() -> None:
         if signum == signal.SIGTERM:  # preemption: the ranks save and end; torchrun waits for them
             _forward_to_workers(signum, frame)
             return
-        signal.signal(signum, _ignore)
-        if _held_signals is not None:
-            _held_signals.append(signum)
-            return
+        signal.signal(signum, signal.SIG_IGN)
         handler(signum, frame)
 
     first_only.raggedvl_first_only = True
     api._terminate_process_handler = first_only
-    _start_ranks_whole(handler)
-
-
-def _ignore(signum, frame) -> None:
-    """A signal's handler after its first delivery (:func:`_first_signal_only`)."""
-
-
-_held_signals: list[int] | None = None  # signals received while the ranks start (None: not starting)
-
-
-def _start_ranks_whole(handler) -> None:
-    """Wrap torchrun's ``LocalElasticAgent._start_workers`` so that a signal arriving while it
-    starts the ranks is raised (through torchrun's ``handler``) only after it returns: raised in
-    the middle, it would leave the ranks already started out of torchrun's teardown. SIGINT is
-    blocked meanwhile, so the ranks start with it blocked and pending: ``raggedvl.app.cli.run``
-    unblocks it once it can end the rank quietly (``raggedvl.app.signals``)."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    start = LocalElasticAgent._start_workers
-
-    def whole(self, *args, **kwargs):
-        global _held_signals
-        _held_signals = []
-        try:
-            with sigint_blocked():
-                return start(self, *args, **kwargs)
-        finally:
-            held, _held_signals = _held_signals, None
-            if held:
-                handler(held[0], None)
-
-    LocalElasticAgent._start_workers = whole
 
 
 def end_with_agent(poll_s: float = 1.0) -> None:
@@ -371,6 +326,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             if os.path.exists(path):
                 os.unlink(path)
     return 0
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with ``code`` without the interpreter's teardown: ``atexit`` handlers
+    run (logging, trackers, multiprocessing's workers), stdout and stderr are flushed, then
+    ``os._exit``: finalising the thousands of modules torch and transformers import takes seconds
+    per process (BENCHMARKS.md "The launcher"). Only for a process whose files are all
+    closed: the ``raggedvl`` command (``raggedvl.app.cli.run``) and this agent."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing left to say
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -392,25 +392,13 @@ def _interrupted(exc: BaseException) -> int:
 def run() -> NoReturn:
     """The ``raggedvl`` command (console script and ``python -m raggedvl.app.cli``, the ranks' entry
     too): :func:`main`, then the process ends without the interpreter's teardown
-    (``raggedvl.app.signals.exit_now``: atexit handlers run and stdout / stderr are flushed
+    (``raggedvl.app.agent.exit_now``: atexit handlers run and stdout / stderr are flushed
     first; every file raggedvl writes is closed when it is written). An exception that escapes
-    ``main`` (a bug, not bad input) takes Python's normal way out, traceback included.
+    ``main`` (a bug, not bad input) takes Python's normal way out, traceback included."""
+    code = main()
+    from raggedvl.app.agent import exit_now
 
-    Before anything else (``raggedvl.app.signals``): a closed stdout or stderr pipe is not an
-    error, and SIGINT raises ``KeyboardInterrupt``, except in a rank of raggedvl's agent, which
-    ends at once with exit code 130 (rank 0 saying ``raggedvl: interrupted``) until the training
-    loop handles Ctrl-C itself."""
-    import os
-
-    from raggedvl.app.launch import under_torchrun
-    from raggedvl.app.signals import INTERRUPTED_LINE, exit_now, exit_on_sigint, raise_on_sigint, tolerate_closed_output
-
-    tolerate_closed_output()
-    if under_torchrun() and os.environ.get("RAGGEDVL_AGENT") == "1":  # raggedvl.parallel.faults.QUIET_ENV
-        exit_on_sigint(INTERRUPTED_LINE if os.environ.get("RANK", "0") == "0" else None)
-    else:
-        raise_on_sigint()
-    exit_now(main())
+    exit_now(code)
 
 
 if __name__ == "__main__":

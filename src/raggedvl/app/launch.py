@@ -152,17 +152,12 @@ def strip_torchrun_arguments(argv: Sequence[str]) -> list[str]:
 
 def exec_agent(cmd: list[str], env_updates: dict[str, str] | None = None) -> NoReturn:
     """Print ``cmd`` and replace this process with it (``os.execve``): the launcher's memory is
-    released, the agent keeps its process id. ``OMP_NUM_THREADS`` defaults to 1 per rank. SIGINT
-    is blocked across the exec: a Ctrl-C then waits for the agent, which acts on it as soon as
-    it starts (``raggedvl.app.signals``)."""
-    from raggedvl.app.signals import sigint_blocked
-
+    released, the agent keeps its process id. ``OMP_NUM_THREADS`` defaults to 1 per rank."""
     env = dict(os.environ, **(env_updates or {}))
     env.setdefault("OMP_NUM_THREADS", "1")
     print("+ " + shlex.join(cmd), flush=True)
     sys.stderr.flush()
-    with sigint_blocked():  # unblocked again only when the exec fails
-        os.execve(cmd[0], cmd, env)
+    os.execve(cmd[0], cmd, env)
 
 
 def check_world_fits(cfg, cmd: Sequence[str]) -> tuple[int, bool]:

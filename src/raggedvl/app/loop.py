@@ -56,7 +56,6 @@ from raggedvl.app.preemption import PreemptionRequest, report_preempted
 from raggedvl.app.report import write_summary
 from raggedvl.app.progress import PADDING_KEYS, batch_padding, peak_memory_mib
 from raggedvl.app.rundir import check_output_dir
-from raggedvl.app.signals import raise_on_sigint
 from raggedvl.app.setup import (
     RunData,
     build_components,
@@ -587,7 +586,6 @@ def train(cfg: TrainConfig, *, data: RunData | None = None, clock: StartupClock 
     trainer = None
     sigint = None  # the SIGINT handler to restore after an interruption
     preemption = PreemptionRequest().install()  # a SIGTERM during setup is acted on after the first step
-    raise_on_sigint()  # a rank of the agent ended at once on Ctrl-C until now (raggedvl.app.signals)
     try:
         try:
             trainer = Trainer(cfg, info, data, clock, step_hooks=(inject_fault,) if os.environ.get(FAULT_ENV) else (),

@@ -51,10 +51,6 @@ def join_timeout(args) -> int:
     return int(conf.get("timeout", STATIC_TIMEOUT_S))
 
 
-def _only_wake(signum, frame) -> None:
-    """SIGINT's handler while :class:`NodeWait` waits: the signal wakes its thread (the wakeup fd)."""
-
-
 class NodeWait:
     """Shows the wait of one rendezvous (module docstring); use as a context manager around it,
     in the main thread. ``endpoint``: ``HOST:PORT``; ``nodes``: the nodes the job needs;
@@ -76,7 +72,6 @@ class NodeWait:
         os.set_blocking(write, False)
         self._wakeup = (read, write)
         self._previous_fd = signal.set_wakeup_fd(write)
-        self._previous_handler = signal.signal(signal.SIGINT, _only_wake)  # the thread below reports Ctrl-C
         self._thread = threading.Thread(target=self._run, name="raggedvl-node-wait", daemon=True)
         self._thread.start()
         return self
@@ -84,7 +79,6 @@ class NodeWait:
     def __exit__(self, *exc) -> None:
         self._done.set()
         signal.set_wakeup_fd(self._previous_fd)
-        signal.signal(signal.SIGINT, self._previous_handler)
         os.write(self._wakeup[1], b"\0")  # wakes the thread up to see that it is done
         self._thread.join(timeout=10)
         for fd in self._wakeup:

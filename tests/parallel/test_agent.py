@@ -168,3 +168,17 @@ def test_a_restart_puts_the_silent_failed_rank_before_the_peer_that_followed_it(
     failed.write_text(json.dumps({"failed": [{"local_rank": 0, "exitcode": 1}, {"local_rank": 1, "exitcode": -9}]}))
     assert previous_attempt_failures(error_file, str(failed)) == [
         "local rank 1 was killed by SIGKILL (it left no report)", note["line"]]
+
+
+def test_a_restart_names_a_killed_rank_before_one_torchrun_stopped(tmp_path):
+    """Both silent ranks among the failed (rank 0 ended by torchrun's SIGTERM before its monitor
+    polled): the SIGKILLed rank is the cause, named first."""
+    import json
+
+    from raggedvl.app.restarts import previous_attempt_failures
+
+    error_file = _attempt_dirs(tmp_path, {})
+    failed = tmp_path / "failed.json"
+    failed.write_text(json.dumps({"failed": [{"local_rank": 0, "exitcode": -15}, {"local_rank": 1, "exitcode": -9}]}))
+    assert previous_attempt_failures(error_file, str(failed)) == [
+        "local rank 1 was killed by SIGKILL (it left no report)", "local rank 0 was killed by SIGTERM (it left no report)"]

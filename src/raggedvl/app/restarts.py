@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -66,8 +67,11 @@ def previous_attempt_failures(error_file: str | None = None, failed_file: str | 
         ordered = [f"local rank{'s' if len(silent) > 1 else ''} {', '.join(silent)} left no report (killed by a signal?)"]
         ordered = ordered if silent else []
     else:  # the silent ranks torchrun did not find failed were stopped by it afterwards: not a cause
+        # SIGTERM / SIGINT / SIGHUP are how torchrun stops ranks: a rank ended by another signal comes first
+        stopped = (-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP)
         ordered = [f"local rank {r} was killed by {signal_name(failed[r])} (it left no report)" if failed[r] < 0
-                   else f"local rank {r} exited with code {failed[r]} without a report" for r in silent if r in failed]
+                   else f"local rank {r} exited with code {failed[r]} without a report"
+                   for r in sorted((r for r in silent if r in failed), key=lambda r: (failed[r] in stopped, int(r)))]
     return ordered + [line for _, line in sorted(lines, key=lambda x: x[0])]  # own failures before peers' notes
 
 

@@ -1,5 +1,5 @@
 """The command line explains itself: help per flag, bare booleans, YAML numbers, choices,
-"did you mean", torchrun's gpu/auto, --version (issue 13 item 7, issue 16 item 4)."""
+"did you mean", torchrun's gpu/auto, --version."""
 
 import argparse
 import ast

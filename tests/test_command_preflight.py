@@ -1,6 +1,6 @@
 """``raggedvl eval`` / ``encode`` / ``search`` / ``export`` check what their checkpoint and
 ``--dataset`` name, and the columns of a local parquet benchmark, before torch is imported:
-each mistake is one line, exit code 2, in seconds (issue 16 item 1), never minutes of hub
+each mistake is one line, exit code 2, in seconds, never minutes of hub
 retries; ``raggedvl train``'s evaluation set has its own column keys."""
 
 import subprocess

@@ -1,5 +1,4 @@
-"""pyproject.toml builds without setuptools deprecation warnings (a fresh `pip install` printed
-"`project.license` as a TOML table is deprecated" twice; issue 16 polish)."""
+"""pyproject.toml builds without setuptools deprecation warnings."""
 
 import tomllib
 import warnings

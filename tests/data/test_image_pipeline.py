@@ -1,6 +1,6 @@
 """One image pipeline (raggedvl.images.ImagePolicy) for the size estimate and both collators:
 the estimate's patch count equals the collators' pixel_values rows for every size and every
-input form, and the SFT collator hardens images exactly like retrieval (issue 12, section 3)."""
+input form, and the SFT collator hardens images exactly like retrieval."""
 
 from __future__ import annotations
 

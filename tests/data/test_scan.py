@@ -1,5 +1,5 @@
 """raggedvl.data.scan: a local parquet split's files, columns and image sizes, read without
-decoding, in parallel, and cached beside the data by file fingerprint (issue 16 items 1, 3)."""
+decoding, in parallel, and cached beside the data by file fingerprint."""
 
 import io
 import os

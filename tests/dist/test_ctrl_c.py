@@ -1,4 +1,4 @@
-"""Ctrl-C in `raggedvl train` (issue 16): one line naming the step and the checkpoint to resume
+"""Ctrl-C in `raggedvl train`: one line naming the step and the checkpoint to resume
 from, exit code 130, no traceback from any rank or from torchrun's agent, no rank left behind.
 
 The job runs in its own session as a terminal's foreground job would; once `metrics.jsonl`

@@ -1,4 +1,4 @@
-"""Fault matrix (issue 7 items 3 and 6): one rank of a 2-rank training job raises, is killed or
+"""Fault matrix: one rank of a 2-rank training job raises, is killed or
 hangs, and the whole job ends within the collective timeout with output that names that rank.
 
 `raggedvl train` starts torchrun's agent (raggedvl.app.agent) with 2 gloo processes; `RAGGEDVL_FAULT=KIND:RANK:2` makes one

@@ -1,4 +1,4 @@
-"""``RaggedTrainer`` never hangs silently (issue 12): a process that stalls or raises ends the
+"""``RaggedTrainer`` never hangs silently: a process that stalls or raises ends the
 torchrun job within the collective timeout, with ``raggedvl:`` lines naming the process and the
 step it was in, exactly as ``raggedvl train`` does (``tests/dist/test_fault_matrix.py``).
 

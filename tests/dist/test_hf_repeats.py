@@ -1,4 +1,4 @@
-"""Repeated samples on the HF Trainer path and in sharded evaluation, 2 gloo processes (issue 12).
+"""Repeated samples on the HF Trainer path and in sharded evaluation, 2 gloo processes.
 
 When the dataset size is not a multiple of processes x per-device batch, accelerate completes the
 epoch's last batch with samples from the start of the epoch. They must not count: the loss and

@@ -1,4 +1,4 @@
-"""Ranks lacking a modality, on every path (issue 12 section 2), on 2 gloo processes.
+"""Ranks lacking a modality, on every path, on 2 gloo processes.
 
 Rank 0 and rank 1 get different modality mixes (images vs text only, images + video vs images
 only, video vs text only), for Qwen2-VL, Qwen2.5-VL and Qwen3-VL (deepstack), with and without

@@ -1,5 +1,5 @@
 """`raggedvl train` under torchrun (2 gloo processes): a rank killed mid-run, then `--resume`,
-gives the same per-step losses as an uninterrupted run (issue 4 acceptance; issue 7 item 4)."""
+gives the same per-step losses as an uninterrupted run."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Encoder rebalancing on real gloo processes (issue 17 item 4): exact gradients.
+"""Encoder rebalancing on real gloo processes: exact gradients.
 
 Rank 0 holds one large image among small ones (its vision-tower load is far above the mean);
 the other ranks hold small images, or text-only documents (W = 3). With

@@ -1,5 +1,5 @@
 """The retrieval loss through RaggedTrainer equals raggedvl's own training loop
-(raggedvl.app.loop.Trainer) for the same seed, weights and data (issue 8)."""
+(raggedvl.app.loop.Trainer) for the same seed, weights and data."""
 
 import copy
 

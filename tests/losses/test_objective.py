@@ -1,5 +1,5 @@
 """``make_retrieval_loss``: one call signature on embedding outputs for every loss, checked
-against the naive float64 references (issue 13 item 4)."""
+against the naive float64 references."""
 
 import typing
 

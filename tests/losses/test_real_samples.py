@@ -64,7 +64,7 @@ def test_multi_vector_losses_with_repeats_are_the_loss_of_the_real_samples(loss_
 
 
 def test_one_real_pair_has_no_negative():
-    """The streaming case of issue 12: one real pair and its repeat give 0, not log 2."""
+    """The streaming case: one real pair and its repeat give 0, not log 2."""
     q, qm, d, dm, _, _ = _mv(7, n=2)
     d[1], dm[1], q[1], qm[1] = d[0], dm[0], q[0], qm[0]
     d.requires_grad_(True)

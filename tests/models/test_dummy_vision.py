@@ -1,4 +1,4 @@
-"""Dummy vision pass (issue 7 item 1, case C04): exactly zero effect, zero (not None) gradients."""
+"""Dummy vision pass: exactly zero effect, zero (not None) gradients."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Weighted mixing of several datasets (issue 16 item 2): proportions, determinism, resume,
+"""Weighted mixing of several datasets: proportions, determinism, resume,
 rank agreement and bad weights, simulated for every rank in one process."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The collapse check of `raggedvl train` (issue 18 item 4): chance values, the streak rule, and
+"""The collapse check of `raggedvl train`: chance values, the streak rule, and
 a real run on identical documents (every score equal, so the loss is ln(global batch) from
 the first step; with hard negatives ln(pairs + negatives) of each step): it warns in one line, logs the event and, with --stop-on-collapse, stops."""
 

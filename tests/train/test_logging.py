@@ -1,4 +1,4 @@
-"""What a run logs (issue 16 item 5): plain progress lines outside a terminal, metrics.jsonl's
+"""What a run logs: plain progress lines outside a terminal, metrics.jsonl's
 per-step numbers, ``--report-to tensorboard`` event files (offline, a local log dir); and a
 1-process `raggedvl train` runs in the launching process (no torchrun)."""
 

@@ -1,4 +1,4 @@
-"""`raggedvl train` with a hard-negatives column and several weighted datasets (issue 16 item 2):
+"""`raggedvl train` with a hard-negatives column and several weighted datasets:
 the training loss equals the loss's own hard-negative path on the same embeddings, a parquet
 with a negatives column and two mixed datasets train from the CLI, a resumed mixed run repeats
 the uninterrupted run's steps, and bad weights are one-line errors before any process starts."""

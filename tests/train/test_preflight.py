@@ -1,6 +1,6 @@
 """`raggedvl train` checks its input in the launching process, before any rank starts: each
 bad name, column, query or image is one line on stderr naming the key/row/file and the fix,
-with exit code 2 (issue 16 item 1). Names are checked before torch is imported (seconds);
+with exit code 2. Names are checked before torch is imported (seconds);
 timings are in BENCHMARKS.md, not asserted here."""
 
 import io

@@ -1,4 +1,4 @@
-"""Options that match another trainer's recipe exactly (issue 18 item 3): the learning-rate
+"""Options that match another trainer's recipe exactly: the learning-rate
 schedule (``--lr-schedule``), the query prefix (``--query-prefix``) and the padding side
 (``--padding-side``), which replace the model's own prompts and are saved with it."""
 

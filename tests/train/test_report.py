@@ -1,6 +1,6 @@
 """write_summary: the run report of `raggedvl train` (summary.md, report.png, the printed copy)
 from the metrics log and the evaluations, including a resumed run whose pre-training evaluation
-is only in the log; issue 16 item 6: loss windows that fit short runs, report.png with a
+is only in the log; loss windows that fit short runs, report.png with a
 smoothed loss over the raw one, a scientific learning-rate axis, value labels on the bars, the
 legend outside them, and no empty panel, table or warning without evaluation."""
 

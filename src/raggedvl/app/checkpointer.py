@@ -48,6 +48,7 @@ from raggedvl.app.checkpoint import (
 )
 from raggedvl.app.config import TrainConfig
 from raggedvl.app.dev_evaluation import DevEvaluation
+from raggedvl.app.interrupts import sigint_after_block
 from raggedvl.app.resume import check_resume_settings
 from raggedvl.app.run_log import RunLog
 from raggedvl.app.lr_schedule import load_scheduler_state
@@ -122,7 +123,12 @@ class Checkpointer:
         disk cannot hold it, any weight is NaN or infinite, or the write fails on any rank. With
         ``--async-checkpoint`` (saves into the run's checkpoints/) the previous background save
         is completed first, then the shards are copied to host memory and written in the
-        background (:meth:`finish_pending`)."""
+        background (:meth:`finish_pending`). A Ctrl-C during the save is acted on once it is
+        written (``raggedvl.app.interrupts.sigint_after_block``)."""
+        with sigint_after_block():
+            self._save(state, root, keep)
+
+    def _save(self, state: TrainingState, root: Path | None, keep: int | None) -> None:
         self.finish_pending()
         problem = None
         if self.info.is_main:  # rank 0 writes: its disk decides, every rank raises alike

@@ -29,8 +29,9 @@ import re
 import signal
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from raggedvl.parallel.failures import abort, peer_notes, post_note
 
@@ -92,3 +93,23 @@ def stop_interrupted(rank: int, step: int | None, checkpoint: Path | None) -> Tr
             pass
     abort()
     return TrainingInterrupted(line, step, checkpoint)
+
+
+@contextmanager
+def sigint_after_block() -> Iterator[None]:
+    """A Ctrl-C inside the block is acted on when the block ends: ``KeyboardInterrupt`` is
+    raised then (replacing an exception the block raised), not in the middle of a collective
+    checkpoint write whose ranks would then leave each other waiting. Main thread only, and
+    only while Python's own handler is installed; elsewhere the block runs unchanged."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    received: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if received:
+            raise KeyboardInterrupt

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from raggedvl.sampling import BalancedDistributedBatchSampler
-from raggedvl.app.batches import StepIndices, step_batches
+from raggedvl.app.batches import StepIndices, default_workers, step_batches
 from raggedvl.app.config import TrainConfig
 from raggedvl.app.loop import train
 from tests.conftest import SMALL_DEV_PAIRS, SMALL_TRAIN_PAIRS
@@ -99,3 +99,20 @@ def test_two_workers_train_the_losses_of_collating_in_process(tmp_path, small_da
         positions[name] = (saved[1]["epoch"], saved[1]["step"])
     # step 4 ends epoch 0 and step 5 is epoch 1's first, though the workers had drawn further
     assert positions == {"step-000004": (0, 4), "step-000005": (1, 1)}
+
+
+@pytest.mark.parametrize("cuda, ranks, threads, cores, expected", [
+    (True, 8, 1, 8, 1),  # the GPU computes: a core collates
+    (False, 1, 1, 2, 1),  # one rank, one thread, a spare core
+    (False, 2, 1, 2, 0),  # two ranks fill two cores
+    (False, 1, 2, 2, 0),  # the rank's threads fill the cores
+    (False, 8, 1, 16, 1),
+    (False, 8, 1, 15, 0),
+])
+def test_a_worker_is_started_by_default_only_where_it_has_a_core_of_its_own(cuda, ranks, threads, cores, expected):
+    assert default_workers(cuda=cuda, ranks_on_node=ranks, threads_per_rank=threads, cores=cores) == expected
+
+
+def test_default_workers_refuses_counts_below_one():
+    with pytest.raises(ValueError, match="got 0, 1, 2"):
+        default_workers(cuda=False, ranks_on_node=0, threads_per_rank=1, cores=2)

@@ -58,7 +58,8 @@ def test_gradients_are_freed_after_each_step_and_never_carried_over(tmp_path, sm
 
 
 def test_a_batch_is_freed_before_the_next_one_is_collated(tmp_path, small_data_cache):
-    trainer = _trainer(tmp_path, small_data_cache, "run", max_steps=3)
+    # collating on the training thread (with a worker process, batches are pickled copies)
+    trainer = _trainer(tmp_path, small_data_cache, "run", max_steps=3, data_workers=0)
     collate, earlier, alive = trainer.c.collate, [], []
 
     def watched(rows):

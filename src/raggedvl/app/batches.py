@@ -7,7 +7,8 @@ the collator (image decode and resize, processor, ragged-batch validation) for t
 while the model trains; batches come back in sampler order, so the trainer pops one position
 per batch it trains on and checkpoints THAT position, not the sampler's live one (which runs up
 to ``workers * 2`` batches ahead): resume stays exact. ``workers=0`` collates in the training
-process, one batch at a time, as before.
+process, one batch at a time. :func:`default_workers` starts one worker where it has a core of
+its own.
 
 Batches are the same whatever ``workers`` is: the collator draws no random numbers, and the
 loader gets its own seeded generator, so creating it takes nothing from the global torch RNG
@@ -19,6 +20,7 @@ page-locked (``RaggedBatch.pin_memory``), so ``.to(device, non_blocking=True)`` 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sys
 from collections import deque
 from typing import Any, Callable, Iterator
@@ -54,6 +56,28 @@ class StepIndices:
                 self.sources.append(step_source(done - 1))
                 yield [(i, epoch) for i in indices] if self.with_epoch else indices
             epoch += 1
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one, e.g. under
+    ``taskset`` or a container's cpuset; else ``os.cpu_count()``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def default_workers(*, cuda: bool, ranks_on_node: int, threads_per_rank: int, cores: int) -> int:
+    """Data workers per rank when ``--data-workers`` is not given: 1 on CUDA (the GPU computes,
+    a core collates the next batch); on CPU 1 where every rank on the node keeps its compute
+    threads and a worker still gets a core of its own (``cores >= ranks_on_node *
+    (threads_per_rank + 1)``), else 0, since a worker without a spare core only takes time from
+    the ranks' compute threads. Raises ``ValueError`` for counts below 1."""
+    if min(ranks_on_node, threads_per_rank, cores) < 1:
+        raise ValueError(f"ranks_on_node, threads_per_rank and cores must be >= 1, got {ranks_on_node}, "
+                         f"{threads_per_rank}, {cores}")
+    if cuda:
+        return 1
+    return int(cores >= ranks_on_node * (threads_per_rank + 1))
 
 
 def step_batches(dataset, collate: Callable[[list[dict[str, Any]]], dict[str, Any]], indices: StepIndices, *,

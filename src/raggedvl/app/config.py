@@ -139,8 +139,8 @@ class TrainConfig:
               "left); saved with the trained model")
     data_workers: int | None = option(
         None, "worker processes that read and collate the next batches while the model trains (0: collate in the "
-              "training process; none: 1 on CUDA, 0 on CPU, where a worker competes with the training for the "
-              "cores); batches are pinned for the GPU copy on CUDA", at_least=0)
+              "training process; none: 1 on CUDA, and on CPU where each rank on the node keeps its compute threads "
+              "and its worker still gets a core of its own, else 0); batches are pinned for the GPU copy on CUDA", at_least=0)
     on_bad_image: Literal["error", "skip"] = option(
         "error", "an unreadable image stops the run (error) or is skipped and counted in the summary (skip: a pair "
                  "whose image header is unreadable is left out of the sampler's plan at startup)")

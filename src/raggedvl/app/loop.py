@@ -42,7 +42,7 @@ from raggedvl.batch import RaggedBatch
 from raggedvl.data.positives import EpochPositives
 from raggedvl.evaluation.metrics import mean_pairwise_cosine
 from raggedvl.losses import loss_with_negatives
-from raggedvl.app.batches import StepIndices, step_batches
+from raggedvl.app.batches import StepIndices, default_workers, step_batches, usable_cores
 from raggedvl.app.agent import as_input_error
 from raggedvl.app.checkpoint import list_checkpoints
 from raggedvl.app.checkpointer import Checkpointer, TrainingState
@@ -221,12 +221,15 @@ class Trainer:
 
     def batch_stream(self) -> Iterator[dict[str, Any]]:
         """This rank's collated batches, one per step, continuing across epochs (and after
-        resume): ``cfg.data_workers`` processes (default 1 on CUDA, 0 on CPU) collate ahead of the training
+        resume): ``cfg.data_workers`` processes (default: ``raggedvl.app.batches.default_workers``) collate ahead of the training
         (``raggedvl.app.batches``), from this call on. Sets ``sampler_position`` (what a
         checkpoint saves), ``step_source`` (its source under one-source batches, else None) and
         ``epoch`` to those of the batch just handed out."""
         cuda = self.info.device.type == "cuda"
-        workers = self.cfg.data_workers if self.cfg.data_workers is not None else int(cuda)
+        workers = self.cfg.data_workers
+        if workers is None:
+            workers = default_workers(cuda=cuda, ranks_on_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                      threads_per_rank=torch.get_num_threads(), cores=usable_cores())
         indices = StepIndices(self.c.sampler, self.epoch, with_epoch=True)
         rows = EpochPositives(self.c.train_set, self.cfg.positive_sampling, self.cfg.seed)  # each epoch's positive
         stream = step_batches(rows, self.c.collate, indices, workers=workers,

@@ -312,6 +312,13 @@ def run_header(title: str, packages: tuple[str, ...], details: list[str], args) 
     ]
 
 
+def per_step_losses(runs: list[dict]) -> dict[str, list[float]]:
+    """The per-step global-batch losses of every run, keyed "SIDE CONFIGURATION repeat N" (a
+    failed run has none)."""
+    return {f"{r['side']} {RunSettings(**r['settings']).label} repeat {r['repeat'] + 1}": [st["loss"] for st in r.get("steps", [])]
+            for r in runs}
+
+
 def header(args) -> list[str]:
     return run_header("vs_colpali", ("torch", "torchvision", "transformers", "colpali-engine", "peft", "accelerate"),
                       [f"checkpoint: {args.model}"], args)
@@ -397,10 +404,8 @@ def main(argv=None) -> int:
         Path(args.report).write_text(report + "\n")
     all_runs = [r for sides in results.values() for runs in sides.values() for r in runs]
     Path(args.json or work / f"results-{stamp}.json").write_text(json.dumps({"header": lines[:6], "runs": all_runs, **extra}, default=str) + "\n")
-    losses = {f"{r['side']} {RunSettings(**r['settings']).label} repeat {r['repeat'] + 1}": [st["loss"] for st in r.get("steps", [])]
-              for r in all_runs}
     losses_path = Path(args.losses_json or work / f"losses-{stamp}.json")
-    losses_path.write_text(json.dumps(losses, indent=1) + "\n")
+    losses_path.write_text(json.dumps(per_step_losses(all_runs), indent=1) + "\n")
     print(f"per-step losses: {losses_path}", flush=True)
     failed = [r for r in all_runs if r["returncode"] != 0]
     return 1 if failed else 0

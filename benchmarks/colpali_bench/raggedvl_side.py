@@ -135,10 +135,10 @@ def evaluate(model_source: str, checkpoint_dir: str | None, dev_parquet: str, ma
     model = build_retriever(model_source, processor=processor, seed=seed)
     if checkpoint_dir is not None:
         from raggedvl.parallel import load_full_state_dicts
-        from raggedvl.app.checkpoint import load_checkpoint_or_latest
+        from raggedvl.app.checkpoint import checkpoint_weights, load_checkpoint_or_latest
 
         ckpt = load_checkpoint_or_latest(checkpoint_dir)
-        load_full_state_dicts(model, None, ckpt.model, None)
+        load_full_state_dicts(model, None, checkpoint_weights(ckpt.path), None)
     dev = load_retrieval_dataset(dev_parquet, split="dev")
     collate = RetrievalCollator(processor, prompts=model.config.prompts)
     metrics = evaluate_benchmark(model, collate, RetrievalBenchmark.from_pairs(dev), batch_size=8, device=torch.device("cpu"))

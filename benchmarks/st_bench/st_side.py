@@ -15,8 +15,9 @@ WORKER = Path(__file__).with_name("st_worker.py")
 
 def spec(s: RunSettings, *, train_parquet: str, out_dir: str, save_final: bool) -> dict[str, Any]:
     """The worker's settings: colpali-engine's spec (the same run settings); ``s.model`` is a
-    sentence-transformers folder. ``save_final`` is ignored (the run saves nothing)."""
-    return colpali_side.spec(s, train_parquet=train_parquet, out_dir=out_dir, save_final=False)
+    sentence-transformers folder. With ``save_final`` rank 0 saves the trained model to
+    ``out_dir/final`` (a sentence-transformers folder, which raggedvl's model loader reads)."""
+    return colpali_side.spec(s, train_parquet=train_parquet, out_dir=out_dir, save_final=save_final)
 
 
 def command(s: RunSettings, spec_path: str) -> list[str]:

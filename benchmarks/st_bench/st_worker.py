@@ -31,7 +31,8 @@ same way. Everything else is sentence-transformers' code. Additions, outside it:
   per step the global-batch loss and the wall-clock time.
 
 Writes ``OUT/st_rank{R}.json`` in the layout of ``colpali_worker.py`` (read by
-``colpali_side.read_run``).
+``colpali_side.read_run``). With ``save_final`` rank 0 saves the trained model with
+``MultiVectorEncoder.save_pretrained`` to ``OUT/final`` (after the loop, as ``colpali_worker.py``).
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ def main() -> None:
     trainer.train()
     t_trained = time.time()
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
+    if spec.get("save_final") and rank == 0:
+        model.save_pretrained(str(out / "final"), create_model_card=False)
     record = {
         "rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         "t_start": T_START, "t_imports": T_IMPORTS, "t_ready": t_ready, "loop_begin": clock.loop_begin,

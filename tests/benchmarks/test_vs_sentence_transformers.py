@@ -1,6 +1,7 @@
 """``benchmarks/vs_sentence_transformers.py`` at its smallest: uniform pages, 1 process, batch 2,
 3 steps, both sides (sentence-transformers' MultiVectorEncoderTrainer and ``raggedvl train``) from
-the same exported folder, through the benchmark's own monitor and tables."""
+the same exported folder, through the benchmark's own monitor, tables and dev evaluation; and its
+presets' arguments."""
 
 from __future__ import annotations
 
@@ -15,8 +16,25 @@ import pytest
 from tests.jobs import run_job
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 pytest.importorskip("sentence_transformers")
+
+import vs_sentence_transformers  # noqa: E402
+
+
+def test_loss_curves_preset_sets_the_run_and_flags_given_override_it():
+    args = vs_sentence_transformers.parse_args(["--loss-curves"])
+    got = {k: getattr(args, k) for k in vs_sentence_transformers.LOSS_CURVES}
+    assert got == {"workload": ["a"], "nproc_a": [1], "per_device_batch": 8, "steps": 200, "lr": 5e-4, "warmup": 3,
+                   "weight_decay": 0.0, "max_grad_norm": 1.0, "eval": True, "repeats": 1}
+    assert args.dev_pairs is None  # the workload's full dev set is scored
+    [s] = vs_sentence_transformers.vs_colpali.configurations(args)
+    assert (s.workload, s.nproc, s.global_batch, s.steps) == ("uniform", 1, 8, 200)
+    args = vs_sentence_transformers.parse_args(["--loss-curves", "--steps", "5", "--no-eval", "--nproc-a", "2"])
+    assert (args.steps, args.eval, args.nproc_a, args.workload) == (5, False, [2], ["a"])
+    args = vs_sentence_transformers.parse_args([])
+    assert (args.workload, args.nproc_a, args.steps, args.eval, args.repeats) == (["a", "b"], [1, 2], 10, False, 1)
 
 
 @pytest.mark.slow
@@ -24,7 +42,7 @@ def test_smallest_configuration_runs_both_sides_and_prints_both_rows(tmp_path):
     out = tmp_path / "results.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "vs_sentence_transformers.py"), "--workload", "a", "--nproc-a", "1",
            "--per-device-batch", "2", "--steps", "3", "--warmup", "1", "--train-pairs", "8", "--dev-pairs", "2",
-           "--work-dir", str(tmp_path / "work"), "--json", str(out)]
+           "--eval", "--work-dir", str(tmp_path / "work"), "--json", str(out), "--report", str(tmp_path / "report.md")]
     # one training process per side, run one after the other: 600 s from launch, stretched by the
     # machine's measured slowdown (tests/jobs.py)
     result = run_job(cmd, ready=None, timeout=600, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -48,3 +66,21 @@ def test_smallest_configuration_runs_both_sides_and_prints_both_rows(tmp_path):
     st_rate, rv_rate = (float(v) for v in rows[0].split("|")[2:4])
     assert st_rate > 0 and rv_rate > 0
     assert "| uniform, 1 proc x 2 |" in result.stdout.split("### raggedvl / sentence-transformers")[1]
+    check_eval_and_losses(json.loads(out.read_text()), tmp_path / "report_losses.json", dev_pairs=2)
+
+
+def check_eval_and_losses(results: dict, losses_json: Path, dev_pairs: int) -> None:
+    """Both sides scored on the dev split from the same start weights; the sentence-transformers
+    side's saved folder holds its trained weights; per-step losses written next to the report."""
+    [sides] = results["eval"].values()
+    st, rv = sides["sentence-transformers"], sides["raggedvl"]
+    assert st["before"] == rv["before"] and st["before"]["n"] == dev_pairs  # one start folder, one evaluator
+    for side in (st, rv):
+        assert side["after"]["n"] == dev_pairs and 0 <= side["after"]["ndcg@5"] <= 1
+    # three steps at lr 5e-4 move every weight: the document embeddings of the saved folder differ
+    # from the start folder's (an untrained or unsaved model would give the before value exactly)
+    assert st["after"]["doc_mean_cosine"] != st["before"]["doc_mean_cosine"]
+    assert rv["after"]["doc_mean_cosine"] != rv["before"]["doc_mean_cosine"]
+    losses = json.loads(losses_json.read_text())
+    runs = {r["side"]: [s["loss"] for s in r["steps"]] for r in results["runs"]}
+    assert losses == {f"{side} uniform, 1 proc x 2 repeat 1": runs[side] for side in runs}

@@ -12,7 +12,7 @@ import pytest
 from raggedvl.app.cli import main
 from raggedvl.app import launch
 from raggedvl.app.config import TrainConfig
-from raggedvl.app.progress import Progress
+from raggedvl.app.progress import Progress, eta_text
 from raggedvl.app.tracking import check_installed, parse_report_to
 
 LINE = re.compile(r"^step (\d+)/7 loss [0-9.]+ lr [0-9.]+e[-+]\d\d samples/s [0-9.]+ ETA \d+:\d\d:\d\d$")
@@ -208,3 +208,8 @@ def test_a_count_of_one_is_worded_in_the_singular(tmp_path, capsys, small_data_c
     out = capsys.readouterr().out
     assert "training 1 step, world size 1 (single process, cpu)" in out, out
     assert "steps 1," in out and "1 steps" not in out
+
+
+def test_the_eta_of_an_absurd_step_count_is_printed_in_days_not_a_crash():
+    assert eta_text(3725.4) == "1:02:05"
+    assert eta_text(1e20) == f"{1e20 / 86400:.3g} days"  # beyond what a timedelta holds

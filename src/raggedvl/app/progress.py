@@ -49,6 +49,14 @@ def peak_memory_mib(device: torch.device) -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
 
 
+def eta_text(seconds: float) -> str:
+    """``H:MM:SS`` for an estimate under 100 days, else the days in 3 significant digits (a
+    ``timedelta`` cannot hold the estimate of an absurd step count)."""
+    if seconds < 100 * 86400:
+        return str(timedelta(seconds=round(seconds)))
+    return f"{seconds / 86400:.3g} days"
+
+
 class Progress:
     """Training progress on rank 0 (``enabled``): a tqdm bar on a terminal, else plain lines."""
 
@@ -74,7 +82,7 @@ class Progress:
         done = step - self.start_step
         eta = (time.perf_counter() - self.t0) / done * (self.total - step) if done else 0.0
         print(f"step {step}/{self.total} loss {loss:.4f} lr {lr:.2e} samples/s {samples_per_s:.2f} "
-              f"ETA {timedelta(seconds=round(eta))}", file=self.stream, flush=True)
+              f"ETA {eta_text(eta)}", file=self.stream, flush=True)
 
     def write(self, message: str) -> None:
         """A message line that does not break the bar."""

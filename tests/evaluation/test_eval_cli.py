@@ -155,6 +155,35 @@ def test_encode_reads_a_plain_folder_of_page_images(setup, tmp_path, capsys):
     assert printed == [built.ids[i] for i in want.indices[0].tolist()]
 
 
+def test_encode_skips_a_batch_whose_every_image_is_unreadable(setup, tmp_path, capsys):
+    """``--on-bad-image skip``: the unreadable files sort together (unknown sizes last), so a whole
+    batch can be skipped; the index still holds every readable page, with the embeddings of an
+    index of the readable pages alone."""
+    from raggedvl.evaluation.index import EmbeddingIndex
+
+    root, _, _ = setup
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    for i, size in enumerate([(56, 84), (84, 56), (112, 56)]):
+        (pages / f"p{i}.png").write_bytes(noise_png(20 + i, size))
+    good = tmp_path / "good"
+    good.mkdir()
+    for path in sorted(pages.iterdir()):
+        (good / path.name).write_bytes(path.read_bytes())
+    (pages / "zz-text.png").write_text("not an image")
+    (pages / "zz-truncated.png").write_bytes(noise_png(30, (56, 56))[:60])
+    index, clean = tmp_path / "index", tmp_path / "clean"
+    assert main(["encode", str(root / "model"), "--dataset", str(pages), "--output", str(index), "--batch-size", "2",
+                 "--on-bad-image", "skip"]) == 0
+    assert "3 documents (2 skipped)" in capsys.readouterr().out
+    assert main(["encode", str(root / "model"), "--dataset", str(good), "--output", str(clean), "--batch-size", "2"]) == 0
+    built, want = EmbeddingIndex(index), EmbeddingIndex(clean)
+    assert built.ids == want.ids == ["p0.png", "p1.png", "p2.png"]
+    (_, emb, mask), = built.chunks()
+    (_, want_emb, want_mask), = want.chunks()
+    assert torch.equal(mask, want_mask) and torch.equal(emb, want_emb)  # the same batches of readable pages
+
+
 def main_raises(argv):
     from raggedvl.app.index_commands import encode_corpus
 

@@ -97,7 +97,7 @@ class RetrievalCollator:
         self.layout, self.token_ids = processor_batch_format(processor, layout)
         self.image_policy = ImagePolicy.from_processor(processor)
 
-    def _prepare(self, examples: Sequence[dict[str, Any]], with_query: bool = True):
+    def _prepare(self, examples: Sequence[dict[str, Any]], with_query: bool = True, allow_empty: bool = False):
         kept, images, negatives, skipped, keys = [], [], [], [], []
         with_negatives = _holds_negatives(examples) if with_query else False
         for position, example in enumerate(examples):
@@ -132,7 +132,7 @@ class RetrievalCollator:
             doc_key = example.get("doc_key")
             keys.append((image_key(image) if doc_key is None else doc_key, list(neg_keys),
                          list(example.get("relevant_keys") or ())))
-        if not kept:
+        if not kept and not allow_empty:
             raise ValueError(f"every example of this batch was rejected: {skipped}")
         return kept, images, (negatives if with_negatives else None), skipped, keys
 
@@ -171,10 +171,12 @@ class RetrievalCollator:
 
     def collate_documents(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """``{"docs", "ids", "skipped"}`` for examples holding an ``image`` (any query is ignored):
-        the document side of :meth:`__call__`."""
-        kept, images, _, skipped, _ = self._prepare(examples, with_query=False)
+        the document side of :meth:`__call__`. Under ``on_bad_image="skip"`` a batch whose every
+        image is skipped gives ``docs`` None and no ids (a document index leaves them out; a
+        training batch raises instead, see :meth:`__call__`)."""
+        kept, images, _, skipped, _ = self._prepare(examples, with_query=False, allow_empty=True)
         ids = [ident for ident, _ in kept]
-        return {"docs": self._collate_images(ids, images), "ids": ids, "skipped": skipped}
+        return {"docs": self._collate_images(ids, images) if ids else None, "ids": ids, "skipped": skipped}
 
     def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         kept, images, negatives, skipped, keys = self._prepare(examples)

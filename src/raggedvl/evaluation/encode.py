@@ -84,7 +84,9 @@ def encode_in_batches(
     """Encode ``positions`` (already in bucket order) in batches of ``batch_size``.
 
     ``collate(positions)`` returns (a model input batch, the positions it kept: a position it
-    could not use, e.g. a skipped image, is left out). ``n_calls``: make exactly this many
+    could not use, e.g. a skipped image, is left out), or (None, []) when it kept none; that call
+    encodes the previous batch again and drops the output (the call counts stay equal across
+    ranks), or is left out when there is no previous batch. ``n_calls``: make exactly this many
     forward calls, encoding position ``filler`` (default: the first position) and dropping its
     output when there are fewer real batches, so every rank of a sharded job makes the same
     calls (FSDP2 runs collectives inside forward). ``progress``: show :func:`progress_calls`
@@ -100,6 +102,7 @@ def encode_in_batches(
     was_training = model.training
     model.eval()
     out: dict[int, torch.Tensor] = {}
+    previous = None  # the last batch encoded, repeated in place of a batch whose every item was skipped
     ctx = autocast or contextlib.nullcontext()
     try:
         for call in progress_calls(calls, desc=desc, enabled=progress):
@@ -107,9 +110,14 @@ def encode_in_batches(
             if not real and filler is None and not positions:
                 raise ValueError("n_calls exceeds the batches and there is no item to repeat: pass filler=")
             batch, kept = collate(batches[call] if real else [positions[0] if filler is None else filler])
+            if batch is None:  # nothing left to encode in this batch: repeat the last one, output dropped
+                batch, kept = previous, []
+                if batch is None:
+                    continue
+            previous = batch
             with ctx:
                 result = model(**batch.to(device))
-            if real:
+            if real and kept:
                 out.update(zip(kept, valid_rows(result.embeddings, result.mask)))
     finally:
         model.train(was_training)
@@ -153,7 +161,8 @@ def encode_queries(model: torch.nn.Module, collator: Any, texts: Sequence[str], 
 
 def document_collate(collator: Any, documents: Sequence[Any]) -> Callable[[list[int]], tuple[Any, list[int]]]:
     """A ``collate`` for :func:`encode_in_batches` over ``documents`` (images, paths, bytes, or a
-    dataset whose rows hold an ``image``); positions whose image is skipped are left out."""
+    dataset whose rows hold an ``image``); positions whose image is skipped are left out, and a
+    batch of skipped images only is ``(None, [])``."""
     def collate(positions: list[int]):
         examples = []
         for p in positions:
@@ -161,6 +170,8 @@ def document_collate(collator: Any, documents: Sequence[Any]) -> Callable[[list[
             examples.append({"image": item["image"], "id": str(item.get("id", p)), **({"image_error": item["image_error"]} if "image_error" in item else {})}
                             if isinstance(item, dict) else {"image": item, "id": str(p)})
         out = collator.collate_documents(examples)
+        if out["docs"] is None:  # every image of these positions was skipped
+            return None, []
         kept_ids = set(out["ids"])
         kept = [p for p, e in zip(positions, examples) if e["id"] in kept_ids]
         return out["docs"], kept

@@ -19,7 +19,18 @@ def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
     (tmp_path / "index").mkdir()
     (tmp_path / "index" / "index.json").write_text("{}")
     renamed = _parquet(tmp_path / "test.parquet", names=("question", "page", "doc_id"))
+    pairs = _parquet(tmp_path / "pairs.parquet")
+    (tmp_path / "notes.txt").write_text("a file where an output folder would go")
     cases = [
+        # outputs that cannot be written: refused before any work
+        (["export", "runs/a", "--format", "colpali", "--output", "notes.txt"],
+         "--output 'notes.txt': 'notes.txt' is a file, not a folder; choose another --output"),
+        (["encode", "runs/a", "--dataset", pairs, "--output", "notes.txt/index"],
+         "--output 'notes.txt/index': 'notes.txt' is a file, not a folder; choose another --output"),
+        (["mine", "runs/a", "--dataset", pairs, "--output", "notes.txt"], "'notes.txt' is a file, not a folder"),
+        (["eval", "runs/a", "--dataset", pairs, "--output", "runs"],
+         "--output 'runs' is a folder; give a file name, e.g. 'runs/results.json'"),
+        (["eval", "runs/a", "--dataset", pairs, "--output", "notes.txt/r.json"], "'notes.txt' is a file, not a folder"),
         (["eval", "/x/y"], "checkpoint '/x/y': no such folder (no folder '/x' either)"),
         (["eval", "rnus/a"], "checkpoint 'rnus/a': no such folder; did you mean 'runs/a'?"),
         (["eval", "runs/b"], "checkpoint 'runs/b': no such folder (the folder 'runs' exists)"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import NoReturn, Sequence
 
 from raggedvl.app.command_options import (
@@ -23,6 +24,7 @@ from raggedvl.app.command_options import (
 )
 from raggedvl.app.gpu_driver import skip_triton
 from raggedvl.app.options import add_arguments
+from raggedvl.app.rundir import check_output_file, check_writable
 from raggedvl.data.columns import Columns
 
 
@@ -101,6 +103,8 @@ def _eval(args, argv: Sequence[str]) -> int:
         plain_output()
         evaluate_with_mteb(args.checkpoint, opts.mteb, batch_size=opts.batch_size, output=opts.output)
         return 0
+    if opts.output is not None:
+        check_output_file(Path(opts.output))
     _start_ranks(args, argv, "eval")
     from raggedvl.app.evaluate_checkpoint import evaluate_checkpoint
 
@@ -111,6 +115,7 @@ def _eval(args, argv: Sequence[str]) -> int:
 def _encode(args, argv: Sequence[str]) -> int:
     opts = options_from(args, EncodeOptions)
     _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns())
+    check_writable(Path(opts.output), "--output")
     _start_ranks(args, argv, "encode")
     from raggedvl.app.index_commands import encode_corpus
 
@@ -125,6 +130,7 @@ def _mine(args, argv: Sequence[str]) -> int:
         raise ValueError(f"--max-positive-ratio must be in (0, 1], got {opts.max_positive_ratio}")
     _run_columns(opts, args.checkpoint, evaluation=False)
     _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns())
+    check_writable(Path(opts.output), "--output")
     _start_ranks(args, argv, "mine")
     from raggedvl.app.mine import mine
 
@@ -165,6 +171,7 @@ def _check_search_arguments(opts: SearchOptions) -> None:
 def _export(args) -> int:
     opts = options_from(args, ExportOptions)
     _check_inputs(opts, model=args.source, what="source")
+    check_writable(Path(opts.output), "--output")
     from raggedvl.app.export import export
 
     export(args.source, opts.format, opts.output, merge_lora=opts.merge_lora)

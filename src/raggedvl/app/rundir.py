@@ -24,24 +24,34 @@ def checkpoint_folders(root: str | Path) -> list[Path]:
     return sorted(dirs, key=lambda p: int(p.name.split("-")[1]), reverse=True)
 
 
-def check_writable(out: Path) -> None:
-    """Raise ``ValueError`` (one line) when files cannot be created in ``out`` (or, while it does
-    not exist, in its nearest existing parent): a path below a file, a read-only filesystem or
-    folder. Creates and removes one empty probe file."""
+def check_writable(out: Path, flag: str = "--output-dir") -> None:
+    """Raise ``ValueError`` (one line, naming ``flag``) when files cannot be created in the
+    folder ``out`` (or, while it does not exist, in its nearest existing parent): a path that is
+    or lies below a file, a read-only filesystem or folder. Creates and removes one empty probe
+    file."""
     import tempfile
 
-    probe = out
+    probe = Path(out).expanduser()
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise ValueError(f"--output-dir {str(out)!r}: {str(probe)!r} is a file, not a folder; choose another --output-dir")
+        raise ValueError(f"{flag} {str(out)!r}: {str(probe)!r} is a file, not a folder; choose another {flag}")
     try:
         fd, name = tempfile.mkstemp(prefix=".raggedvl-probe-", dir=probe)
         os.close(fd)
         os.unlink(name)
     except OSError as exc:
-        raise ValueError(f"--output-dir {str(out)!r}: cannot write in {str(probe)!r} ({exc.strerror or exc}); "
-                         "choose a writable --output-dir") from None
+        raise ValueError(f"{flag} {str(out)!r}: cannot write in {str(probe)!r} ({exc.strerror or exc}); "
+                         f"choose a writable {flag}") from None
+
+
+def check_output_file(path: Path, flag: str = "--output") -> None:
+    """Raise ``ValueError`` (one line, naming ``flag``) when the file ``path`` cannot be written:
+    it is a folder, or its folder cannot be created or written (:func:`check_writable`)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a folder; give a file name, e.g. {str(path / 'results.json')!r}")
+    check_writable(path.parent, flag)
 
 
 def check_output_dir(cfg) -> None:

@@ -16,12 +16,19 @@ from .train.test_preflight import _parquet
 def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
     (tmp_path / "runs" / "a").mkdir(parents=True)
     (tmp_path / "runs" / "a" / "train_config.json").write_text("{}")  # a run folder, as far as the name checks go
+    (tmp_path / "runs" / "a" / "checkpoints" / "step-000001").mkdir(parents=True)
+    (tmp_path / "runs" / "new").mkdir()
+    for name in ("train_config.json", "metrics.jsonl"):  # a run stopped before its first checkpoint
+        (tmp_path / "runs" / "new" / name).write_text("{}")
     (tmp_path / "index").mkdir()
     (tmp_path / "index" / "index.json").write_text("{}")
     renamed = _parquet(tmp_path / "test.parquet", names=("question", "page", "doc_id"))
     pairs = _parquet(tmp_path / "pairs.parquet")
     (tmp_path / "notes.txt").write_text("a file where an output folder would go")
     cases = [
+        (["eval", "runs/new"], "checkpoint 'runs/new' is a training run with no checkpoint yet (it stopped before its "
+                               "first save); continue it with raggedvl train --output-dir runs/new --resume"),
+        (["export", "runs/new", "--format", "colpali", "--output", "out"], "source 'runs/new' is a training run with no checkpoint"),
         # outputs that cannot be written: refused before any work
         (["export", "runs/a", "--format", "colpali", "--output", "notes.txt"],
          "--output 'notes.txt': 'notes.txt' is a file, not a folder; choose another --output"),

@@ -59,6 +59,7 @@ def _check_inputs(args, *, model: str, what: str, columns: Columns | None = None
     if under_torchrun():
         return
     resolve_source(model, repo_type="model", presets=("tiny",), what=what, kind="folder")
+    _check_not_an_empty_run(model, what)
     dataset = getattr(args, "dataset", None)
     if dataset is None:
         return
@@ -73,6 +74,21 @@ def _check_inputs(args, *, model: str, what: str, columns: Columns | None = None
         if table is not None:
             with flags_for_columns(keys=False):
                 check_columns(table.columns, table.where, columns)
+
+
+def _check_not_an_empty_run(model: str, what: str) -> None:
+    """Raise ``ValueError`` when ``model`` is a ``raggedvl train`` output folder that holds no
+    checkpoint yet (it stopped before its first save) and no model files either."""
+    from raggedvl.app.rundir import checkpoint_folders
+
+    folder = Path(model).expanduser()
+    is_run = (folder / "train_config.json").is_file() and (folder / "metrics.jsonl").is_file()
+    if not is_run or any(folder.glob("*.safetensors")) or (folder / "config.json").is_file() or \
+            (folder / "adapter_config.json").is_file():  # a model folder, whatever else it holds
+        return
+    if not checkpoint_folders(folder / "checkpoints") + checkpoint_folders(folder / "best"):
+        raise ValueError(f"{what} {model!r} is a training run with no checkpoint yet (it stopped before its first save); "
+                         f"continue it with raggedvl train --output-dir {model} --resume, or pass a checkpoint")
 
 
 def _run_columns(opts, checkpoint: str, *, evaluation: bool) -> None:

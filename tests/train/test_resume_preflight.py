@@ -78,10 +78,11 @@ def test_other_settings_are_refused_naming_old_and_new_values(capsys, monkeypatc
     folder = _write_checkpoint(tmp_path / "run", cfg, world_size=2)
     other = _parquet(tmp_path / "other.parquet", n=12)
     err = _resume(capsys, tmp_path / "run", other, small_data_cache, "--nproc-per-node", "2", "--lr", "1e-3",
-                  "--dim", "64")
+                  "--dim", "64", "--temperature", "0.05", "--false-negatives", "keep")
     assert f"{folder} cannot continue with these settings" in err
     assert f"--dataset {data!r} then, {other!r} now" in err
     assert "--dim 128 then, 64 now" in err and "--lr 0.0002 then, 0.001 now" in err
+    assert "--temperature 0.02 then, 0.05 now" in err and "--false-negatives 'mask' then, 'keep' now" in err
     assert "new --output-dir" in err and "original values" in err
     with pytest.raises(Started) as started:  # another number of processes continues, and says so in one line
         main(["train", "--output-dir", str(tmp_path / "run"), "--dataset", data, "--data-cache", str(small_data_cache),

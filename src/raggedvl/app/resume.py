@@ -14,6 +14,7 @@ learning rate. Continuing it is exact only with the settings that produced them:
 - the learning rates and their schedule: ``lr`` and ``head_lr`` (the scheduler's saved base rates
   would win over new values silently), ``warmup_steps`` and ``lr_schedule`` (the checkpoint's
   warmup and decay shape continue).
+- the objective the steps so far optimised: ``loss``, ``temperature`` and ``false_negatives``.
 
 ``max_steps`` / ``epochs`` may change (train longer or shorter: the steps trained and the warmup
 stay as they were, and the rest of the decay is stretched from the last trained step's rate to 0
@@ -47,7 +48,7 @@ RESUME_KEYS = (
     "negatives_column", "positive_sampling", "train_split", "eval_fraction", "max_train_samples",
     "query_column", "image_column", "on_empty_query",
     "min_pixels", "max_pixels", "global_batch_size", "seed", "sampler", "max_patches_per_rank",
-    "lr", "head_lr", "warmup_steps", "lr_schedule",
+    "lr", "head_lr", "warmup_steps", "lr_schedule", "loss", "temperature", "false_negatives",
 )
 # set by the launcher for the ranks it starts once it checked the settings and printed their line
 RESUME_CHECKED_ENV = "RAGGEDVL_RESUME_CHECKED"

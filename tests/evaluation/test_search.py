@@ -61,3 +61,16 @@ def test_multi_vector_index_keeps_ragged_rows(tmp_path):
     assert all(torch.equal(seen[i], docs[i]) for i in range(20))
     with pytest.raises(ValueError, match="repeated document ids"):
         write_index(tmp_path, [{"file": "x", "documents": 2, "ids": ["a", "a"]}], kind="multi_vector", dim=8, dtype=torch.float32)
+
+
+def test_a_damaged_index_is_one_error_naming_the_file_and_the_fix(tmp_path):
+    docs = corpus(n=8, quantise=False)
+    shard = write_shard(tmp_path, 0, docs, [f"p{i}" for i in range(8)], dtype=torch.float32)
+    meta = write_index(tmp_path, [shard], kind="multi_vector", dim=8, dtype=torch.float32)
+    path = tmp_path / shard["file"]
+    path.write_bytes(path.read_bytes()[:20])  # cut inside the header
+    with pytest.raises(ValueError, match=rf"index shard {path} is damaged .*build the index again with raggedvl encode"):
+        list(EmbeddingIndex(tmp_path).chunks())
+    meta.write_text(meta.read_text()[:-3])
+    with pytest.raises(ValueError, match=rf"{meta} is not readable JSON .*build it again with raggedvl encode"):
+        EmbeddingIndex(tmp_path)

@@ -72,7 +72,11 @@ class EmbeddingIndex:
         meta_path = self.directory / "index.json"
         if not meta_path.is_file():
             raise ValueError(f"{self.directory} is not an embedding index (no index.json); build one with raggedvl encode")
-        self.meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        try:
+            self.meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{meta_path} is not readable JSON ({exc}); the index is damaged: build it again with "
+                             "raggedvl encode") from None
         if self.meta.get("format") != INDEX_FORMAT or self.meta.get("version") != INDEX_VERSION:
             raise ValueError(f"{meta_path}: format {self.meta.get('format')!r} version {self.meta.get('version')!r} is not a "
                              f"{INDEX_FORMAT} v{INDEX_VERSION}")
@@ -88,7 +92,11 @@ class EmbeddingIndex:
             path = self.directory / shard["file"]
             if not path.is_file():
                 raise ValueError(f"index shard {path} is missing")
-            with safe_open(str(path), framework="pt") as f:
+            try:
+                opened = safe_open(str(path), framework="pt")
+            except Exception as exc:  # safetensors raises its own SafetensorError for a damaged file
+                raise ValueError(f"index shard {path} is damaged ({exc}); build the index again with raggedvl encode") from None
+            with opened as f:
                 n = shard["documents"]
                 if not self.multi_vector:
                     emb = f.get_tensor("embeddings")

@@ -79,10 +79,11 @@ def _check_inputs(args, *, model: str, what: str, columns: Columns | None = None
 def _check_not_an_empty_run(model: str, what: str) -> None:
     """Raise ``ValueError`` when ``model`` is a ``raggedvl train`` output folder that holds no
     checkpoint yet (it stopped before its first save) and no model files either."""
+    from raggedvl.app.config import TRAIN_CONFIG_NAME
     from raggedvl.app.rundir import checkpoint_folders
 
     folder = Path(model).expanduser()
-    is_run = (folder / "train_config.json").is_file() and (folder / "metrics.jsonl").is_file()
+    is_run = (folder / TRAIN_CONFIG_NAME).is_file() and (folder / "metrics.jsonl").is_file()
     if not is_run or any(folder.glob("*.safetensors")) or (folder / "config.json").is_file() or \
             (folder / "adapter_config.json").is_file():  # a model folder, whatever else it holds
         return

@@ -80,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=None, help="gradient clipping (default 1.0)")
     p.add_argument("--temperature", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora-r", type=int, default=None,
+                   help="LoRA of this rank on the language model, vision tower frozen (ColQwen2's recipe, on every side; "
+                        "alpha = r, dropout 0.1); default: full fine-tuning")
     p.add_argument("--eval", dest="eval", action="store_true", default=None, help="dev nDCG@5 before/after (repeat 0)")
     p.add_argument("--no-eval", dest="eval", action="store_false")
     p.add_argument("--sides", nargs="+", choices=["colpali", "raggedvl"], default=["colpali", "raggedvl"])
@@ -117,7 +120,7 @@ def configurations(args) -> list[RunSettings]:
     """Every trained configuration (workloads a and b) with its settings (validated)."""
     common = dict(model=args.model, steps=args.steps, lr=args.lr, head_lr=args.head_lr, warmup_steps=args.warmup,
                   weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, temperature=args.temperature,
-                  seed=args.seed)
+                  seed=args.seed, lora_r=args.lora_r)
     out = []
     if "a" in args.workload:
         for n in args.nproc_a:
@@ -153,7 +156,9 @@ def load_average() -> str:
 # ----------------------------------------------------------------------------- one run
 def run_one(side: str, s: RunSettings, data_dir: Path, run_dir: Path, args, incumbent=colpali_side) -> dict:
     """One monitored run of ``side`` ("raggedvl" or the other library, whose ``spec``, ``command``
-    and ``read_run`` are ``incumbent``'s: ``colpali_side`` or ``st_bench.st_side``) and its figures."""
+    and ``read_run`` are ``incumbent``'s: ``colpali_side`` or ``st_bench.st_side``) and its figures.
+    ``args.planned_batches`` (optional, configuration label -> row batches) goes into the other
+    side's spec as ``batches``: the rows of every step, in order."""
     from colpali_bench.procmon import run_monitored
 
     run_dir.mkdir(parents=True, exist_ok=False)
@@ -163,7 +168,9 @@ def run_one(side: str, s: RunSettings, data_dir: Path, run_dir: Path, args, incu
     train = str(data_dir / "train.parquet")
     if side != "raggedvl":
         spec_path = run_dir / "spec.json"
-        spec_path.write_text(json.dumps(incumbent.spec(s, train_parquet=train, out_dir=str(run_dir), save_final=True)))
+        spec = incumbent.spec(s, train_parquet=train, out_dir=str(run_dir), save_final=True)
+        batches = getattr(args, "planned_batches", {}).get(s.label)  # raggedvl's batches, to feed the same samples
+        spec_path.write_text(json.dumps(spec | ({"batches": batches} if batches else {})))
         cmd = incumbent.command(s, str(spec_path))
     else:
         s = dataclasses.replace(s, model=args.raggedvl_model)

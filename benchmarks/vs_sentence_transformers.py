@@ -65,9 +65,12 @@ REPO = HERE.parent
 ST = "sentence-transformers"
 SIDES = (ST, "raggedvl")
 LOSS_CURVES = {"workload": ["a"], "nproc_a": [1], "per_device_batch": 8, "steps": 200, "lr": 5e-4, "warmup": 3,
-               "weight_decay": 0.0, "max_grad_norm": 1.0, "eval": True, "repeats": 1}
+               "weight_decay": 0.0, "max_grad_norm": 1.0, "eval": True, "repeats": 1, "same_batches": True}
 DEFAULTS = {"workload": ["a", "b"], "nproc_a": [1, 2], "per_device_batch": 8, "steps": 10, "lr": 5e-4, "warmup": 3,
-            "weight_decay": 0.0, "max_grad_norm": 1.0, "eval": False, "repeats": 1}
+            "weight_decay": 0.0, "max_grad_norm": 1.0, "eval": False, "repeats": 1, "same_batches": False}
+# sentence-transformers' MNRL keeps a page shared by two queries of a batch as a negative of both;
+# raggedvl's default masks it. Runs that compare losses step by step give raggedvl the same objective.
+SAME_OBJECTIVE = "--false-negatives keep"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,7 +79,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a: uniform pages on --nproc-a processes; b: heavy-tailed mix on 2 processes (default: both)")
     p.add_argument("--loss-curves", action="store_true",
                    help="loss-curve preset: workload a, 1 process x 8, 200 steps, lr 5e-4, warm-up 3, weight decay 0, "
-                        "clipping 1.0, dev retrieval before/after, per-step losses saved (flags given override it)")
+                        "clipping 1.0, --same-batches, dev retrieval before/after, per-step losses saved (flags given "
+                        "override it)")
+    p.add_argument("--same-batches", dest="same_batches", action="store_true", default=None,
+                   help="one process only: sentence-transformers is fed the global batches raggedvl's sampler draws, in "
+                        f"its order, and raggedvl gets {SAME_OBJECTIVE!r} (sentence-transformers' objective), so both "
+                        "sides see the same samples at every step and their losses compare step by step")
+    p.add_argument("--no-same-batches", dest="same_batches", action="store_false")
     p.add_argument("--model", default=None, help="checkpoint both sides start from, exported to the sentence-transformers "
                    "format first (default: the tiny ColQwen2 of colpali_bench.settings.default_model)")
     p.add_argument("--nproc-a", type=int, nargs="+", default=None, help="process counts of workload (a) (default 1 2)")
@@ -91,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.02,
                    help="raggedvl's temperature; sentence-transformers gets scale = 1 / temperature with MeanMaxSim")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora-r", type=int, default=None,
+                   help="LoRA of this rank on the language model, vision tower frozen (ColQwen2's recipe, on both sides; "
+                        "alpha = r, dropout 0.1); default: full fine-tuning")
     p.add_argument("--raggedvl-args", default="", help="extra `raggedvl train` flags, one shell-quoted string")
     p.add_argument("--raggedvl-args-b", default="--packing true",
                    help="extra `raggedvl train` flags for workload (b) only (default: %(default)s; '' runs the padded path)")
@@ -115,6 +127,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.head_lr = None
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.same_batches:
+        if "b" in args.workload or any(n != 1 for n in args.nproc_a):
+            p.error("--same-batches runs one process (workload a with --nproc-a 1): sentence-transformers' trainer "
+                    "would shard the planned batches over processes its own way")
+        args.raggedvl_args = f"{args.raggedvl_args} {SAME_OBJECTIVE}".strip()
     return args
 
 
@@ -174,6 +191,13 @@ def main(argv=None) -> int:
             for name in sorted({s.workload for s in configs})}
     for name in sorted(data):
         lines += ["", isolated.call("colpali_bench.workloads.describe", data[name], env=vs_colpali.child_env())]
+    if args.same_batches:
+        args.planned_batches = {s.label: isolated.call("colpali_bench.raggedvl_side.global_batches", s,
+                                                       str(data[s.workload] / "train.parquet"),
+                                                       vs_colpali.raggedvl_extra(args, s), env=vs_colpali.child_env())
+                                for s in configs}
+        lines.append(f"same batches: sentence-transformers is fed raggedvl's global batches (its sampler, seed "
+                     f"{args.seed}) in order; raggedvl runs with {SAME_OBJECTIVE} (sentence-transformers' objective)")
     results: dict[str, dict[str, list]] = {s.label: {side: [] for side in SIDES} for s in configs}
     for rep in range(args.repeats):
         for i, s in enumerate(configs):
@@ -189,6 +213,8 @@ def main(argv=None) -> int:
         lines += [f"### {s.label} (global batch {s.global_batch}, {s.steps} steps, max_pixels {s.max_pixels:,})", "",
                   summary.comparison_table(ok[ST], ok["raggedvl"], incumbent=ST), "",
                   summary.loss_curve(ok[ST], ok["raggedvl"], incumbent=ST), ""]
+        if args.same_batches:
+            lines += [summary.loss_gap(ok[ST], ok["raggedvl"], incumbent=ST), ""]
         summary_lines.append(summary.summary_row(s.label, ok[ST], ok["raggedvl"]))
     lines += [f"### raggedvl / {ST} (medians of repeats)", "", *summary_lines, ""]
     extra: dict = {}

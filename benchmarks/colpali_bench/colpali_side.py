@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .settings import LR_SCHEDULE, RunSettings
+from .settings import LORA_DROPOUT, LR_SCHEDULE, RunSettings
 
 WORKER = Path(__file__).with_name("colpali_worker.py")
 
@@ -20,6 +20,7 @@ def spec(s: RunSettings, *, train_parquet: str, out_dir: str, save_final: bool) 
         "per_device_batch": s.per_device_batch, "steps": s.steps, "lr": s.lr, "head_lr": s.head_lr,
         "warmup_steps": s.warmup_steps, "weight_decay": s.weight_decay, "max_grad_norm": s.max_grad_norm,
         "temperature": s.temperature, "seed": s.seed, "save_final": save_final, "nproc": s.nproc,
+        "lora": None if s.lora_r is None else {"r": s.lora_r, "alpha": s.lora_r, "dropout": LORA_DROPOUT},
     }
 
 

@@ -18,6 +18,10 @@ gradient in the loss). Additions, all outside colpali-engine's code:
   (one extra all-reduce of one float per step), records the wall-clock time and, with
   ``stop_after`` in the spec, ends training after that many steps (the learning-rate schedule
   still spans ``steps``);
+- with ``lora`` in the spec, ``get_peft_model`` with the ``LoraConfig`` of colpali-engine's
+  ColQwen2 recipe (``train_colqwen2_model.yaml``: the language model's projections and
+  ``custom_text_proj``, the vision tower frozen, gaussian init) at the spec's r, alpha and
+  dropout, as ``ColModelTraining`` applies its ``peft_config``;
 - with a head learning rate different from the backbone's, an AdamW with two parameter groups
   (``custom_text_proj`` vs the rest) passed to the Trainer (HF still builds the schedule).
 
@@ -109,6 +113,14 @@ def main() -> None:
     if longest != spec["max_pixels"] // (28 * 28) * 28 * 28:
         raise ValueError(f"colpali processor kept longest_edge={longest}, asked for max_pixels={spec['max_pixels']}")
     model = ColQwen2.from_pretrained(spec["model"], dtype=torch.float32)
+    if spec.get("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        lora = spec["lora"]
+        model = get_peft_model(model, LoraConfig(
+            r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], init_lora_weights="gaussian", bias="none",
+            task_type="FEATURE_EXTRACTION",
+            target_modules=r"(.*(model)(?!.*visual).*(down_proj|gate_proj|up_proj|k_proj|q_proj|v_proj|o_proj).*$|.*(custom_text_proj).*$)"))
     data = load_dataset("parquet", data_files={"train": spec["train_parquet"]}, split="train")
     train_dataset = ColPaliEngineDataset(data, query_column_name="query", pos_target_column_name="image")
     collator = PaddingStatsCollator(processor=processor)
@@ -137,6 +149,7 @@ def main() -> None:
         "t_start": T_START, "t_imports": T_IMPORTS, "t_ready": t_ready, "loop_begin": clock.loop_begin,
         "t_trained": t_trained, "t_end": time.time(), "steps": clock.steps if rank == 0 else [],
         "padding": collator.totals, "optimizer": type(optimizer).__name__,
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "optimizer_defaults": {k: v for k, v in optimizer.defaults.items() if isinstance(v, (int, float, bool, str, type(None)))},
     }
     (out / f"colpali_rank{rank}.json").write_text(json.dumps(record) + "\n")

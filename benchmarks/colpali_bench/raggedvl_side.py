@@ -14,14 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .settings import LR_SCHEDULE, RunSettings
+from .settings import LORA_DROPOUT, LR_SCHEDULE, RunSettings
 
 
 def train_argv(s: RunSettings, *, dataset: str, output_dir: str, extra: list[str]) -> list[str]:
     """``raggedvl train`` with every setting of the comparison spelled out (flags of
     ``raggedvl.app.config.TrainConfig`` and torchrun's ``--nproc-per-node``)."""
     argv = [
-        "train", "--model", s.model, "--lora", "false", "--dataset", dataset,
+        "train", "--model", s.model, "--lora", "false" if s.lora_r is None else "true", "--dataset", dataset,
         "--max-train-samples", "none", "--max-eval-samples", "none",
         "--global-batch-size", str(s.global_batch), "--max-steps", str(s.steps),
         "--lr", repr(s.lr), "--head-lr", repr(s.head_lr if s.head_lr is not None else s.lr),
@@ -32,6 +32,8 @@ def train_argv(s: RunSettings, *, dataset: str, output_dir: str, extra: list[str
         "--output-dir", output_dir, "--checkpoint-every", str(10**9), "--keep-checkpoints", "1", "--log-every", "1",
         "--nproc-per-node", str(s.nproc),
     ]
+    if s.lora_r:
+        argv += ["--lora-r", str(s.lora_r), "--lora-alpha", str(s.lora_r), "--lora-dropout", repr(LORA_DROPOUT)]
     return argv + list(extra)
 
 
@@ -69,6 +71,47 @@ def _model_prompts(model_source: str, processor):
     return build_retriever(model_source, processor=processor, seed=0).config.prompts
 
 
+def _rank_batches(cfg, costs, nproc: int, steps: int):
+    """(step, row indices) of every rank's batch over ``steps`` optimizer steps, rank after rank,
+    from raggedvl's own sampler (``raggedvl.app.setup.make_sampler``), epoch after epoch as the
+    training loop draws them."""
+    import torch
+
+    from raggedvl.app.setup import make_sampler
+    from raggedvl.parallel.runtime import DistInfo
+
+    for rank in range(nproc):
+        info = DistInfo(rank=rank, world_size=nproc, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+        sampler = make_sampler(cfg, costs, info)
+        taken, epoch = 0, 0
+        while taken < steps:
+            sampler.set_epoch(epoch)
+            for indices in sampler:
+                if taken == steps:
+                    break
+                yield taken, list(indices)
+                taken += 1
+            epoch += 1
+
+
+def global_batches(s: RunSettings, dataset: str, extra: list[str] = ()) -> list[list[int]]:
+    """The rows (indices into the training parquet) of each of ``s.steps`` global batches that
+    ``raggedvl train`` with these settings draws: every rank's batch of a step, rank after rank,
+    replayed from its own cost estimate and sampler. Another library fed these batches in this
+    order sees the same samples at every step."""
+    from raggedvl.app.setup import estimate_train_costs
+    from raggedvl.data import build_processor, load_retrieval_dataset
+    from raggedvl.images import ImagePolicy
+
+    cfg = validate_argv(train_argv(s, dataset=dataset, output_dir="/nonexistent", extra=list(extra)))
+    processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels)
+    costs = estimate_train_costs(cfg, load_retrieval_dataset(dataset, split=cfg.train_split), ImagePolicy.from_processor(processor))
+    batches: list[list[int]] = [[] for _ in range(s.steps)]
+    for step, indices in _rank_batches(cfg, costs, s.nproc, s.steps):
+        batches[step] += [int(i) for i in indices]
+    return batches
+
+
 def token_padding(s: RunSettings, dataset: str, extra: list[str] = ()) -> dict[str, int]:
     """Real vs padded document and query tokens of every rank's batch over the run's steps,
     replayed from raggedvl's own cost estimate and sampler (``raggedvl.app.setup``'s
@@ -77,12 +120,9 @@ def token_padding(s: RunSettings, dataset: str, extra: list[str] = ()) -> dict[s
     Doc length = template tokens + visual tokens of the image's grid (processor resize rule);
     query length = tokens of the query template. Each rank pads its batch to its longest row;
     with ``--packing true`` among ``extra`` it packs every sequence into one row (no slot padded)."""
-    import torch
-
+    from raggedvl.app.setup import estimate_train_costs
     from raggedvl.data import build_processor, load_retrieval_dataset
     from raggedvl.images import ImagePolicy
-    from raggedvl.parallel.runtime import DistInfo
-    from raggedvl.app.setup import estimate_train_costs, make_sampler
 
     cfg = validate_argv(train_argv(s, dataset=dataset, output_dir="/nonexistent", extra=list(extra)))
     processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels)
@@ -96,25 +136,15 @@ def token_padding(s: RunSettings, dataset: str, extra: list[str] = ()) -> dict[s
     doc_len = [doc_text + p // policy.merge_size**2 for p in patches]
     query_len = [len(tok(prompts.query(r["query"]))["input_ids"]) for r in train.records]
     totals = {k: 0 for k in ("doc_tokens", "doc_slots", "query_tokens", "query_slots", "pixel_rows", "pixel_slots", "batches")}
-    for rank in range(s.nproc):
-        info = DistInfo(rank=rank, world_size=s.nproc, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-        sampler = make_sampler(cfg, costs, info)
-        taken, epoch = 0, 0
-        while taken < s.steps:
-            sampler.set_epoch(epoch)
-            for indices in sampler:
-                if taken == s.steps:
-                    break
-                for lengths, key in ((doc_len, "doc"), (query_len, "query")):
-                    ls = [lengths[i] for i in indices]
-                    totals[f"{key}_tokens"] += sum(ls)
-                    totals[f"{key}_slots"] += sum(ls) if cfg.packing else max(ls) * len(ls)
-                rows = sum(patches[i] for i in indices)
-                totals["pixel_rows"] += rows
-                totals["pixel_slots"] += rows
-                totals["batches"] += 1
-                taken += 1
-            epoch += 1
+    for _, indices in _rank_batches(cfg, costs, s.nproc, s.steps):
+        for lengths, key in ((doc_len, "doc"), (query_len, "query")):
+            ls = [lengths[i] for i in indices]
+            totals[f"{key}_tokens"] += sum(ls)
+            totals[f"{key}_slots"] += sum(ls) if cfg.packing else max(ls) * len(ls)
+        rows = sum(patches[i] for i in indices)
+        totals["pixel_rows"] += rows
+        totals["pixel_slots"] += rows
+        totals["batches"] += 1
     return totals
 
 

@@ -11,6 +11,8 @@ _FIXTURE = Path("shared") / "interop" / "colqwen2-tiny" / "colqwen2_full"
 # The learning-rate decay after the warm-up, on every side: the HF Trainer's ``lr_scheduler_type``
 # (colpali-engine, sentence-transformers) and ``raggedvl train --lr-schedule`` (whose default differs).
 LR_SCHEDULE = "linear"
+# LoRA dropout of the LoRA runs on every side: colpali-engine's ColQwen2 recipe and raggedvl's default.
+LORA_DROPOUT = 0.1
 
 
 def default_model() -> str:
@@ -29,6 +31,9 @@ class RunSettings:
 
     ``per_device_batch`` samples per process per step; ``global_batch = per_device_batch * nproc``
     (the in-batch negatives pool). Learning rates are AdamW peaks; ``head_lr`` None = ``lr``.
+    ``lora_r`` None: full fine-tuning; else LoRA of this rank (alpha = r, dropout ``LORA_DROPOUT``)
+    on the language model's projections, the vision tower frozen: ColQwen2's recipe
+    (colpali-engine's ``train_colqwen2_model.yaml``, raggedvl's ``--lora``).
     """
 
     workload: str
@@ -44,8 +49,11 @@ class RunSettings:
     temperature: float
     max_pixels: int
     seed: int
+    lora_r: int | None = None
 
     def __post_init__(self) -> None:
+        if self.lora_r is not None and self.lora_r < 1:
+            raise ValueError(f"lora_r must be >= 1 or None, got {self.lora_r}")
         for name in ("nproc", "per_device_batch", "steps", "max_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -62,7 +70,8 @@ class RunSettings:
 
     @property
     def label(self) -> str:
-        return f"{self.workload}, {self.nproc} proc x {self.per_device_batch}"
+        tuning = f", LoRA r{self.lora_r}" if self.lora_r else ""
+        return f"{self.workload}, {self.nproc} proc x {self.per_device_batch}{tuning}"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

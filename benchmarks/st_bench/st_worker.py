@@ -28,7 +28,15 @@ same way. Everything else is sentence-transformers' code. Additions, outside it:
 - a collator subclass that adds up, per batch, real vs padded document and query tokens and
   real vs padded ``pixel_values`` rows;
 - a loss subclass that keeps the last loss (detached), and ``StepClock`` (``colpali_bench``):
-  per step the global-batch loss and the wall-clock time.
+  per step the global-batch loss and the wall-clock time;
+- with ``lora`` in the spec, LoRA on the language model's projections through peft's
+  ``inject_adapter_in_model`` (what sentence-transformers' ``add_adapter`` calls through
+  transformers, which asks for a newer peft than the newest release), with the pattern and settings of raggedvl's ``--lora``
+  (``raggedvl.models.lora``): the vision tower and the base weights frozen, the ``Dense`` head
+  trained in full, as raggedvl trains its head;
+- with ``batches`` in the spec (one process), the trainer's ``batch_sampler`` yields those row
+  batches in that order (``PlannedBatches``) instead of drawing its own: the batches ``raggedvl
+  train`` draws, so both sides see the same samples at every step.
 
 Writes ``OUT/st_rank{R}.json`` in the layout of ``colpali_worker.py`` (read by
 ``colpali_side.read_run``). With ``save_final`` rank 0 saves the trained model with
@@ -53,6 +61,7 @@ import sentence_transformers.base.modules.transformer as st_transformer  # noqa:
 import torch  # noqa: E402
 from datasets import load_dataset  # noqa: E402
 from sentence_transformers import MultiVectorEncoder, MultiVectorEncoderTrainer  # noqa: E402
+from sentence_transformers.base.sampler import DefaultBatchSampler  # noqa: E402
 from sentence_transformers.multi_vector_encoder.data_collator import MultiVectorEncoderDataCollator  # noqa: E402
 from sentence_transformers.multi_vector_encoder.losses import MultiVectorMultipleNegativesRankingLoss  # noqa: E402
 from sentence_transformers.multi_vector_encoder.scoring import mean_colbert_scores  # noqa: E402
@@ -97,6 +106,24 @@ class PaddingStatsCollator(MultiVectorEncoderDataCollator):
         return batch
 
 
+class PlannedBatches(DefaultBatchSampler):
+    """sentence-transformers' batch sampler interface over a fixed list of row batches, yielded in
+    order (one pass = every step of the run)."""
+
+    def __init__(self, dataset, batches: list[list[int]], batch_size: int, drop_last: bool, **kwargs) -> None:
+        if any(len(b) != batch_size for b in batches):
+            raise ValueError(f"planned batches must hold per_device_batch={batch_size} rows each, "
+                             f"got sizes {sorted({len(b) for b in batches})}")
+        super().__init__(dataset, batch_size=batch_size, drop_last=drop_last, **kwargs)
+        self.batches = batches
+
+    def __iter__(self):
+        yield from (list(b) for b in self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 class RecordingLoss(MultiVectorMultipleNegativesRankingLoss):
     """The multi-vector MNRL unchanged; keeps the last value (detached) for ``StepClock``."""
 
@@ -125,13 +152,27 @@ def main() -> None:
     longest = model[0].processor.image_processor.size["longest_edge"]
     if longest != spec["max_pixels"]:
         raise ValueError(f"sentence-transformers' processor kept longest_edge={longest}, asked for max_pixels={spec['max_pixels']}")
+    if spec.get("lora"):
+        from peft import LoraConfig, inject_adapter_in_model
+
+        from raggedvl.models.lora import DEFAULT_TARGETS
+
+        lora = spec["lora"]
+        config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], bias="none",
+                            target_modules=rf"(.*\.)?language_model\..*\.({'|'.join(DEFAULT_TARGETS)})")
+        inject_adapter_in_model(config, model.transformers_model)  # what add_adapter does (it needs peft >= 0.22)
     data = load_dataset("parquet", data_files={"train": spec["train_parquet"]}, split="train").select_columns(["query", "image"])
     prompts = {"query": model.prompts["query"], "image": model.prompts["document"]}
     collator = PaddingStatsCollator(preprocess_fn=model.preprocess, prompts=prompts)
     loss = RecordingLoss(model, scale=1.0 / spec["temperature"], similarity_fct=mean_colbert_scores,
                          gather_across_devices=spec["nproc"] > 1)
     clock = StepClock(loss, spec.get("stop_after"))
-    args = training_arguments(spec, MultiVectorEncoderTrainingArguments, prompts=prompts)
+    planned = {}
+    if spec.get("batches"):
+        if spec["nproc"] != 1:
+            raise ValueError(f"planned batches need one process (the trainer would shard them), got nproc={spec['nproc']}")
+        planned = {"batch_sampler": lambda dataset, **kw: PlannedBatches(dataset, spec["batches"], **kw)}
+    args = training_arguments(spec, MultiVectorEncoderTrainingArguments, prompts=prompts, **planned)
     trainer = MultiVectorEncoderTrainer(model=model, args=args, train_dataset=data, loss=loss, data_collator=collator,
                                         callbacks=[clock])
     t_ready = time.time()
@@ -145,6 +186,7 @@ def main() -> None:
         "t_start": T_START, "t_imports": T_IMPORTS, "t_ready": t_ready, "loop_begin": clock.loop_begin,
         "t_trained": t_trained, "t_end": time.time(), "steps": clock.steps if rank == 0 else [],
         "padding": collator.totals, "optimizer": type(optimizer).__name__,
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "optimizer_defaults": {k: v for k, v in optimizer.defaults.items() if isinstance(v, (int, float, bool, str, type(None)))},
     }
     out.mkdir(parents=True, exist_ok=True)

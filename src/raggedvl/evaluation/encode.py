@@ -86,12 +86,15 @@ def encode_in_batches(
     ``collate(positions)`` returns (a model input batch, the positions it kept: a position it
     could not use, e.g. a skipped image, is left out), or (None, []) when it kept none; that call
     encodes the previous batch again and drops the output (the call counts stay equal across
-    ranks), or is left out when there is no previous batch. ``n_calls``: make exactly this many
-    forward calls, encoding position ``filler`` (default: the first position) and dropping its
-    output when there are fewer real batches, so every rank of a sharded job makes the same
-    calls (FSDP2 runs collectives inside forward). ``progress``: show :func:`progress_calls`
-    (labelled ``desc``) on stderr.
-    Returns position -> embedding rows (see module docstring)."""
+    ranks); with no previous batch it is left out, or, with ``n_calls``, encodes the stand-in
+    position (``filler``, default the first position) and drops the output. ``n_calls``: make
+    exactly this many forward calls, encoding position ``filler`` (default: the first position)
+    and dropping its output when there are fewer real batches, so every rank of a sharded job
+    makes the same calls (FSDP2 runs collectives inside forward). ``progress``: show
+    :func:`progress_calls` (labelled ``desc``) on stderr.
+    Returns position -> embedding rows (see module docstring). Raises ``ValueError`` when, with
+    ``n_calls``, a call has neither a readable item, nor an earlier batch, nor a readable stand-in
+    (raised before that call's forward, so the job fails instead of leaving the other ranks waiting)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     positions = list(positions)
@@ -112,6 +115,15 @@ def encode_in_batches(
             batch, kept = collate(batches[call] if real else [positions[0] if filler is None else filler])
             if batch is None:  # nothing left to encode in this batch: repeat the last one, output dropped
                 batch, kept = previous, []
+                if batch is None and n_calls is not None:  # lockstep: this call happens on every rank
+                    stand_in = positions[0] if filler is None else filler
+                    batch, _ = collate([stand_in])
+                    if batch is None:
+                        raise ValueError(
+                            f"batch {call + 1} of {calls} (positions {batches[call][:8]}) has no readable item, nor has "
+                            f"the stand-in position {stand_in}, and nothing was encoded before it: the other ranks "
+                            f"would wait for this rank's forward call; remove the unreadable files or put a readable "
+                            f"document first")
                 if batch is None:
                     continue
             previous = batch

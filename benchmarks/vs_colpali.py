@@ -3,6 +3,7 @@
     benchmarks/vs_colpali.sh                       # everything: (a), (b), (c); builds its own venv
     benchmarks/vs_colpali.sh --workload a --steps 5 --repeats 1     # a smoke run
     benchmarks/vs_colpali.sh --loss-curves             # 200 steps, 2 x 8, both loss curves, per-step losses JSON
+    benchmarks/vs_colpali.sh --workload b --lora-r 32 --no-eval   # ColQwen2's LoRA recipe (vision tower frozen), both sides
     python benchmarks/vs_colpali.py --check        # no bench venv: arguments, workloads, plan, simulation
 
 colpali-engine needs torchvision, which does not install beside the CPU torch that ``make
@@ -12,7 +13,9 @@ colpali-engine saved, ``shared/interop/colqwen2-tiny/colqwen2_full``), read the 
 parquet per split, rendered from the vendored R manuals: ``colpali_bench/workloads.py``) and get
 the same settings: per-process and global batch, steps, AdamW learning rate (backbone and head),
 warm-up steps, weight decay, gradient clipping, temperature, query-length normalisation (both
-default on), max_pixels, gloo, one thread per process (OMP_NUM_THREADS=1), fp32.
+default on), max_pixels, gloo, one thread per process (OMP_NUM_THREADS=1), fp32; full
+fine-tuning, or with ``--lora-r`` LoRA on the language model with the vision tower frozen
+(colpali-engine's ColQwen2 recipe, ``colpali_bench/colpali_worker.py``; raggedvl's ``--lora``).
 
 - colpali-engine: its own training path (``ColQwen2``, ``ColQwen2Processor``,
   ``VisualRetrieverCollator``, ``ColbertLoss``, ``ContrastiveTrainer`` with HF

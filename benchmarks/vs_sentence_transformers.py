@@ -3,7 +3,10 @@
     python benchmarks/vs_sentence_transformers.py                 # (a) 1 and 2 processes, (b) 2 processes
     python benchmarks/vs_sentence_transformers.py --eval          # ... and dev retrieval before / after training
     python benchmarks/vs_sentence_transformers.py --loss-curves --report benchmarks/results/vs_sentence_transformers_loss_curves.md
-                                                                  # (a) 1 x 8, 200 steps, dev retrieval, per-step losses JSON
+                                                                  # (a) 1 x 8, 200 steps, the same batches on both sides,
+                                                                  # dev retrieval, per-step losses JSON
+    python benchmarks/vs_sentence_transformers.py --workload b --lora-r 32
+                                                                  # ColQwen2's LoRA recipe (vision tower frozen) on both sides
     python benchmarks/vs_sentence_transformers.py --workload a --nproc-a 1 --steps 3 --per-device-batch 2 \\
         --train-pairs 8 --dev-pairs 4 --eval                      # a smoke run (a few minutes)
 
@@ -32,6 +35,14 @@ show medians over repeats and raggedvl / sentence-transformers ratios. The runs,
 monitor (peak RSS per process, whole-job summed PSS), the figures' definitions and the tables are
 ``vs_colpali.py``'s (``colpali_bench/procmon.py``, ``colpali_bench/summary.py``); the measuring
 process imports no torch, transformers or datasets (``colpali_bench/isolated.py``).
+
+With ``--same-batches`` (on in ``--loss-curves``; one process) sentence-transformers' trainer is
+fed, through its ``batch_sampler`` argument, the global batches ``raggedvl train`` draws
+(``colpali_bench.raggedvl_side.global_batches``: raggedvl's own sampler replayed for the run's
+settings and seed), in order, and raggedvl runs with ``--false-negatives keep``, the objective of
+sentence-transformers' MNRL (a page that two queries of a batch share stays a negative of
+both). Both sides then see the same samples at every step from the same weights, so their
+losses compare step by step (the report's "max abs loss difference" table).
 
 With ``--eval`` (on in ``--loss-curves``) both sides are scored on the workload's dev split
 (``--dev-pairs``, default the workload's full dev set) by the same code, raggedvl's evaluator

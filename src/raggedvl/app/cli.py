@@ -329,7 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "sentence-transformers checkpoint)")
     add_arguments(p_export, ExportOptions)
 
-    p_data = sub.add_parser("data", help="build an embedded dataset and print its path")
+    p_data = sub.add_parser("data", help="build an embedded dataset and print its path",
+                            description="Build an embedded dataset (or reuse its earlier build) in a folder of the "
+                                        "data cache, --cache-dir, else $RAGGEDVL_CACHE when set, else "
+                                        "~/.cache/raggedvl, and print the folder's path.")
     p_data.add_argument("name", choices=["rdocs"], help="dataset name")
     add_arguments(p_data, DataOptions)
     return parser

@@ -126,7 +126,7 @@ class ExportOptions:
 
 @dataclass
 class DataOptions:
-    cache_dir: str | None = option(None, "where to build it (none: ~/.cache/raggedvl)")
+    cache_dir: str | None = option(None, "where to build it (none: $RAGGEDVL_CACHE when set, else ~/.cache/raggedvl)")
     train_limit: int | None = option(None, "build at most this many training pairs", at_least=1)
     dev_limit: int | None = option(None, "build at most this many dev pairs", at_least=1)
 

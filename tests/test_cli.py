@@ -63,6 +63,19 @@ def test_top_level_help_and_version_speak_to_users(capsys):
     assert capsys.readouterr().out.startswith(f"raggedvl {__version__} (torch {torch.__version__}")
 
 
+def test_data_help_names_the_cache_the_build_goes_to(capsys, monkeypatch, tmp_path):
+    """``raggedvl data --help`` says where the data is built without --cache-dir, and it is so:
+    under $RAGGEDVL_CACHE when set."""
+    with pytest.raises(SystemExit):
+        main(["data", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--cache-dir, else $RAGGEDVL_CACHE when set, else ~/.cache/raggedvl, and print the folder's path" in text
+    monkeypatch.setenv("RAGGEDVL_CACHE", str(tmp_path / "cache"))
+    assert main(["data", "rdocs", "--train-limit", "1", "--dev-limit", "1"]) == 0
+    built = Path(capsys.readouterr().out.strip())
+    assert built.parent == tmp_path / "cache" and built.name.startswith("rdocs-") and built.is_dir()
+
+
 def test_every_example_of_the_top_level_help_parses():
     """Each ``raggedvl ...`` example line of ``raggedvl --help`` names a command and flags that
     exist, with values they accept (the help once showed flags and metrics the CLI no longer had)."""

@@ -35,6 +35,13 @@ def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
         (["encode", "runs/a", "--dataset", pairs, "--output", "notes.txt/index"],
          "--output 'notes.txt/index': 'notes.txt' is a file, not a folder; choose another --output"),
         (["mine", "runs/a", "--dataset", pairs, "--output", "notes.txt"], "'notes.txt' is a file, not a folder"),
+        # an output folder that holds other files: refused as export refuses it
+        (["encode", "runs/a", "--dataset", pairs, "--output", "runs"],
+         "--output 'runs' is not empty (it holds a, new); encode into a new folder"),
+        (["mine", "runs/a", "--dataset", pairs, "--output", "runs"],
+         "--output 'runs' is not empty (it holds a, new); mine into a new folder"),
+        (["export", "runs/a", "--format", "colpali", "--output", "runs"],
+         "--output 'runs' is not empty (it holds a, new); export into a new folder"),
         (["eval", "runs/a", "--dataset", pairs, "--output", "runs"],
          "--output 'runs' is a folder; give a file name, e.g. 'runs/results.json'"),
         (["eval", "runs/a", "--dataset", pairs, "--output", "notes.txt/r.json"], "'notes.txt' is a file, not a folder"),

@@ -98,8 +98,30 @@ def test_encode_then_search_returns_the_brute_force_top_k(setup, capsys):
     for q in range(len(bench.queries)):
         assert [doc for doc, _ in got[q]] == [bench.doc_ids[i] for i in want.indices[q].tolist()]
         assert [s for _, s in got[q]] == pytest.approx(want.scores[q].tolist(), rel=2e-3)  # the index stores float16
-    with pytest.raises(ValueError, match="already holds an index"):
+    with pytest.raises(ValueError, match=r"is not empty \(it holds index.json, shard-"):
         main_raises(["encode", str(root / "model"), "--dataset", str(bench_dir), "--output", str(index)])
+
+
+def test_encode_refuses_a_folder_that_holds_other_files_before_loading_the_model(setup, tmp_path, monkeypatch):
+    """``encode_corpus`` into a folder holding files that are not an index: refused before the
+    model is loaded (or a process group joined), and the folder is left as it was."""
+    from raggedvl.app import index_commands
+
+    root, _, bench_dir = setup
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded for a refused --output")
+
+    monkeypatch.setattr(index_commands, "load_model", never)
+    monkeypatch.setattr(index_commands, "init_distributed", never)
+    with pytest.raises(ValueError) as refused:
+        main_raises(["encode", str(root / "model"), "--dataset", str(bench_dir), "--output", str(tmp_path / "out")])
+    assert str(refused.value) == (f"--output {str(tmp_path / 'out')!r} is not empty (it holds notes.txt); "
+                                  "encode into a new folder")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
 
 
 def test_encode_reads_other_column_names_and_the_ids_search_prints(setup, tmp_path):

@@ -109,7 +109,7 @@ def test_mine_refuses_a_used_output_and_a_hub_source(setup, tmp_path, capsys):
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "x").write_text("x")
     assert main(["mine", str(root / "model"), "--dataset", str(beir), "--output", str(tmp_path / "used")]) == 2
-    assert "already holds files" in capsys.readouterr().err
+    assert f"--output {str(tmp_path / 'used')!r} is not empty (it holds x); mine into a new folder" in capsys.readouterr().err
     assert main(["mine", str(root / "model"), "--dataset", str(beir), "--output", str(tmp_path / "o"),
                  "--max-positive-ratio", "1.5"]) == 2
     assert "--max-positive-ratio must be in (0, 1]" in capsys.readouterr().err

@@ -4,6 +4,7 @@
 import dataclasses
 import importlib
 import json
+import os
 import re
 
 import datasets
@@ -160,6 +161,47 @@ def test_eval_cli_mteb_names_the_cache_when_task_data_cannot_load(setup, monkeyp
     assert "Did you mean: 'VidoreArxivQARetrieval'" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "model"), "--mteb", "VidoreArxivQARetrieval", "--dataset", "x", "--split", "dev"]) == 2
     assert "--mteb scores on mteb's task data, on one process: drop --dataset, --split" in capsys.readouterr().err
+
+
+def test_eval_cli_mteb_with_the_hub_unreachable_reads_the_cache_without_retrying(setup, monkeypatch, capsys, tmp_path):
+    """Online but with the hub unreachable: one metadata request (the probe, with its short
+    timeout) finds it out, and the task's data is loaded offline (the hub client's and datasets'
+    settings), so no download is retried; an empty cache is then the one-line error naming both."""
+    from raggedvl.app import mteb_eval
+    from raggedvl.app.cli import main
+
+    model, _, _ = setup
+    model.save_pretrained(tmp_path / "model")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # online; restored after the test (the command sets it)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "empty-hf-home" / "datasets")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hf-home" / "hub"))
+    probes, loads = [], []
+
+    def unreachable(self, repo_id, **kwargs):
+        probes.append((repo_id, kwargs.get("timeout")))
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    task = mteb.get_task("VidoreArxivQARetrieval")
+    real_load = type(task).load_data
+
+    def load_data(self, *args, **kwargs):  # the real loading, recording whether it runs offline
+        loads.append((huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE,
+                      os.environ.get("HF_HUB_OFFLINE")))
+        return real_load(self, *args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
+    monkeypatch.setattr(type(task), "load_data", load_data)
+    assert main(["eval", str(tmp_path / "model"), "--mteb", "VidoreArxivQARetrieval"]) == 2
+    err = capsys.readouterr().err
+    assert probes == [("mteb/arxivqa_test_subsampled_beir", mteb_eval.HUB_PROBE_TIMEOUT_S)]
+    assert loads == [(True, True, "1")]  # offline from the first request on: the hub client never retries
+    assert err.count("\n") == 1 and "--mteb VidoreArxivQARetrieval: its data (mteb/arxivqa_test_subsampled_beir) could " \
+        "not be loaded" in err, err
+    assert "the hub cannot be reached (ConnectionError: [Errno -2] Name or service not known), so mteb read the " \
+        "Hugging Face datasets cache only: check the network, or copy a filled cache under HF_HOME" in err, err
 
 
 def test_mteb_names_a_benchmark_for_its_tasks(monkeypatch):

@@ -614,3 +614,24 @@ def test_an_evaluation_split_that_is_training_data_is_refused_before_any_process
     with pytest.raises(_Started):
         main(["train", "--output-dir", str(tmp_path / "run"), "--dataset", pairs, "--eval-dataset", pairs,
               "--eval-split", "train", "--allow-eval-overlap", "--nproc-per-node", "2"])
+
+
+def test_a_run_the_ranks_refuse_leaves_its_output_dir_as_it_was(tmp_path, monkeypatch):
+    """A refusal in a rank's setup (an evaluation set whose pairs are the training pairs', in
+    another file: only the ranks' content check sees it) writes nothing: an output dir that
+    holds files keeps exactly those (no train_config.json), and a missing one is not created."""
+    from raggedvl.app import setup
+    from raggedvl.app.loop import Trainer
+    from raggedvl.parallel import init_distributed
+
+    monkeypatch.setattr(setup, "build_cfg_processor", lambda cfg: None)  # the data is refused before it is used
+    pairs, copy = _parquet(tmp_path / "pairs.parquet"), _parquet(tmp_path / "copy.parquet")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    for out in (tmp_path / "run", tmp_path / "new"):
+        cfg = TrainConfig(dataset=pairs, eval_dataset=copy, output_dir=str(out), max_steps=1, global_batch_size=4)
+        with pytest.raises(ValueError, match=r"'.*copy.parquet' \(split 'train'\) overlaps the training pairs: 8 of 8 "):
+            Trainer(cfg, init_distributed())
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["notes.txt"]
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "new").exists()

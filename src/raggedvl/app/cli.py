@@ -24,7 +24,7 @@ from raggedvl.app.command_options import (
 )
 from raggedvl.app.gpu_driver import skip_triton
 from raggedvl.app.options import add_arguments
-from raggedvl.app.rundir import check_output_file, check_writable
+from raggedvl.app.rundir import check_new_folder, check_output_file, check_writable
 from raggedvl.data.columns import Columns
 
 
@@ -133,6 +133,7 @@ def _encode(args, argv: Sequence[str]) -> int:
     opts = options_from(args, EncodeOptions)
     _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns())
     check_writable(Path(opts.output), "--output")
+    check_new_folder(opts.output, "encode")
     _start_ranks(args, argv, "encode")
     from raggedvl.app.index_commands import encode_corpus
 
@@ -148,6 +149,7 @@ def _mine(args, argv: Sequence[str]) -> int:
     _run_columns(opts, args.checkpoint, evaluation=False)
     _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns())
     check_writable(Path(opts.output), "--output")
+    check_new_folder(opts.output, "mine")
     _start_ranks(args, argv, "mine")
     from raggedvl.app.mine import mine
 
@@ -189,6 +191,7 @@ def _export(args) -> int:
     opts = options_from(args, ExportOptions)
     _check_inputs(opts, model=args.source, what="source")
     check_writable(Path(opts.output), "--output")
+    check_new_folder(opts.output, "export")
     from raggedvl.app.export import export
 
     export(args.source, opts.format, opts.output, merge_lora=opts.merge_lora)
@@ -326,7 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "sentence-transformers checkpoint)")
     add_arguments(p_export, ExportOptions)
 
-    p_data = sub.add_parser("data", help="build an embedded dataset and print its path")
+    p_data = sub.add_parser("data", help="build an embedded dataset and print its path",
+                            description="Build an embedded dataset (or reuse its earlier build) in a folder of the "
+                                        "data cache, --cache-dir, else $RAGGEDVL_CACHE when set, else "
+                                        "~/.cache/raggedvl, and print the folder's path.")
     p_data.add_argument("name", choices=["rdocs"], help="dataset name")
     add_arguments(p_data, DataOptions)
     return parser

@@ -78,7 +78,7 @@ class EncodeOptions(DocumentColumnOptions):
     dataset: str = option(None, "documents: a folder of page images, a BEIR corpus, or the distinct images of "
                                 "(query, image) rows", required=True)
     split: str | None = option(None, "split (none: the --dataset's one split, else test)")
-    output: str = option(None, "a new index folder", required=True)
+    output: str = option(None, "a new (or empty) folder to write the index to", required=True)
     batch_size: int = option(8, "documents per forward pass", at_least=1)
     on_bad_image: Literal["error", "skip"] = option(
         "error", "an unreadable image stops (error) or is left out of the index and counted (skip)")
@@ -126,7 +126,7 @@ class ExportOptions:
 
 @dataclass
 class DataOptions:
-    cache_dir: str | None = option(None, "where to build it (none: ~/.cache/raggedvl)")
+    cache_dir: str | None = option(None, "where to build it (none: $RAGGEDVL_CACHE when set, else ~/.cache/raggedvl)")
     train_limit: int | None = option(None, "build at most this many training pairs", at_least=1)
     dev_limit: int | None = option(None, "build at most this many dev pairs", at_least=1)
 

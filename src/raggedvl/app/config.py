@@ -227,7 +227,8 @@ class TrainConfig:
               "in <output_dir>/best (none: off)")
     resume: bool = option(False, "continue from the newest valid checkpoint in output_dir")
     collective_timeout_s: int = option(300, "every collective fails after this many seconds", at_least=1)
-    data_cache: str | None = option(None, "where built datasets are cached (none: ~/.cache/raggedvl)")
+    data_cache: str | None = option(None, "where built datasets are cached (none: $RAGGEDVL_CACHE when set, else "
+                                          "~/.cache/raggedvl)")
 
     def __post_init__(self) -> None:
         if isinstance(self.dataset, (list, tuple)) and len(self.dataset) == 1:

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from raggedvl.app.checkpoint import MANIFEST, as_retriever_folder, find_checkpoint
 from raggedvl.app.config import TRAIN_CONFIG_NAME
+from raggedvl.app.rundir import check_new_folder
 from raggedvl.app.wording import counted
 
 CARD_KEYS = ("model", "head", "dim", "lora", "lora_r", "lora_alpha", "lora_dropout", "loss", "temperature",
@@ -102,8 +103,7 @@ def export(source: str, fmt: str, output: str, *, merge_lora: bool = False) -> P
     if merge_lora and stated_lora(source) is False:
         raise _no_lora(source)
     out = Path(output)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"{out} is not empty; export into a new folder")
+    check_new_folder(out, "export")
     folder, state, run_dir = resolve_source(source)
     older = []
     if state is not None and not is_saved_retriever(folder):  # written before raggedvl export existed

@@ -17,6 +17,7 @@ from raggedvl.evaluation.search import search
 from raggedvl.parallel import all_gather_objects, barrier, init_distributed, shutdown
 from raggedvl.app.column_flags import flags_for_columns
 from raggedvl.app.evaluate_checkpoint import checkpoint_collator, load_model
+from raggedvl.app.rundir import check_new_folder
 from raggedvl.data.columns import Columns
 from raggedvl.data.source import DataSource
 from raggedvl.app.wording import counted
@@ -32,13 +33,14 @@ def encode_corpus(checkpoint: str | Path, *, dataset: str, split: str | None = N
     contiguous shard and writes its own safetensors file; rank 0 writes ``index.json``.
     Unreadable images under ``on_bad_image="skip"`` are left out and counted. ``columns``: the
     rows' image and id columns (the ids are what ``search`` prints; no id column: a BEIR
-    corpus's ids, an image folder's file paths relative to it, else ``<split>-<row>``). Refuses an ``output`` that already holds an index and a missing column,
-    naming ``--image-column``... (``ValueError``)."""
+    corpus's ids, an image folder's file paths relative to it, else ``<split>-<row>``). Refuses,
+    before loading the model or any collective, an ``output`` that already holds files
+    (:func:`~raggedvl.app.rundir.check_new_folder`), and a missing column, naming
+    ``--image-column``... (``ValueError``)."""
     from raggedvl.evaluation.benchmark import load_corpus
 
     out = Path(output)
-    if (out / "index.json").exists():
-        raise ValueError(f"{out} already holds an index; choose a new --output")
+    check_new_folder(out, "encode")
     split = split or DataSource.of(dataset).default_split("test")
     info = init_distributed()
     try:

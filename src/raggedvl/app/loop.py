@@ -166,11 +166,11 @@ class Trainer:
         self.watchdog = StallWatchdog(info.rank, cfg.collective_timeout_s, enabled=info.world_size > 1)
         self.run_dir = Path(cfg.output_dir)
         check_output_dir(cfg)  # every rank sees the same directory: all raise, before any collective
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        self.c = build_components(cfg, info, data)  # its refusals (data, overlap, model) leave the output dir as it was
         if info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.save(self.run_dir / TRAIN_CONFIG_NAME)  # not config.json: transformers would read it as a model
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        self.c = build_components(cfg, info, data)
         self.clock.add(self.c.phases_s)
         for bad in self.c.costs.skipped if info.is_main else ():  # on_bad_image="skip"; same list on every rank
             print(f"warning: skipping {bad['name']}: {bad['reason']}", file=sys.stderr, flush=True)  # the short cause

@@ -26,6 +26,7 @@ from pathlib import Path
 from raggedvl.app.column_flags import flags_for_columns
 from raggedvl.app.config import TrainConfig
 from raggedvl.app.evaluate_checkpoint import checkpoint_collator, load_model
+from raggedvl.app.rundir import check_new_folder
 from raggedvl.data.columns import Columns
 from raggedvl.data.dataset import source_bytes
 from raggedvl.data.scan import beir_part, read_column
@@ -47,8 +48,7 @@ def mine(checkpoint: str | Path, *, dataset: str, split: str, output: str | Path
     ``output`` (module docstring). Raises ``ValueError`` for an ``output`` that holds files, a
     source that is neither local parquet pairs nor a local BEIR layout, or a bad argument."""
     out = Path(output)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"--output {out} already holds files; choose a new folder")
+    check_new_folder(out, "mine")
     source = DataSource.of(dataset)
     if source.kind not in ("parquet", "folder", "beir") or (source.kind != "beir" and source.parquet(split) is None):
         raise ValueError(f"--dataset {dataset}: mining writes local data, so it reads local (query, image) parquet "

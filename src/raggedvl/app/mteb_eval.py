@@ -6,6 +6,7 @@ writes mteb's results as JSON. One process."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,18 @@ from raggedvl import __version__
 from raggedvl.app.evaluate_checkpoint import checkpoint_collator, file_slug, load_model, results_folder
 
 SHOWN = ("ndcg_at_5", "ndcg_at_10", "map_at_10", "mrr_at_10", "recall_at_10")  # printed beside each main score
+HUB_PROBE_TIMEOUT_S = 5.0  # the one metadata request that tells whether the hub can be reached
 
 
 def load_tasks(name: str) -> list:
     """The mteb tasks ``name`` names (a task, or a benchmark such as ``ViDoRe(v3)``: its tasks),
     their data loaded. Raises ``ValueError`` for an unknown name (mteb's suggestion) or data that
-    cannot be loaded (offline: not in the Hugging Face cache)."""
+    cannot be loaded (offline or with the hub unreachable: not in the Hugging Face cache).
+
+    Unless offline (``HF_HUB_OFFLINE=1``), one metadata request per task (``HUB_PROBE_TIMEOUT_S``)
+    first asks the hub for the task's dataset; when the hub cannot be reached, this process turns
+    offline (``HF_HUB_OFFLINE=1``: the hub client's and datasets' settings too), so the data is read
+    from the cache at once instead of after the hub client's retries."""
     try:
         import mteb
     except ImportError:
@@ -38,20 +45,60 @@ def load_tasks(name: str) -> list:
     return tasks
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+
+
+def _hub_unreachable(path: str | None, revision: str | None) -> str | None:
+    """Why the hub cannot be reached (``"Type: message"``), from one request for the dataset
+    ``path``'s metadata (``HUB_PROBE_TIMEOUT_S`` seconds, no retry); None when the hub answers,
+    whatever it answers (a missing or gated dataset is the loading's own error), or when ``path``
+    is a local path or not a hub id."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HFValidationError, HfHubHTTPError
+
+    if path is None or Path(path).exists():
+        return None
+    try:
+        HfApi().dataset_info(str(path), revision=revision, timeout=HUB_PROBE_TIMEOUT_S)
+    except (HfHubHTTPError, HFValidationError):
+        return None
+    except Exception as exc:  # noqa: BLE001 - any transport error: the hub cannot be reached
+        return f"{type(exc).__name__}: {_first_line(exc)}"
+    return None
+
+
+def _go_offline() -> None:
+    """``HF_HUB_OFFLINE=1`` for this process: the variable, and the settings the hub client and
+    datasets read from it when imported."""
+    import datasets
+    from huggingface_hub import constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+
+
 def _load_data(task) -> None:
     from huggingface_hub import constants
 
     name = task.metadata.name
+    where = task.metadata.dataset.get("path")
+    unreachable = None if constants.HF_HUB_OFFLINE else _hub_unreachable(where, task.metadata.dataset.get("revision"))
+    if unreachable:
+        _go_offline()
     try:
         task.load_data()
     except Exception as exc:  # noqa: BLE001 - whatever datasets / the hub raise: one line naming the cause and the fix
-        where = task.metadata.dataset.get("path")
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        fix = ("offline (HF_HUB_OFFLINE=1) mteb reads a task's data from the Hugging Face datasets cache only: fill it "
-               "by running once with network access, or copy a filled cache under HF_HOME") if constants.HF_HUB_OFFLINE else (
-               "mteb downloads a task's data from the Hugging Face hub into the datasets cache: check the network and "
-               "the dataset's access, or copy a filled cache under HF_HOME")
-        raise ValueError(f"--mteb {name}: its data ({where}) could not be loaded ({type(exc).__name__}: {first}); "
+        if unreachable:
+            fix = (f"the hub cannot be reached ({unreachable}), so mteb read the Hugging Face datasets cache only: "
+                   "check the network, or copy a filled cache under HF_HOME")
+        elif constants.HF_HUB_OFFLINE:
+            fix = ("offline (HF_HUB_OFFLINE=1) mteb reads a task's data from the Hugging Face datasets cache only: "
+                   "fill it by running once with network access, or copy a filled cache under HF_HOME")
+        else:
+            fix = ("mteb downloads a task's data from the Hugging Face hub into the datasets cache: check the network "
+                   "and the dataset's access, or copy a filled cache under HF_HOME")
+        raise ValueError(f"--mteb {name}: its data ({where}) could not be loaded ({type(exc).__name__}: {_first_line(exc)}); "
                          f"{fix}") from exc
 
 

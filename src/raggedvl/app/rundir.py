@@ -45,6 +45,17 @@ def check_writable(out: Path, flag: str = "--output-dir") -> None:
                          f"choose a writable {flag}") from None
 
 
+def check_new_folder(out: str | Path, command: str, flag: str = "--output") -> None:
+    """Raise ``ValueError`` (one line, naming ``flag``, a few of the entries and the fix) when the
+    folder ``out`` already holds files or folders: ``raggedvl <command>`` writes only into a
+    missing or empty folder, so its files are never mixed with others. Reads only the listing."""
+    out = Path(out).expanduser()
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if entries:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise ValueError(f"{flag} {str(out)!r} is not empty (it holds {shown}); {command} into a new folder")
+
+
 def check_output_file(path: Path, flag: str = "--output") -> None:
     """Raise ``ValueError`` (one line, naming ``flag``) when the file ``path`` cannot be written:
     it is a folder, or its folder cannot be created or written (:func:`check_writable`)."""

@@ -133,6 +133,25 @@ def test_choices_are_checked(capsys):
         TrainConfig(lora_r=0)
 
 
+def test_a_bad_value_names_the_flag_typed_or_the_yaml_key(tmp_path, capsys):
+    """One line, exit code 2: a flag's value out of range names the flag, a YAML value its key
+    (a flag given with the YAML overrides the key, and its own bad value names the flag)."""
+    out = ["--output-dir", str(tmp_path / "run")]
+    for flags, message in ((["--lr", "-1"], "raggedvl: error: --lr must be > 0, got -1.0\n"),
+                           (["--global-batch-size", "0"], "raggedvl: error: --global-batch-size must be >= 1, got 0\n"),
+                           (["--eval-fraction", "1"], "raggedvl: error: --eval-fraction must be < 1, got 1.0\n")):
+        assert main(["train", *flags, *out]) == 2
+        assert capsys.readouterr().err == message, flags
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: -1\nglobal_batch_size: 0\n")
+    assert main(["train", "--config", str(path), "--lr", "1e-4", *out]) == 2
+    assert capsys.readouterr().err == "raggedvl: error: global_batch_size must be >= 1, got 0\n"
+    assert main(["train", "--config", str(path), "--global-batch-size", "4", *out]) == 2
+    assert capsys.readouterr().err == "raggedvl: error: lr must be > 0, got -1\n"
+    assert main(["train", "--config", str(path), "--lr", "0", *out]) == 2
+    assert capsys.readouterr().err == "raggedvl: error: --lr must be > 0, got 0.0\n"
+
+
 def test_unknown_flags_and_keys_suggest_the_closest(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--global-batch-sise", "4"])
@@ -202,7 +221,7 @@ def test_hsdp_shard_degree_is_checked_before_any_process(tmp_path, capsys):
     with pytest.raises(ValueError, match=re.escape("--shard-degree 3 does not divide the 4 processes: HSDP needs "
                                                    "groups of equal size; use one of [1, 2, 4]")):
         check_world_fits(TrainConfig(strategy="hsdp", shard_degree=3), cmd)
-    for flags, message in ((["--strategy", "hsdp", "--shard-degree", "0"], "shard_degree must be >= 1, got 0"),
+    for flags, message in ((["--strategy", "hsdp", "--shard-degree", "0"], "--shard-degree must be >= 1, got 0"),
                            (["--strategy", "hsdp"], "strategy 'hsdp' needs shard_degree (--shard-degree K"),
                            (["--shard-degree", "2"], "shard_degree 2 applies to strategy 'hsdp' only, got strategy "
                                                      "'ddp'"),

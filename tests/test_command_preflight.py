@@ -56,7 +56,7 @@ def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
         (["search", "runs/a", "--index", "runs", "--query", "q"],
          "--index 'runs' is not an embedding index (no index.json); build one with raggedvl encode"),
         (["search", "runs/a", "--index", "index", "--query", "q", "--query", " "], "--query number 2 is empty (' ')"),
-        (["search", "runs/a", "--index", "index", "--query", "q", "-k", "0"], "-k: k must be >= 1, got 0"),
+        (["search", "runs/a", "--index", "index", "--query", "q", "-k", "0"], "-k must be >= 1, got 0"),
         (["eval", "org/model"], "checkpoint 'org/model': the hub is off (HF_HUB_OFFLINE)"),
         (["eval", "runs/a", "--dataset", "org/bench"], "--dataset 'org/bench': the hub is off (HF_HUB_OFFLINE)"),
         (["eval", "runs/a", "--dataset", renamed],  # another dataset's name for the query column

@@ -325,3 +325,27 @@ def test_a_saved_model_is_encoded_with_its_own_processor(tmp_path):
     got = processor.image_processor(images=[page], return_tensors="pt")["image_grid_thw"]
     default = build_processor("tiny").image_processor(images=[page], return_tensors="pt")["image_grid_thw"]
     assert torch.equal(got, expected) and not torch.equal(got, default)
+
+
+def test_eval_whose_reader_went_away_runs_to_its_end(setup, tmp_path):
+    """``raggedvl eval ... 2>&1 | head`` with the reader gone before the first line: the command's
+    progress, table and summary are dropped (``raggedvl.app.closed_output``), it still writes
+    the results JSON and exits 0."""
+    import subprocess
+    import sys
+
+    root, model, bench_dir = setup
+    out = tmp_path / "results.json"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone: every write to the pipe fails with EPIPE
+    try:
+        done = subprocess.run([sys.executable, "-m", "raggedvl", "eval", str(root / "model"), "--dataset", str(bench_dir),
+                               "--output", str(out)], stdout=write_end, stderr=write_end, timeout=600)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0
+    bench = load_benchmark(bench_dir)
+    want = score_metrics(brute_force_scores(model, bench), bench.qrels, bench.doc_ids)
+    results = json.loads(out.read_text())["metrics"]
+    for name in METRICS:  # float32 embeddings of the same weights and images in both processes
+        assert results[name] == pytest.approx(want[name], abs=1e-6)

@@ -82,7 +82,7 @@ def test_two_weighted_datasets_with_negatives_train_and_resume_identically(tmp_p
     (["--dataset", "a.parquet", "--dataset", "b.parquet", "--dataset-weights", "0.7,0.2,0.1"],
      "dataset_weights has 3 values [0.7, 0.2, 0.1] for 2 datasets ['a.parquet', 'b.parquet']; give one weight per dataset"),
     (["--dataset", "a.parquet", "--dataset", "b.parquet", "--dataset-weights", "0.7,-0.3"],
-     "dataset_weights must be >= 0, got -0.3"),
+     "--dataset-weights must be >= 0, got -0.3"),
     (["--dataset", "a.parquet", "--dataset", "b.parquet", "--dataset-weights", "0,0"],
      "dataset_weights [0.0, 0.0] are all 0; give at least one source a positive weight"),
 ])

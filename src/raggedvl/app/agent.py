@@ -344,4 +344,7 @@ def exit_now(code: int) -> NoReturn:
 
 
 if __name__ == "__main__":
+    from raggedvl.app.closed_output import drop_output_when_closed
+
+    drop_output_when_closed()  # the command's reader gone: the job runs on, its output dropped
     exit_now(main())

@@ -424,7 +424,12 @@ def run() -> NoReturn:
     too): :func:`main`, then the process ends without the interpreter's teardown
     (``raggedvl.app.agent.exit_now``: atexit handlers run and stdout / stderr are flushed
     first; every file raggedvl writes is closed when it is written). An exception that escapes
-    ``main`` (a bug, not bad input) takes Python's normal way out, traceback included."""
+    ``main`` (a bug, not bad input) takes Python's normal way out, traceback included.
+    Output whose reader has gone (``raggedvl train | head``) is dropped and the command runs to
+    its end (``raggedvl.app.closed_output``)."""
+    from raggedvl.app.closed_output import drop_output_when_closed
+
+    drop_output_when_closed()
     code = main()
     from raggedvl.app.agent import exit_now
 

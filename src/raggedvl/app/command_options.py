@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from raggedvl.app.options import field_specs, option, values_from
+from raggedvl.app.options import check_given, option, values_from
 from raggedvl.data.columns import Columns
 
 _NPROC = "processes to shard the work over (raggedvl starts torchrun)"
@@ -134,13 +134,9 @@ class DataOptions:
 def options_from(args: Any, cls: type) -> Any:
     """The ``cls`` options given on the command line (argparse namespace), checked against
     their declarations; ``ValueError`` naming the flag."""
-    opts = cls(**values_from(args, cls))
-    for spec in field_specs(cls).values():
-        try:
-            spec.check(getattr(opts, spec.name))
-        except ValueError as exc:
-            raise ValueError(f"{spec.short or spec.flag}: {exc}") from None
-    return opts
+    values = values_from(args, cls)
+    check_given(cls, values)
+    return cls(**values)
 
 
 def command_arguments(opts: Any, *, drop: tuple[str, ...] = ("nproc_per_node",)) -> dict[str, Any]:

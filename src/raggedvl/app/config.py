@@ -23,7 +23,8 @@ from typing import Any, Literal
 from raggedvl.data.columns import Columns
 from raggedvl.data.tiny_limits import TINY_TRAIN_MAX_PIXELS
 from raggedvl.models.head_options import DEFAULT_DIM, DEFAULT_HEAD, DEFAULT_POOLING
-from raggedvl.app.options import add_arguments, check_fields, check_known_keys, load_yaml, option, values_from
+from raggedvl.app.options import (add_arguments, check_fields, check_given, check_known_keys, load_yaml, option,
+                                  values_from)
 from raggedvl.app.wording import counted
 
 DEFAULT_WARMUP_STEPS = 10  # the warmup of a run of 100 steps or more when --warmup-steps is not given
@@ -96,7 +97,7 @@ class TrainConfig:
               "pairs, or a BEIR folder (corpus*, queries*, qrels*) (none: dataset)")
     eval_fraction: float | None = option(
         None, "hold out this share of the training split for evaluation, by a hash of each image's bytes "
-              "(none: evaluate on eval_split)", above=0)
+              "(none: evaluate on eval_split)", above=0, below=1)
     query_column: str = option("query", "column of the training pairs holding the query text")
     image_column: str = option("image", "column of the training pairs holding the document image (datasets Image "
                                         "feature, or file paths), or a list of them: the query's positives")
@@ -252,8 +253,6 @@ class TrainConfig:
         from raggedvl.app.tracking import parse_report_to
 
         parse_report_to(self.report_to)
-        if self.eval_fraction is not None and not self.eval_fraction < 1:
-            raise ValueError(f"eval_fraction must be < 1 (a share of the training split), got {self.eval_fraction}")
         if self.eval_fraction is not None and self.eval_dataset is not None:
             raise ValueError("eval_fraction holds out part of dataset; it cannot be combined with eval_dataset")
         if self.strategy == "hsdp" and self.shard_degree is None:
@@ -386,6 +385,7 @@ def config_from_args(args) -> TrainConfig:
     started; flags given still override them (and the resume check refuses what a checkpoint
     cannot continue with)."""
     overrides = values_from(args, TrainConfig)
+    check_given(TrainConfig, overrides)  # a flag's bad value names the flag; the YAML's, its key
     if getattr(args, "config", None):
         return TrainConfig.from_yaml(args.config, overrides)
     if overrides.get("resume"):

@@ -9,7 +9,8 @@ and everything else is derived from that declaration:
 
 - :func:`check_fields` (call it from ``__post_init__``): types (``bool`` / ``int`` / ``float`` /
   ``str``, ``X | None`` allows null; an ``int`` is a valid ``float``; a boolean is never a number),
-  ``Literal`` choices, and bounds (``at_least=``, ``above=``). Raises ``ValueError`` naming the key.
+  ``Literal`` choices, and bounds (``at_least=``, ``above=``, ``below=``). Raises ``ValueError`` naming the key
+  (:func:`check_given`: naming the flag, for the values given on the command line).
   A list field (``list[float] | None``, or ``str | list[str]`` for one value or several) holds a
   non-empty YAML list whose every item is checked like a scalar of that type.
 - :func:`add_arguments`: one ``--flag`` per field for argparse, with the help text, the choices
@@ -42,12 +43,13 @@ _SCALARS = (bool, int, float, str)
 
 
 def option(default: Any, help: str, *, at_least: float | None = None, above: float | None = None,
-           required: bool = False, short: str | None = None) -> Any:
+           below: float | None = None, required: bool = False, short: str | None = None) -> Any:
     """A dataclass field with its one-line ``help`` (units and meaning) and optional bounds:
-    ``at_least`` (value >= bound) or ``above`` (value > bound); null values skip the bounds.
+    ``at_least`` (value >= bound) or ``above`` (value > bound), ``below`` (value < bound); null
+    values skip the bounds.
     ``required``: the flag must be given (its ``default`` is what a constructor without it
     gets); ``short``: a one-letter alias such as ``-k``."""
-    return field(default=default, metadata={"help": help, "at_least": at_least, "above": above,
+    return field(default=default, metadata={"help": help, "at_least": at_least, "above": above, "below": below,
                                             "required": required, "short": short})
 
 
@@ -67,6 +69,7 @@ class FieldSpec:
     one: bool = False  # ``X | list[X]``: one value or a list
     required: bool = False  # the flag must be given
     short: str | None = None  # a one-letter alias, e.g. "-k"
+    below: float | None = None
 
     @property
     def flag(self) -> str:
@@ -87,25 +90,31 @@ class FieldSpec:
         default = "none" if self.default is None else str(self.default).lower() if self.kind is bool else self.default
         return ("; ".join(parts) + f" (default: {default})").replace("%", "%%")
 
-    def check(self, value: Any) -> None:
-        """Raise ``ValueError`` naming the key when ``value`` is not allowed for this field."""
+    def check(self, value: Any, flag: str | None = None) -> None:
+        """Raise ``ValueError`` when ``value`` is not allowed for this field, naming ``flag`` (the
+        option the user typed, e.g. ``--lr`` or ``-k``) when given, else the config key."""
+        who = self._who(flag)
         if value is None:
             if not self.nullable:
-                raise ValueError(f"config key {self.name!r} may not be null")
+                raise ValueError(f"{who} may not be null")
             return
         if self.many and isinstance(value, (list, tuple)):
             if not value:
-                raise ValueError(f"config key {self.name!r} is an empty list; give at least one value (or leave it out)")
+                raise ValueError(f"{who} is an empty list; give at least one value (or leave it out)")
             for item in value:
-                self._check_one(item)
+                self._check_one(item, flag)
             return
         if self.many and not self.one:
-            raise ValueError(f"config key {self.name!r} must be a list of {self.kind.__name__}, got {value!r} "
+            raise ValueError(f"{who} must be a list of {self.kind.__name__}, got {value!r} "
                              f"({type(value).__name__}); in YAML write [a, b], on the command line repeat {self.flag}"
                              + (" or separate the values with commas" if self.kind in (int, float) else ""))
-        self._check_one(value)
+        self._check_one(value, flag)
 
-    def _check_one(self, value: Any) -> None:
+    def _who(self, flag: str | None) -> str:
+        return flag or f"config key {self.name!r}"
+
+    def _check_one(self, value: Any, flag: str | None) -> None:
+        name = flag or self.name
         if self.kind is bool:
             ok = isinstance(value, bool)
         elif self.kind is int:
@@ -116,13 +125,15 @@ class FieldSpec:
             ok = isinstance(value, str)
         if not ok:
             want = self.kind.__name__ + (" or null" if self.nullable else "")
-            raise ValueError(f"config key {self.name!r} must be {want}, got {value!r} ({type(value).__name__})")
+            raise ValueError(f"{self._who(flag)} must be {want}, got {value!r} ({type(value).__name__})")
         if self.choices is not None and value not in self.choices:
-            raise ValueError(f"{self.name}={value!r} is not one of {self.choices}{choice_hint(value, self.choices)}")
+            raise ValueError(f"{name}={value!r} is not one of {self.choices}{choice_hint(value, self.choices)}")
         if self.at_least is not None and value < self.at_least:
-            raise ValueError(f"{self.name} must be >= {self.at_least}, got {value}")
+            raise ValueError(f"{name} must be >= {self.at_least}, got {value}")
         if self.above is not None and value <= self.above:
-            raise ValueError(f"{self.name} must be > {self.above}, got {value}")
+            raise ValueError(f"{name} must be > {self.above}, got {value}")
+        if self.below is not None and value >= self.below:
+            raise ValueError(f"{name} must be < {self.below}, got {value}")
 
     def parse(self, text: str) -> Any:
         """A command-line string as a value of this field (``ValueError`` when it is none); a list
@@ -175,7 +186,7 @@ def field_specs(cls: type) -> dict[str, FieldSpec]:
         meta = f.metadata
         specs[f.name] = FieldSpec(f.name, hint, nullable, choices, f.default, meta.get("help", ""),
                                   meta.get("at_least"), meta.get("above"), many, one,
-                                  meta.get("required", False), meta.get("short"))
+                                  meta.get("required", False), meta.get("short"), meta.get("below"))
     return specs
 
 
@@ -345,3 +356,13 @@ def values_from(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The fields of ``cls`` that were given on the command line."""
     given = vars(args)
     return {f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given}
+
+
+def check_given(cls: type, values: dict[str, Any]) -> None:
+    """Check the values given on the command line (:func:`values_from`) against their fields'
+    declarations; ``ValueError`` naming the flag (its one-letter alias when it has one), e.g.
+    ``--lr must be > 0, got -1.0``."""
+    specs = field_specs(cls)
+    for name, value in values.items():
+        spec = specs[name]
+        spec.check(value, spec.short or spec.flag)

@@ -44,3 +44,19 @@ def test_a_stream_already_replaced_is_left_alone(monkeypatch):
     monkeypatch.setattr(sys, "stderr", captured_err)
     drop_output_when_closed()
     assert sys.stdout is captured_out and sys.stderr is captured_err
+
+
+def test_an_unbuffered_stream_stays_unbuffered():
+    """Under ``python -u`` (as the ranks run) each write reaches the descriptor at once, so stdout
+    and stderr lines keep their order in a shared log file."""
+    read_end, write_end = os.pipe()
+    stream = io.TextIOWrapper(open(write_end, "wb", buffering=0), encoding="utf-8", write_through=True)
+    out = guarded(stream)
+    out.write("start line\n")  # no flush
+    os.set_blocking(read_end, False)
+    try:
+        assert os.read(read_end, 100) == b"start line\n"
+    finally:
+        out.close()
+        stream.close()
+        os.close(read_end)

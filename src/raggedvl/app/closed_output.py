@@ -34,12 +34,15 @@ class _DropWhenClosed(io.FileIO):
 
 
 def guarded(stream: TextIO) -> TextIO:
-    """A text stream over ``stream``'s file descriptor, with its encoding and buffering, whose
+    """A text stream over ``stream``'s file descriptor, with its encoding and buffering (none
+    under ``python -u``: every write reaches the descriptor at once, in order with the other
+    stream's), whose
     writes never raise ``BrokenPipeError`` (module docstring); ``stream`` is flushed first and
     its descriptor stays open when the new stream is closed."""
     stream.flush()
     raw = _DropWhenClosed(stream.fileno(), "w", closefd=False)
-    return io.TextIOWrapper(io.BufferedWriter(raw), encoding=stream.encoding, errors=stream.errors,
+    unbuffered = isinstance(getattr(stream, "buffer", None), io.RawIOBase)  # python -u, PYTHONUNBUFFERED
+    return io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding=stream.encoding, errors=stream.errors,
                             line_buffering=stream.line_buffering, write_through=stream.write_through)
 
 

@@ -82,7 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=None, help="default 0")
     p.add_argument("--max-grad-norm", type=float, default=None, help="gradient clipping (default 1.0)")
     p.add_argument("--temperature", type=float, default=0.02)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="raggedvl's seed (init, sampler order, dropout) and the HF "
+                   "Trainer's (its data order, dropout) (default 0)")
     p.add_argument("--lora-r", type=int, default=None,
                    help="LoRA of this rank on the language model, vision tower frozen (ColQwen2's recipe, on every side; "
                         "alpha = r, dropout 0.1); default: full fine-tuning")
@@ -116,6 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.model = args.model or default_model()
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.lora_r is not None and args.lora_r < 1:
+        p.error(f"--lora-r must be >= 1, got {args.lora_r}")
     return args
 
 

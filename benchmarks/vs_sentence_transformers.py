@@ -110,7 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=None, help="gradient clipping (default 1.0)")
     p.add_argument("--temperature", type=float, default=0.02,
                    help="raggedvl's temperature; sentence-transformers gets scale = 1 / temperature with MeanMaxSim")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="raggedvl's seed (init, sampler order, dropout) and the HF "
+                   "Trainer's (its data order, dropout) (default 0)")
     p.add_argument("--lora-r", type=int, default=None,
                    help="LoRA of this rank on the language model, vision tower frozen (ColQwen2's recipe, on both sides; "
                         "alpha = r, dropout 0.1); default: full fine-tuning")
@@ -138,6 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.head_lr = None
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.lora_r is not None and args.lora_r < 1:
+        p.error(f"--lora-r must be >= 1, got {args.lora_r}")
     if args.same_batches:
         if "b" in args.workload or any(n != 1 for n in args.nproc_a):
             p.error("--same-batches runs one process (workload a with --nproc-a 1): sentence-transformers' trainer "

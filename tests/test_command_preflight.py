@@ -27,7 +27,7 @@ def test_mistyped_checkpoints_and_datasets_fail_before_torch(tmp_path):
     (tmp_path / "notes.txt").write_text("a file where an output folder would go")
     cases = [
         (["eval", "runs/new"], "checkpoint 'runs/new' is a training run with no checkpoint yet (it stopped before its "
-                               "first save); continue it with raggedvl train --output-dir runs/new --resume"),
+                               "first save); train it again with raggedvl train --output-dir runs/new and its settings (without --resume"),
         (["export", "runs/new", "--format", "colpali", "--output", "out"], "source 'runs/new' is a training run with no checkpoint"),
         # outputs that cannot be written: refused before any work
         (["export", "runs/a", "--format", "colpali", "--output", "notes.txt"],

@@ -42,12 +42,14 @@ def test_a_save_that_cannot_fit_is_refused_with_the_numbers(tmp_path, monkeypatc
         check_free_space(root, 10, estimate_bytes=1)
     message = str(info.value)
     assert f"{size - 1:,} bytes free, {size:,} needed" in message and str(root) in message and "step 10" in message
+    assert message.endswith("then --resume (older checkpoints are untouched)")
     _free(monkeypatch, size)
     check_free_space(root, 10, estimate_bytes=1)  # the newest checkpoint's size is the measure
     empty = tmp_path / "new"
     _free(monkeypatch, 999)
-    with pytest.raises(CheckpointError, match="999 bytes free, 1,000 needed"):
+    with pytest.raises(CheckpointError, match="999 bytes free, 1,000 needed") as info:
         check_free_space(empty, 1, estimate_bytes=1000)  # no checkpoint yet: the estimate
+    assert str(info.value).endswith("then start the run again (it has no checkpoint to resume)")
 
 
 @pytest.mark.parametrize("error", [RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"),

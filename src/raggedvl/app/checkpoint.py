@@ -313,10 +313,12 @@ def check_free_space(root: str | Path, step: int, estimate_bytes: int) -> None:
     probe = root if root.exists() else next(p for p in root.parents if p.exists())
     free = shutil.disk_usage(probe).free
     if free < needed:
+        then = ("then --resume (older checkpoints are untouched)" if existing else
+                "then start the run again (it has no checkpoint to resume)")
         raise CheckpointError(
             f"no space left for the checkpoint of step {step} in {root}: {free:,} bytes free, {needed:,} needed "
             f"({'the size of ' + existing[0].name if existing else 'weights and optimizer state'}); free space or "
-            "choose another --output-dir, then --resume (older checkpoints are untouched)")
+            f"choose another --output-dir, {then}")
 
 
 def remove_stale_temporaries(root: str | Path) -> list[Path]:

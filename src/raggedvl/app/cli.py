@@ -89,7 +89,8 @@ def _check_not_an_empty_run(model: str, what: str) -> None:
         return
     if not checkpoint_folders(folder / "checkpoints") + checkpoint_folders(folder / "best"):
         raise ValueError(f"{what} {model!r} is a training run with no checkpoint yet (it stopped before its first save); "
-                         f"continue it with raggedvl train --output-dir {model} --resume, or pass a checkpoint")
+                         f"train it again with raggedvl train --output-dir {model} and its settings (without --resume: "
+                         f"there is nothing to resume), or pass a checkpoint")
 
 
 def _run_columns(opts, checkpoint: str, *, evaluation: bool) -> None:

@@ -68,7 +68,8 @@ def pick_split(available: Sequence[str], split: str, where: str) -> str:
         "(train*, dev*/validation*, test*, or the hub layout data/<split>-*.parquet); a file whose name holds "
         "no split keyword is a training set only. raggedvl eval / encode: pass --split with one of the splits above; "
         "raggedvl train: pass --eval-split with one of them, evaluate on another file with --eval-dataset PATH, "
-        "or hold out a hash split with --eval-fraction F"
+        "hold out a hash split with --eval-fraction F, or train without evaluation (--eval-before false "
+        "--eval-after false)"
     )
 
 

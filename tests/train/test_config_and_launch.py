@@ -73,6 +73,23 @@ def test_plain_output_switches_progress_bars_off_without_importing_datasets():
     assert out.stdout.split() == ["False", "False"]  # not imported by plain_output; off once imported
 
 
+def test_every_command_outside_a_terminal_switches_loading_bars_off(tmp_path):
+    """``raggedvl search`` (which starts no ranks) too: transformers' "Loading weights" bar reads
+    the hub's setting when transformers is imported, so it is set before any command runs."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os; from raggedvl.app.cli import main; main(['search', 'no-such-model', '--index', 'x', "
+            "'--query', 'q']); print(os.environ.get('HF_HUB_DISABLE_PROGRESS_BARS'), "
+            "os.environ.get('HF_DATASETS_DISABLE_PROGRESS_BARS'))")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_DISABLE_PROGRESS_BARS")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["1", "1"]  # stderr is a pipe here, not a terminal
+
+
 def test_every_unknown_key_gets_its_own_hint():
     with pytest.raises(ValueError) as info:
         TrainConfig.from_dict({"global_bach_size": 4, "learning_rate": 1e-4, "zzz": 1})

@@ -23,6 +23,7 @@ from raggedvl.app.command_options import (
     options_from,
 )
 from raggedvl.app.gpu_driver import skip_triton
+from raggedvl.app.launch import plain_output
 from raggedvl.app.options import add_arguments
 from raggedvl.app.rundir import check_new_folder, check_output_file, check_writable
 from raggedvl.data.columns import Columns
@@ -36,12 +37,9 @@ def _train(args, argv: Sequence[str]) -> int:
 
 def _start_ranks(args, argv: Sequence[str], command: str) -> None:
     """With ``--nproc-per-node`` N > 1 from a plain shell, replace this process with torchrun's
-    agent running ``command`` on N ranks (never returns); else return and run here. Either way,
-    outside a terminal ``datasets`` and the hub print no carriage-return bars (``plain_output``)."""
-    from raggedvl.app.launch import (exec_agent, local_world_size, plain_output, strip_torchrun_arguments,
-                                       torchrun_command, under_torchrun)
+    agent running ``command`` on N ranks (never returns); else return and run here."""
+    from raggedvl.app.launch import exec_agent, local_world_size, strip_torchrun_arguments, torchrun_command, under_torchrun
 
-    plain_output()
     nproc = getattr(args, "nproc_per_node", None)
     if nproc is None or under_torchrun() or local_world_size(nproc) == 1:
         return
@@ -115,10 +113,8 @@ def _eval(args, argv: Sequence[str]) -> int:
     _run_columns(opts, args.checkpoint, evaluation=True)
     _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns())
     if opts.mteb:
-        from raggedvl.app.launch import plain_output
         from raggedvl.app.mteb_eval import evaluate_with_mteb
 
-        plain_output()
         evaluate_with_mteb(args.checkpoint, opts.mteb, batch_size=opts.batch_size, output=opts.output)
         return 0
     if opts.output is not None:
@@ -365,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank of ``raggedvl.app.agent`` that record is all it leaves (the agent prints the first
     failing rank's line once)."""
     skip_triton()  # before torch's compiler is imported: a machine without a GPU never uses Triton
+    plain_output()  # outside a terminal: no carriage-return bars from datasets, the hub or transformers' loading
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     commands = {"train": lambda: _train(args, argv[1:]), "eval": lambda: _eval(args, argv[1:]),

@@ -97,9 +97,9 @@ def train_command(out: Path, by_reference: bool, columns: Columns, cfg: TrainCon
 
 def _column_flags(prefix: str, columns: Columns, defaults: Columns) -> list[str]:
     """``--<prefix>query-column Q``... for each of ``columns``' query / image / id columns that is
-    not the one ``defaults`` names (``none`` for an unset one that ``defaults`` sets)."""
+    not the one ``defaults`` names (``''``, no column, for an unset one that ``defaults`` sets)."""
     return [item for role in ("query", "image", "id") if getattr(columns, role) != getattr(defaults, role)
-            for item in (f"--{prefix}{role}-column", getattr(columns, role) or "none")]
+            for item in (f"--{prefix}{role}-column", getattr(columns, role) or "")]
 
 
 def summary(bench: RetrievalBenchmark, mined: MinedNegatives, k: int, out: Path, train: str) -> str:

@@ -148,3 +148,32 @@ def test_mined_pairs_train_with_their_negatives_column(setup, tmp_path, small_da
     steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if r.get("event") == "train"]
     assert [r["hard_negatives"] for r in steps] == [sum(map(len, mined))] * 2  # every row's mined pages, each step
+
+
+def test_mined_pairs_read_their_relative_image_paths_from_the_output_folder(setup, tmp_path, monkeypatch, capsys):
+    """Pairs whose image column holds paths relative to the parquet's folder: the mined rows read
+    the same files from the output folder (written as absolute paths, not copied as bytes)."""
+    import pyarrow as pa
+
+    from raggedvl.data import load_retrieval_dataset
+    from raggedvl.data.columns import Columns
+
+    root, _, _, _ = setup
+    data = tmp_path / "d"
+    (data / "imgs").mkdir(parents=True)
+    paths = []
+    for i in range(5):
+        (data / "imgs" / f"p{i}.png").write_bytes(noise_png(40 + i, SIZES[i]))
+        paths.append(f"imgs/p{i}.png")
+    pq.write_table(pa.table({"query": [f"question {i}" for i in range(5)], "image": paths}), data / "pairs.parquet")
+    monkeypatch.chdir(tmp_path)  # a relative --output, as a user types it
+    assert main(["mine", str(root / "model"), "--dataset", str(data / "pairs.parquet"), "--output", "mined", "-k", "2",
+                 "--batch-size", "4"]) == 0, capsys.readouterr().err
+    table = pq.read_table(tmp_path / "mined" / "train.parquet")
+    assert table.column("image").to_pylist() == [str(data / p) for p in paths]
+    counts = [len(n) for n in table.column("negatives").to_pylist()]
+    assert sum(counts) > 0
+    mined = load_retrieval_dataset("mined", "train", columns=Columns(negatives="negatives"))
+    for i in range(len(mined)):  # every positive and negative decodes
+        row = mined[i]
+        assert row["image"].size == SIZES[i] and len(row["negatives"]) == counts[i]

@@ -90,6 +90,36 @@ def test_the_train_command_evaluates_on_the_runs_eval_dataset_with_its_columns(t
     # an evaluation set without the id column the training pairs have: its id column is unset
     other = TrainConfig(dataset="pairs.parquet", eval_dataset="dev/")
     assert train_command(tmp_path / "m", False, columns, other).endswith(
-        "--eval-dataset dev/ --eval-query-column query --eval-id-column none")
+        "--eval-dataset dev/ --eval-query-column query --eval-id-column ''")
+    # which train reads as no evaluation id column, where none takes id_column
+    assert TrainConfig(dataset="p.parquet", id_column="doc_id", eval_id_column="").eval_columns.id is None
+    assert TrainConfig(dataset="p.parquet", id_column="doc_id").eval_columns.id == "doc_id"
     assert train_command(tmp_path / "m", True, columns, None) == f"raggedvl train --dataset {tmp_path / 'm'} " \
                                                                  "--eval-fraction 0.1"
+
+
+def test_eval_and_mine_of_a_run_with_an_id_column_read_data_without_one_given_an_empty_id_column(run, tmp_path, capsys):
+    """``--id-column none`` takes the run's (doc_id), which this data lacks: the error names
+    ``--id-column ''``, and with it the rows' ids are their row numbers."""
+    import pyarrow as pa
+
+    root, _ = run
+    table = pq.read_table(_pairs(tmp_path / "full.parquet", 5, offset=200)).drop_columns(["doc_id"])
+    pq.write_table(table, tmp_path / "other.parquet")
+    other = str(tmp_path / "other.parquet")
+    capsys.readouterr()
+    for command in (["eval", str(root / "run"), "--dataset", other, "--split", "train"],
+                    ["mine", str(root / "run"), "--dataset", other, "--output", str(tmp_path / "refused")]):
+        assert main(command + ["--id-column", "none"]) == 2
+        err = capsys.readouterr().err
+        assert "'doc_id'" in err and err.rstrip().endswith("pass --id-column naming the right one, or '' for no id "
+                                                           "column"), err
+    assert main(["eval", str(root / "run"), "--dataset", other, "--split", "train", "--id-column", "",
+                 "--output", str(tmp_path / "eval.json")]) == 0, capsys.readouterr().err
+    assert f"{other} split 'train', 5 queries, 5 documents" in capsys.readouterr().out
+    assert main(["mine", str(root / "run"), "--dataset", other, "--id-column", "", "--output", str(tmp_path / "mined"),
+                 "-k", "2", "--batch-size", "8"]) == 0, capsys.readouterr().err
+    command = capsys.readouterr().out.splitlines()[-1].split("train with: ", 1)[1]
+    assert "--id-column" not in command  # the mined rows have no id column either
+    assert pq.read_table(tmp_path / "mined" / "train.parquet").column_names == ["question", "page", "negatives"]
+    assert pa.types.is_list(pq.read_schema(tmp_path / "mined" / "train.parquet").field("negatives").type)

@@ -12,12 +12,15 @@ from raggedvl.data.columns import ColumnError
 def column_fix(role: str, prefix: str = "", *, keys: bool = True) -> str:
     """How a user fixes the column of ``role``: its flag and, with ``keys`` (``raggedvl train``:
     every flag is also a config key), its key (``prefix`` ``"eval_"``: the evaluation set's own,
-    ``--eval-query-column``; hard negatives and sources are training only)."""
+    ``--eval-query-column``; hard negatives and sources are training only). No id column is
+    ``none`` for ``--id-column`` of ``raggedvl train``, else ``''`` (there none takes the training
+    id column, or the run's)."""
     training_only = role in ("negatives", "source")
     key = f"{role}_column" if training_only else f"{prefix}{role}_column"
-    unset = training_only or (role == "id" and not prefix)  # an evaluation id falls back to id_column
     named = f"--{key.replace('_', '-')}" + (f" (key {key})" if keys else "")
-    return f"pass {named} naming the right one" + (", or none" if unset else "")
+    if role == "id" and (prefix or not keys):  # none takes id_column (eval / mine: the run's): '' is no column
+        return f"pass {named} naming the right one, or '' for no id column"
+    return f"pass {named} naming the right one" + (", or none" if training_only or role == "id" else "")
 
 
 @contextlib.contextmanager

@@ -27,12 +27,14 @@ class DocumentColumnOptions:
                                             "(none: eval / mine of a raggedvl run: the run's (eval: its evaluation "
                                             "columns), else image)")
     id_column: str | None = option(None, "column of the --dataset rows holding each row's id (none: eval / mine of a "
-                                         "raggedvl run: the run's; else an image folder's file paths, else "
+                                         "raggedvl run: the run's; else no id column. '': no id column, even where "
+                                         "the run has one. Without one: an image folder's file paths, else "
                                          "'<split>-<row>')")
 
     def columns(self) -> Columns:
-        """The columns given, documents only (no query column); unset: ``image``, no id column."""
-        return Columns(query=None, image=self.image_column or "image", id=self.id_column)
+        """The columns given, documents only (no query column); unset: ``image``, no id column
+        (an id column of ``""``: none)."""
+        return Columns(query=None, image=self.image_column or "image", id=self.id_column or None)
 
 
 @dataclass

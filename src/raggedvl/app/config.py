@@ -108,7 +108,8 @@ class TrainConfig:
               "(none: query_column)")
     eval_image_column: str | None = option(
         None, "column of the evaluation pairs holding the document image (none: image_column)")
-    eval_id_column: str | None = option(None, "column of the evaluation pairs holding each row's id (none: id_column)")
+    eval_id_column: str | None = option(None, "column of the evaluation pairs holding each row's id (none: id_column; "
+                                              "'': no id column, as id_column none)")
     negatives_column: str | None = option(
         None, "column holding each row's hard negatives: one image, or a list of any length (0 included; rows "
               "differ, nothing is padded); each is encoded as a document and is a candidate for every query of the "
@@ -306,10 +307,11 @@ class TrainConfig:
 
     @property
     def eval_columns(self) -> Columns:
-        """The evaluation pairs' columns: each ``eval_*`` key, else the training one's."""
+        """The evaluation pairs' columns: each ``eval_*`` key, else the training one's (an
+        ``eval_id_column`` of ``""``: no id column)."""
         return Columns(query=self.eval_query_column or self.query_column,
                        image=self.eval_image_column or self.image_column,
-                       id=self.eval_id_column if self.eval_id_column is not None else self.id_column)
+                       id=(self.eval_id_column or None) if self.eval_id_column is not None else self.id_column)
 
     @property
     def resolved_eval_split(self) -> str:

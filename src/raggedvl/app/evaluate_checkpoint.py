@@ -109,7 +109,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
     Rank 0 prints a table and writes ``output`` (default ``<run>/eval/<dataset>-<split>.json``
     for a run, else ``<model folder>/eval/<dataset>-<split>.json``). ``query_column`` / ``image_column`` /
     ``id_column``: the pairs' columns (None: with ``dataset``, ``query`` / ``image`` / row ids;
-    without, the run's ``eval_*_column``). Returns the results dict; raises ``ValueError`` for a
+    without, the run's ``eval_*_column``; an ``id_column`` of ``""``: no id column, row ids). Returns the results dict; raises ``ValueError`` for a
     missing column (naming ``--query-column``...), split or benchmark."""
     from raggedvl.evaluation.benchmark import load_benchmark
     from raggedvl.evaluation.evaluator import evaluate_benchmark, random_baseline
@@ -133,7 +133,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
             name, split = cfg.eval_dataset or cfg.datasets[0], cfg.resolved_eval_split
         else:
             split = split or DataSource.of(dataset).default_split("test")
-            given = Columns(query=query_column or "query", image=image_column or "image", id=id_column)
+            given = Columns(query=query_column or "query", image=image_column or "image", id=id_column or None)
             with flags_for_columns(keys=False):
                 bench = load_benchmark(dataset, split, limit=max_samples, on_bad_image=on_bad_image, columns=given)
             name = dataset

@@ -6,7 +6,8 @@ distinct pages as the corpus). What is written, for ``raggedvl train --dataset O
 
 - (query, image) pairs (parquet): ``OUT/train.parquet``, the input rows with a ``negatives``
   column (each row's mined pages, encoded bytes, best first; train with
-  ``--negatives-column negatives``);
+  ``--negatives-column negatives``); image paths relative to the input's folder are written
+  absolute, so ``OUT`` reads the input's image files where they are;
 - a BEIR layout: ``OUT`` holds the input's ``corpus`` / ``queries`` / ``qrels`` parts (linked,
   else copied) and ``negatives.parquet`` (``query-id``, ``corpus-ids``: a list, best first),
   the negatives by reference.
@@ -29,7 +30,7 @@ from raggedvl.app.evaluate_checkpoint import checkpoint_collator, load_model
 from raggedvl.app.rundir import check_new_folder
 from raggedvl.data.columns import Columns
 from raggedvl.data.dataset import source_bytes
-from raggedvl.data.scan import beir_part, read_column
+from raggedvl.data.scan import beir_part, read_column, resolved_image_column
 from raggedvl.data.source import DataSource
 from raggedvl.evaluation.benchmark import RetrievalBenchmark, load_benchmark
 from raggedvl.evaluation.mining import FILTERS, MinedNegatives, mine_negatives
@@ -66,7 +67,7 @@ def mine(checkpoint: str | Path, *, dataset: str, split: str, output: str | Path
             if source.kind == "beir":
                 _write_by_reference(source.path, out, bench, mined)
             else:
-                _write_pairs(source, split, out, bench, mined, columns.query)
+                _write_pairs(source, split, out, bench, mined, columns)
             print(summary(bench, mined, k, out, train_command(out, source.kind == "beir", columns, cfg)))
         barrier()
         return out
@@ -96,9 +97,9 @@ def train_command(out: Path, by_reference: bool, columns: Columns, cfg: TrainCon
 
 def _column_flags(prefix: str, columns: Columns, defaults: Columns) -> list[str]:
     """``--<prefix>query-column Q``... for each of ``columns``' query / image / id columns that is
-    not the one ``defaults`` names (``none`` for an unset one that ``defaults`` sets)."""
+    not the one ``defaults`` names (``''``, no column, for an unset one that ``defaults`` sets)."""
     return [item for role in ("query", "image", "id") if getattr(columns, role) != getattr(defaults, role)
-            for item in (f"--{prefix}{role}-column", getattr(columns, role) or "none")]
+            for item in (f"--{prefix}{role}-column", getattr(columns, role) or "")]
 
 
 def summary(bench: RetrievalBenchmark, mined: MinedNegatives, k: int, out: Path, train: str) -> str:
@@ -113,8 +114,10 @@ def summary(bench: RetrievalBenchmark, mined: MinedNegatives, k: int, out: Path,
 
 
 def _write_pairs(source: DataSource, split: str, out: Path, bench: RetrievalBenchmark, mined: MinedNegatives,
-                 query_column: str) -> None:
-    """The input rows with a ``negatives`` column: each row's query's mined pages as bytes."""
+                 columns: Columns) -> None:
+    """The input rows with a ``negatives`` column: each row's query's mined pages as bytes; image
+    paths relative to the input's folder are written as absolute paths, so that the rows read
+    the same files from ``out``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -122,10 +125,13 @@ def _write_pairs(source: DataSource, split: str, out: Path, bench: RetrievalBenc
     table = pa.concat_tables([pq.read_table(f) for f in rows.files])
     if NEGATIVES_COLUMN in table.column_names:
         table = table.drop_columns([NEGATIVES_COLUMN])
+    image = table.column_names.index(columns.image)
+    table = table.set_column(image, columns.image,
+                             resolved_image_column(table.column(image), rows.base_dir.absolute()))
     by_text = {text: q for q, text in enumerate(bench.queries)}
     pages = {}  # position -> bytes, each page read once
     negatives = []
-    for text in read_column(rows, query_column):
+    for text in read_column(rows, columns.query):
         q = by_text.get(text)
         row = [] if q is None else mined.negatives[q]
         for p in row:

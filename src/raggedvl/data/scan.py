@@ -383,6 +383,23 @@ def _image_source(value: Any, base_dir: Path) -> Any:
     return value
 
 
+def resolved_image_column(values: Any, base_dir: Path) -> Any:
+    """The image column ``values`` (a ``pyarrow`` array of one image or a list of images per
+    row) with each path, a string's or a ``{"bytes": None, "path"}`` struct's, joined to
+    ``base_dir`` (the folder the paths are relative to): rows that read the same files wherever
+    the table is written (an absolute ``base_dir``: absolute paths). Bytes are kept as they are."""
+    import pyarrow as pa
+
+    kind = values.type
+    several = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    item = kind.value_type if several else kind
+    if pa.types.is_binary(item) or pa.types.is_large_binary(item):  # no paths
+        return values
+    rows = [[_image_source(v, base_dir) for v in row] if several and row is not None else _image_source(row, base_dir)
+            for row in values.to_pylist()]
+    return pa.array(rows, type=kind)
+
+
 def _read_one(value: Any, base_dir: Path, name: str) -> tuple[tuple[int, int], str | None]:
     """(size, None) of one image value, or ((-1, -1), reason) when its header cannot be read."""
     from raggedvl.images import BadImageError, read_size

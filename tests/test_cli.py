@@ -191,6 +191,10 @@ def test_resize_limits_and_lora_dropout_are_checked_before_any_process_starts(tm
     assert capsys.readouterr().err == ("raggedvl: error: max_pixels 4000 is below min_pixels 5000: no image fits; "
                                        "raise max_pixels to at least 5000 or lower min_pixels\n")
     assert TrainConfig(max_pixels=3136).max_pixels == 3136  # the tiny model's smallest page still fits
+    from raggedvl.app.config import FINEST_RESIZE_FACTOR
+    from raggedvl.families import FAMILIES
+
+    assert FINEST_RESIZE_FACTOR == min(family.patch_size * family.merge_size for family in FAMILIES.values())
     assert TrainConfig(model="Qwen/Qwen2-VL-2B-Instruct", max_pixels=2000).max_pixels == 2000  # its min: not known yet
 
 

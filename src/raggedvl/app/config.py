@@ -22,7 +22,6 @@ from typing import Any, Callable, Literal
 
 from raggedvl.data.columns import Columns
 from raggedvl.data.tiny_limits import TINY_MIN_PIXELS, TINY_TRAIN_MAX_PIXELS
-from raggedvl.families import FAMILIES
 from raggedvl.models.head_options import DEFAULT_DIM, DEFAULT_HEAD, DEFAULT_POOLING
 from raggedvl.app.options import (add_arguments, check_fields, check_given, check_known_keys, load_yaml, option,
                                   field_specs, values_from)
@@ -40,19 +39,20 @@ def default_warmup_steps(total_steps: int) -> int:
 # A run directory's training config. Not "config.json": transformers (ColQwen2ForRetrieval.from_pretrained)
 # would read that as a model config and build its default 80-layer model from unknown keys.
 TRAIN_CONFIG_NAME = "train_config.json"
+FINEST_RESIZE_FACTOR = 28  # the smallest patch_size * merge_size of the families (Qwen2-VL: 14 * 2; Qwen3-VL: 32)
 
 
 def check_pixel_limits(min_pixels: int | None, max_pixels: int | None, model: str | None,
                        name: Callable[[str], str] = str) -> None:
     """Raise ``ValueError`` when no image fits the resize limits, as far as they are known before
-    the processor loads (null: not known): ``max_pixels`` under ``2 * factor**2`` pixels for
-    every supported family (``factor = patch_size * merge_size``, the image processor's floor,
-    :class:`raggedvl.images.ImagePolicy`), or under ``min_pixels`` (given, or the tiny preset's
+    the processor loads (null: not known): ``max_pixels`` under ``2 * factor**2`` pixels, the
+    image processor's floor (:class:`raggedvl.images.ImagePolicy`; ``factor = patch_size *
+    merge_size``, at least ``FINEST_RESIZE_FACTOR`` in every family), or under ``min_pixels`` (given, or the tiny preset's
     ``TINY_MIN_PIXELS``; a checkpoint's own is known only once loaded). ``name(key)`` is how the
     message names a setting: its flag or its config key."""
     if max_pixels is None:
         return
-    factor = min(family.patch_size * family.merge_size for family in FAMILIES.values())
+    factor = FINEST_RESIZE_FACTOR
     floor = 2 * factor * factor
     if max_pixels < floor:
         raise ValueError(f"{name('max_pixels')} must be >= {floor} (2 * {factor}**2: the smallest resized image of "
@@ -63,7 +63,6 @@ def check_pixel_limits(min_pixels: int | None, max_pixels: int | None, model: st
     if min_pixels is not None and max_pixels < min_pixels:
         raise ValueError(f"{name('max_pixels')} {max_pixels} is below {lowest}: no image fits; raise "
                          f"{name('max_pixels')} to at least {min_pixels} or lower {name('min_pixels')}")
-
 
 
 @dataclass

@@ -152,6 +152,52 @@ def test_a_bad_value_names_the_flag_typed_or_the_yaml_key(tmp_path, capsys):
     assert capsys.readouterr().err == "raggedvl: error: --lr must be > 0, got 0.0\n"
 
 
+def test_a_float_option_refuses_nan_and_infinity_before_any_process_starts(tmp_path, capsys):
+    """NaN passes every ``>``/``>=`` bound (each comparison is false) and infinity passes ``> 0``:
+    both are refused in one line naming the flag, or the key when they come from YAML."""
+    out = ["--output-dir", str(tmp_path / "run")]
+    for flags, shown in ((["--lr", "nan"], "--lr must be a finite number, got nan"),
+                         (["--lr", "inf"], "--lr must be a finite number, got inf"),
+                         (["--temperature=-inf"], "--temperature must be a finite number, got -inf"),
+                         (["--dataset-weights", "0.5,nan"], "--dataset-weights must be a finite number, got nan")):
+        assert main(["train", *flags, *out]) == 2
+        assert capsys.readouterr().err == f"raggedvl: error: {shown}\n", flags
+    for text, shown in (("lr: .nan\n", "lr must be a finite number, got nan"),
+                        ("max_grad_norm: .inf\n", "max_grad_norm must be a finite number, got inf")):
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        assert main(["train", "--config", str(path), *out]) == 2
+        assert capsys.readouterr().err == f"raggedvl: error: {shown}\n", text
+
+
+def test_resize_limits_and_lora_dropout_are_checked_before_any_process_starts(tmp_path, capsys):
+    """The smallest resized image is 2 * 28**2 = 1568 pixels (Qwen2-VL's patch 14 * merge 2, the
+    finest grid); the tiny model's min_pixels is 56**2 = 3136. LoRA dropout is checked with or
+    without --lora."""
+    out = ["--output-dir", str(tmp_path / "run")]
+    for flags, shown in (
+            (["--max-pixels", "1"], "--max-pixels must be >= 1568 (2 * 28**2: the smallest resized image of any "
+                                    "supported model), got 1"),
+            (["--max-pixels", "2000"], "--max-pixels 2000 is below the tiny model's min_pixels 3136: no image fits; "
+                                       "raise --max-pixels to at least 3136 or lower --min-pixels"),
+            (["--min-pixels", "5000", "--max-pixels", "4000"], "--max-pixels 4000 is below --min-pixels 5000: no image "
+                                                               "fits; raise --max-pixels to at least 5000 or lower --min-pixels"),
+            (["--lora-dropout", "2"], "--lora-dropout must be < 1, got 2.0")):
+        assert main(["train", *flags, *out]) == 2
+        assert capsys.readouterr().err == f"raggedvl: error: {shown}\n", flags
+    path = tmp_path / "c.yaml"
+    path.write_text("min_pixels: 5000\nmax_pixels: 4000\n")
+    assert main(["train", "--config", str(path), *out]) == 2
+    assert capsys.readouterr().err == ("raggedvl: error: max_pixels 4000 is below min_pixels 5000: no image fits; "
+                                       "raise max_pixels to at least 5000 or lower min_pixels\n")
+    assert TrainConfig(max_pixels=3136).max_pixels == 3136  # the tiny model's smallest page still fits
+    from raggedvl.app.config import FINEST_RESIZE_FACTOR
+    from raggedvl.families import FAMILIES
+
+    assert FINEST_RESIZE_FACTOR == min(family.patch_size * family.merge_size for family in FAMILIES.values())
+    assert TrainConfig(model="Qwen/Qwen2-VL-2B-Instruct", max_pixels=2000).max_pixels == 2000  # its min: not known yet
+
+
 def test_unknown_flags_and_keys_suggest_the_closest(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--global-batch-sise", "4"])

@@ -113,3 +113,31 @@ def test_the_training_evaluation_set_has_its_own_columns(tmp_path):
     train_set, bench = load_splits(cfg, warn=False)
     assert train_set.ids() == [f"doc-{i}" for i in range(8)]
     assert bench.query_ids == [f"doc-{i}" for i in range(8)] and bench.queries[3] == "question 3"
+
+
+def test_eval_refuses_an_unwritable_default_results_folder_before_loading(tmp_path, monkeypatch, capsys):
+    """The writability probe is made to fail as on a read-only filesystem (the tests may run as
+    root, for whom a chmod-ed folder stays writable): one line naming the folder and --output,
+    before any model or data loads."""
+    import errno
+    import tempfile
+
+    from raggedvl.app.cli import main
+    from raggedvl.app.rundir import results_folder
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000001").mkdir(parents=True)
+    (run / "train_config.json").write_text("{}")
+    (run / "checkpoints" / "step-000001" / "MANIFEST.json").write_text("{}")
+    for given in (run, run / "checkpoints", run / "checkpoints" / "step-000001"):
+        assert results_folder(given).resolve() == (run / "eval").resolve(), given
+    assert results_folder(tmp_path / "model") == tmp_path / "model" / "eval"
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    assert main(["eval", str(run)]) == 2
+    assert capsys.readouterr().err == (f"raggedvl: error: the default output folder {str(run / 'eval')!r}: cannot write "
+                                       f"in {str(run)!r} (Read-only file system); give --output FILE in a writable "
+                                       "folder\n")

@@ -63,6 +63,24 @@ def test_multi_vector_index_keeps_ragged_rows(tmp_path):
         write_index(tmp_path, [{"file": "x", "documents": 2, "ids": ["a", "a"]}], kind="multi_vector", dim=8, dtype=torch.float32)
 
 
+def test_index_shards_get_the_same_mode_as_index_json(tmp_path):
+    """Both files are created under the process umask (0o666 & ~umask), readable by whoever may
+    read index.json."""
+    import os
+
+    docs = corpus(n=6)  # small integers: exact in float16
+    old = os.umask(0o022)
+    try:
+        write_index(tmp_path, [write_shard(tmp_path, 0, docs, list("abcdef"))], kind="multi_vector", dim=8,
+                    dtype=torch.float16)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes == {"index.json": 0o644, "shard-00000.safetensors": 0o644}
+    (_, emb, mask), = EmbeddingIndex(tmp_path).chunks(6)
+    assert all(torch.equal(emb[i][mask[i]].float(), docs[i]) for i in range(6))
+
+
 def test_a_damaged_index_is_one_error_naming_the_file_and_the_fix(tmp_path):
     docs = corpus(n=8, quantise=False)
     shard = write_shard(tmp_path, 0, docs, [f"p{i}" for i in range(8)], dtype=torch.float32)

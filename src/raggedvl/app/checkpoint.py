@@ -69,12 +69,11 @@ from raggedvl.parallel import (
     read_full_state,
     write_sharded,
 )
-from raggedvl.app.rundir import checkpoint_folders
+from raggedvl.app.rundir import MANIFEST, checkpoint_folders
 
 OLDER_FILES = (WEIGHTS_NAME, "optimizer.pt", "rng.pt", "trainer_state.json")  # the single-file layout
 SHARDED = ("model", "optimizer")  # the DCP folders of a checkpoint
 FILES = tuple(f"{name}/.metadata" for name in SHARDED) + ("rng.pt", "trainer_state.json")
-MANIFEST = "MANIFEST.json"
 
 
 class CheckpointError(RuntimeError):

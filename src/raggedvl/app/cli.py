@@ -25,7 +25,7 @@ from raggedvl.app.command_options import (
 from raggedvl.app.gpu_driver import skip_triton
 from raggedvl.app.launch import plain_output
 from raggedvl.app.options import add_arguments
-from raggedvl.app.rundir import check_new_folder, check_output_file, check_writable
+from raggedvl.app.rundir import check_new_folder, check_output_file, check_writable, results_folder
 from raggedvl.data.columns import Columns
 
 
@@ -112,6 +112,8 @@ def _eval(args, argv: Sequence[str]) -> int:
     opts.check_mteb()
     _run_columns(opts, args.checkpoint, evaluation=True)
     _check_inputs(opts, model=args.checkpoint, what="checkpoint", columns=opts.columns())
+    if opts.output is None:
+        check_writable(results_folder(args.checkpoint), "--output FILE", default=True)
     if opts.mteb:
         from raggedvl.app.mteb_eval import evaluate_with_mteb
 

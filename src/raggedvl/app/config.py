@@ -18,13 +18,13 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from raggedvl.data.columns import Columns
-from raggedvl.data.tiny_limits import TINY_TRAIN_MAX_PIXELS
+from raggedvl.data.tiny_limits import TINY_MIN_PIXELS, TINY_TRAIN_MAX_PIXELS
 from raggedvl.models.head_options import DEFAULT_DIM, DEFAULT_HEAD, DEFAULT_POOLING
 from raggedvl.app.options import (add_arguments, check_fields, check_given, check_known_keys, load_yaml, option,
-                                  values_from)
+                                  field_specs, values_from)
 from raggedvl.app.wording import counted
 
 DEFAULT_WARMUP_STEPS = 10  # the warmup of a run of 100 steps or more when --warmup-steps is not given
@@ -39,7 +39,30 @@ def default_warmup_steps(total_steps: int) -> int:
 # A run directory's training config. Not "config.json": transformers (ColQwen2ForRetrieval.from_pretrained)
 # would read that as a model config and build its default 80-layer model from unknown keys.
 TRAIN_CONFIG_NAME = "train_config.json"
+FINEST_RESIZE_FACTOR = 28  # the smallest patch_size * merge_size of the families (Qwen2-VL: 14 * 2; Qwen3-VL: 32)
 
+
+def check_pixel_limits(min_pixels: int | None, max_pixels: int | None, model: str | None,
+                       name: Callable[[str], str] = str) -> None:
+    """Raise ``ValueError`` when no image fits the resize limits, as far as they are known before
+    the processor loads (null: not known): ``max_pixels`` under ``2 * factor**2`` pixels, the
+    image processor's floor (:class:`raggedvl.images.ImagePolicy`; ``factor = patch_size *
+    merge_size``, at least ``FINEST_RESIZE_FACTOR`` in every family), or under ``min_pixels`` (given, or the tiny preset's
+    ``TINY_MIN_PIXELS``; a checkpoint's own is known only once loaded). ``name(key)`` is how the
+    message names a setting: its flag or its config key."""
+    if max_pixels is None:
+        return
+    factor = FINEST_RESIZE_FACTOR
+    floor = 2 * factor * factor
+    if max_pixels < floor:
+        raise ValueError(f"{name('max_pixels')} must be >= {floor} (2 * {factor}**2: the smallest resized image of "
+                         f"any supported model), got {max_pixels}")
+    lowest = f"{name('min_pixels')} {min_pixels}"
+    if min_pixels is None and model == "tiny":
+        min_pixels, lowest = TINY_MIN_PIXELS, f"the tiny model's min_pixels {TINY_MIN_PIXELS}"
+    if min_pixels is not None and max_pixels < min_pixels:
+        raise ValueError(f"{name('max_pixels')} {max_pixels} is below {lowest}: no image fits; raise "
+                         f"{name('max_pixels')} to at least {min_pixels} or lower {name('min_pixels')}")
 
 
 @dataclass
@@ -56,7 +79,7 @@ class TrainConfig:
                                      "keeps its own r/alpha/dropout, and false merges it into its base")
     lora_r: int = option(32, "LoRA rank (inner dimension of the adapters)", at_least=1)
     lora_alpha: int = option(32, "LoRA alpha (the update is scaled by alpha / r)", at_least=1)
-    lora_dropout: float = option(0.1, "LoRA dropout probability", at_least=0)
+    lora_dropout: float = option(0.1, "LoRA dropout probability", at_least=0, below=1)
     gradient_checkpointing: bool = option(False, "recompute the backbone's activations in backward (less memory)")
     attn_implementation: str | None = option(
         None, "transformers attention implementation, e.g. sdpa, eager, flash_attention_2 (none: sdpa)")
@@ -251,6 +274,7 @@ class TrainConfig:
             if not any(w > 0 for w in weights):
                 raise ValueError(f"dataset_weights {weights} are all 0; give at least one source a positive weight")
         self._check_sources()
+        check_pixel_limits(self.min_pixels, self.max_pixels, self.model)
         from raggedvl.app.tracking import parse_report_to
 
         parse_report_to(self.report_to)
@@ -388,6 +412,10 @@ def config_from_args(args) -> TrainConfig:
     cannot continue with)."""
     overrides = values_from(args, TrainConfig)
     check_given(TrainConfig, overrides)  # a flag's bad value names the flag; the YAML's, its key
+    specs = field_specs(TrainConfig)
+    from_file = getattr(args, "config", None) or overrides.get("resume")  # the model may come from a file
+    model = overrides.get("model", None if from_file else TrainConfig.model)
+    check_pixel_limits(overrides.get("min_pixels"), overrides.get("max_pixels"), model, lambda key: specs[key].flag)
     if getattr(args, "config", None):
         return TrainConfig.from_yaml(args.config, overrides)
     if overrides.get("resume"):

@@ -19,6 +19,7 @@ from raggedvl.app.collapse import doc_cosine_warning
 from raggedvl.app.checkpoint import MANIFEST, checkpoint_weights, list_checkpoints, load_checkpoint_or_latest
 from raggedvl.app.config import TrainConfig
 from raggedvl.app.report import format_metrics_table
+from raggedvl.app.rundir import results_folder
 from raggedvl.app.wording import counted
 
 
@@ -87,13 +88,6 @@ def checkpoint_collator(model: torch.nn.Module, processor: Any, cfg: TrainConfig
                              prompts=model.config.prompts, layout=model.family.name)
 
 
-def results_folder(described: dict[str, Any], cfg: TrainConfig | None) -> Path:
-    """Where results of what :func:`load_model` loaded go by default: beside it, a run's
-    ``eval/`` folder, or the model folder's own."""
-    home = Path(described["path"]).parent.parent if cfg is not None else Path(described["path"])
-    return home / "eval"
-
-
 def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: str | None = None, batch_size: int = 16,
                         max_samples: int | None = None, output: str | Path | None = None,
                         on_bad_image: str = "error", query_column: str | None = None, image_column: str | None = None,
@@ -150,7 +144,7 @@ def evaluate_checkpoint(path: str | Path, *, dataset: str | None = None, split: 
         collapse = doc_cosine_warning(metrics["doc_mean_cosine"])  # the run summary's criterion
         results["collapsed"] = collapse is not None
         if info.is_main:
-            output = Path(output) if output is not None else results_folder(described, cfg) / f"{file_slug(name)}-{split}.json"
+            output = Path(output) if output is not None else results_folder(described["path"]) / f"{file_slug(name)}-{split}.json"
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
             print(f"{described['path']}: {name} split {split!r}, {counted(len(bench.queries), 'query', 'queries')}, "

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from raggedvl import __version__
-from raggedvl.app.evaluate_checkpoint import checkpoint_collator, file_slug, load_model, results_folder
+from raggedvl.app.evaluate_checkpoint import checkpoint_collator, file_slug, load_model
+from raggedvl.app.rundir import results_folder
 
 SHOWN = ("ndcg_at_5", "ndcg_at_10", "map_at_10", "mrr_at_10", "recall_at_10")  # printed beside each main score
 HUB_PROBE_TIMEOUT_S = 5.0  # the one metadata request that tells whether the hub can be reached
@@ -135,13 +136,13 @@ def evaluate_with_mteb(path: str | Path, tasks: list[str], *, batch_size: int = 
     import mteb
 
     loaded = {task.metadata.name: task for name in tasks for task in load_tasks(name)}
-    encoder, described, cfg = _load(path, None, progress=True)
+    encoder, described, _ = _load(path, None, progress=True)
     result = mteb.evaluate(encoder, list(loaded.values()), cache=None,
                            encode_kwargs={"batch_size": batch_size, "show_progress_bar": False}, show_progress_bar=False)
     results = {"model": described, "raggedvl_version": __version__, "mteb_version": mteb.__version__,
                "tasks": {r.task_name: json.loads(r.model_dump_json()) for r in result.task_results}}
     output = Path(output) if output is not None else (
-        results_folder(described, cfg) / f"mteb-{file_slug('+'.join(tasks))}.json")
+        results_folder(described["path"]) / f"mteb-{file_slug('+'.join(tasks))}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     print(f"{described['path']}: mteb {mteb.__version__}")

@@ -9,7 +9,7 @@ and everything else is derived from that declaration:
 
 - :func:`check_fields` (call it from ``__post_init__``): types (``bool`` / ``int`` / ``float`` /
   ``str``, ``X | None`` allows null; an ``int`` is a valid ``float``; a boolean is never a number),
-  ``Literal`` choices, and bounds (``at_least=``, ``above=``, ``below=``). Raises ``ValueError`` naming the key
+  ``Literal`` choices, finite floats (no NaN or infinity), and bounds (``at_least=``, ``above=``, ``below=``). Raises ``ValueError`` naming the key
   (:func:`check_given`: naming the flag, for the values given on the command line).
   A list field (``list[float] | None``, or ``str | list[str]`` for one value or several) holds a
   non-empty YAML list whose every item is checked like a scalar of that type.
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -126,6 +127,8 @@ class FieldSpec:
         if not ok:
             want = self.kind.__name__ + (" or null" if self.nullable else "")
             raise ValueError(f"{self._who(flag)} must be {want}, got {value!r} ({type(value).__name__})")
+        if self.kind is float and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
         if self.choices is not None and value not in self.choices:
             raise ValueError(f"{name}={value!r} is not one of {self.choices}{choice_hint(value, self.choices)}")
         if self.at_least is not None and value < self.at_least:

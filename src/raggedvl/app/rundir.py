@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+MANIFEST = "MANIFEST.json"  # a checkpoint folder's list of files and their digests
+
 
 def checkpoint_folders(root: str | Path) -> list[Path]:
     """Checkpoint folders (``step-N``) under ``root``, newest step first; [] when ``root`` is
@@ -24,25 +26,41 @@ def checkpoint_folders(root: str | Path) -> list[Path]:
     return sorted(dirs, key=lambda p: int(p.name.split("-")[1]), reverse=True)
 
 
-def check_writable(out: Path, flag: str = "--output-dir") -> None:
+def results_folder(path: str | Path) -> Path:
+    """Where ``raggedvl eval`` writes results for the model at ``path`` when ``--output`` is not
+    given, known before the model loads: a training run's ``eval/`` folder (``path`` the run, its
+    ``checkpoints/`` or ``best/`` folder, or one checkpoint in them), else the model folder's own
+    ``eval/``."""
+    path = Path(path).expanduser()
+    if (path / MANIFEST).exists():
+        return path.resolve().parent.parent / "eval"
+    if not (path / "checkpoints").is_dir() and checkpoint_folders(path):
+        return path.resolve().parent / "eval"
+    return path / "eval"
+
+
+def check_writable(out: Path, flag: str = "--output-dir", *, default: bool = False) -> None:
     """Raise ``ValueError`` (one line, naming ``flag``) when files cannot be created in the
     folder ``out`` (or, while it does not exist, in its nearest existing parent): a path that is
-    or lies below a file, a read-only filesystem or folder. Creates and removes one empty probe
-    file."""
+    or lies below a file, a read-only filesystem or folder. ``default``: ``out`` is where the
+    command writes when ``flag`` is not given, and the message says to give ``flag``. Creates and
+    removes one empty probe file."""
     import tempfile
 
     probe = Path(out).expanduser()
+    who = f"the default output folder {str(out)!r}" if default else f"{flag} {str(out)!r}"
+    fix = f"give {flag} in a writable folder" if default else f"choose a writable {flag}"
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise ValueError(f"{flag} {str(out)!r}: {str(probe)!r} is a file, not a folder; choose another {flag}")
+        raise ValueError(f"{who}: {str(probe)!r} is a file, not a folder; "
+                         + (fix if default else f"choose another {flag}"))
     try:
         fd, name = tempfile.mkstemp(prefix=".raggedvl-probe-", dir=probe)
         os.close(fd)
         os.unlink(name)
     except OSError as exc:
-        raise ValueError(f"{flag} {str(out)!r}: cannot write in {str(probe)!r} ({exc.strerror or exc}); "
-                         f"choose a writable {flag}") from None
+        raise ValueError(f"{who}: cannot write in {str(probe)!r} ({exc.strerror or exc}); {fix}") from None
 
 
 def check_new_folder(out: str | Path, command: str, flag: str = "--output") -> None:

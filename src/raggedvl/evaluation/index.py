@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
+from safetensors.torch import save_file
 
 from raggedvl.evaluation.search import Chunk, pad_rows
 
@@ -45,8 +45,11 @@ def write_shard(directory: str | os.PathLike, number: int, rows: Sequence[torch.
         dim = rows[0].shape[-1] if rows else 0
         flat = torch.cat(list(rows)) if rows else torch.zeros(0, dim)
         tensors = {"embeddings": flat.to(dtype).contiguous(), "offsets": lengths.cumsum(0)}
-    # written with open(), so the file gets the umask's mode like index.json (save_file makes it 0600)
-    (Path(directory) / name).write_bytes(save(tensors, metadata={"format": INDEX_FORMAT}))
+    path = Path(directory) / name
+    save_file(tensors, str(path), metadata={"format": INDEX_FORMAT})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # save_file creates 0600; the umask's mode, as index.json gets from open()
     return {"file": name, "documents": len(ids), "ids": [str(i) for i in ids]}
 
 

@@ -71,6 +71,21 @@ def _model_prompts(model_source: str, processor):
     return build_retriever(model_source, processor=processor, seed=0).config.prompts
 
 
+def _replayed_run(s: RunSettings, dataset: str, extra: list[str]):
+    """(config, processor, training split, image policy, size-estimate costs) of the ``raggedvl
+    train`` run these settings and ``extra`` flags start, built as it builds them (no process
+    started, no model loaded)."""
+    from raggedvl.app.setup import estimate_train_costs
+    from raggedvl.data import build_processor, load_retrieval_dataset
+    from raggedvl.images import ImagePolicy
+
+    cfg = validate_argv(train_argv(s, dataset=dataset, output_dir="/nonexistent", extra=list(extra)))
+    processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels)
+    train = load_retrieval_dataset(dataset, split=cfg.train_split)
+    policy = ImagePolicy.from_processor(processor)
+    return cfg, processor, train, policy, estimate_train_costs(cfg, train, policy)
+
+
 def _rank_batches(cfg, costs, nproc: int, steps: int):
     """(step, row indices) of every rank's batch over ``steps`` optimizer steps, rank after rank,
     from raggedvl's own sampler (``raggedvl.app.setup.make_sampler``), epoch after epoch as the
@@ -99,13 +114,7 @@ def global_batches(s: RunSettings, dataset: str, extra: list[str] = ()) -> list[
     ``raggedvl train`` with these settings draws: every rank's batch of a step, rank after rank,
     replayed from its own cost estimate and sampler. Another library fed these batches in this
     order sees the same samples at every step."""
-    from raggedvl.app.setup import estimate_train_costs
-    from raggedvl.data import build_processor, load_retrieval_dataset
-    from raggedvl.images import ImagePolicy
-
-    cfg = validate_argv(train_argv(s, dataset=dataset, output_dir="/nonexistent", extra=list(extra)))
-    processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels)
-    costs = estimate_train_costs(cfg, load_retrieval_dataset(dataset, split=cfg.train_split), ImagePolicy.from_processor(processor))
+    cfg, _, _, _, costs = _replayed_run(s, dataset, extra)
     batches: list[list[int]] = [[] for _ in range(s.steps)]
     for step, indices in _rank_batches(cfg, costs, s.nproc, s.steps):
         batches[step] += [int(i) for i in indices]
@@ -120,17 +129,9 @@ def token_padding(s: RunSettings, dataset: str, extra: list[str] = ()) -> dict[s
     Doc length = template tokens + visual tokens of the image's grid (processor resize rule);
     query length = tokens of the query template. Each rank pads its batch to its longest row;
     with ``--packing true`` among ``extra`` it packs every sequence into one row (no slot padded)."""
-    from raggedvl.app.setup import estimate_train_costs
-    from raggedvl.data import build_processor, load_retrieval_dataset
-    from raggedvl.images import ImagePolicy
-
-    cfg = validate_argv(train_argv(s, dataset=dataset, output_dir="/nonexistent", extra=list(extra)))
-    processor = build_processor(cfg.model, min_pixels=cfg.min_pixels, max_pixels=cfg.resolved_max_pixels)
+    cfg, processor, train, policy, costs = _replayed_run(s, dataset, extra)  # patches = the collator's pixel_values rows
     prompts = _model_prompts(cfg.model, processor)
-    train = load_retrieval_dataset(dataset, split=cfg.train_split)
     tok = processor.tokenizer
-    policy = ImagePolicy.from_processor(processor)
-    costs = estimate_train_costs(cfg, train, policy)  # patches = the collator's pixel_values rows
     doc_text = len(tok(prompts.doc_template)["input_ids"]) - 1  # the one <|image_pad|> becomes the visual tokens
     patches = costs.patches.tolist()
     doc_len = [doc_text + p // policy.merge_size**2 for p in patches]
